@@ -1,0 +1,255 @@
+"""Attention-only benchmark: jax_flash beside jax.nn.dot_product_attention (xla and cudnn) in one process.
+
+Times are medians of jit'd calls (wall clock, block_until_ready) after warm-up. TFLOP/s use the FlashAttention
+convention: forward = 4*B*Hq*Sq*Sk*D (halved when causal), backward = 2.5x forward, with the backward time taken as
+t(forward+backward) - t(forward). Each row also reports the relative error of the forward output against a float32
+reference computed on a slice of heads.
+
+    python benchmarks/bench_attention.py            # full matrix on a GPU, a tiny one on CPU
+    python benchmarks/bench_attention.py --quick    # a handful of shapes
+
+Writes <out>/<device>-<date>.json (one row per shape x implementation), a markdown table with jax_flash/cudnn
+ratios (.md) and a plot of TFLOP/s against sequence length (.png).
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+
+IMPLS = ("jax_flash", "cudnn", "xla")
+TOKENS = 16384
+MODEL_WIDTH = 2048  # heads = MODEL_WIDTH // head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    seqlen: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def label(self):
+        heads = f"{self.heads_q}" if self.heads_q == self.heads_kv else f"{self.heads_q}q/{self.heads_kv}kv"
+        return f"{self.batch}x{self.seqlen}x{heads}x{self.head_dim}{' causal' if self.causal else ''}"
+
+    def fwd_flops(self):
+        f = 4.0 * self.batch * self.heads_q * self.seqlen * self.seqlen * self.head_dim
+        return f / 2 if self.causal else f
+
+
+def shape_matrix(quick, on_gpu):
+    if not on_gpu:
+        return [Shape(1, 256, 4, 4, 64, c) for c in (False, True)]
+    if quick:
+        return [
+            Shape(1, 1024, 16, 16, 64, False),
+            Shape(4, 4096, 16, 16, 128, False),
+            Shape(4, 4096, 16, 16, 128, True),
+            Shape(1, 16384, 16, 16, 128, False),
+            Shape(2, 4096, 32, 8, 128, True),
+            Shape(4, 4096, 8, 8, 256, False),
+        ]
+    shapes = []
+    for d in (64, 128, 256):
+        for s in (512, 1024, 2048, 4096, 8192, 16384):
+            for c in (False, True):
+                shapes.append(Shape(TOKENS // s, s, MODEL_WIDTH // d, MODEL_WIDTH // d, d, c))
+    for s in (4096, 8192):
+        for c in (False, True):
+            shapes.append(Shape(TOKENS // s, s, 32, 8, 128, c))
+    shapes += [Shape(1, 512, 8, 8, 64, False), Shape(1, 1024, 16, 16, 64, False)]
+    return shapes
+
+
+def attention_fn(impl, causal):
+    if impl == "jax_flash":
+        return lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal)
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+
+
+def time_fn(fn, args, warmup, iters, min_time):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    start = time.perf_counter()
+    while len(times) < iters or (time.perf_counter() - start < min_time and len(times) < 10 * iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def reference_error(out, q, k, v, causal, max_heads):
+    """||out - ref|| / ||ref|| over the first query heads (ref in float32 through jax.nn's xla path)."""
+    hq, hkv = q.shape[2], k.shape[2]
+    group = hq // hkv
+    nq = min(hq, max(group, max_heads // group * group))
+    nkv = max(1, nq // group)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"))(
+        f32(q[:, :, :nq]), f32(k[:, :, :nkv]), f32(v[:, :, :nkv]))
+    diff = f32(out[:, :, :nq]) - ref
+    return float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref))
+
+
+def run_case(shape, impl, dtype, args):
+    key = jax.random.PRNGKey(0)
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (shape.batch, shape.seqlen, shape.heads_q, shape.head_dim), dtype)
+    k = jax.random.normal(kk, (shape.batch, shape.seqlen, shape.heads_kv, shape.head_dim), dtype)
+    v = jax.random.normal(kv, (shape.batch, shape.seqlen, shape.heads_kv, shape.head_dim), dtype)
+    do = jax.random.normal(kd, q.shape, dtype)
+    f = attention_fn(impl, shape.causal)
+    fwd = jax.jit(f)
+    fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    row = dict(impl=impl, B=shape.batch, Sq=shape.seqlen, Sk=shape.seqlen, Hq=shape.heads_q, Hkv=shape.heads_kv,
+               D=shape.head_dim, causal=shape.causal, dtype=jnp.dtype(dtype).name, fwd_ms=None, bwd_ms=None,
+               fwd_tflops=None, bwd_tflops=None, rel_err=None, error=None)
+    try:
+        out = jax.block_until_ready(fwd(q, k, v))
+        t_f = time_fn(fwd, (q, k, v), args.warmup, args.iters, args.min_time)
+        row.update(fwd_ms=t_f * 1e3, fwd_tflops=shape.fwd_flops() / t_f / 1e12)
+        row["rel_err"] = reference_error(out, q, k, v, shape.causal, args.ref_heads)
+        del out
+        t_fb = time_fn(fwd_bwd, (q, k, v, do), args.warmup, args.iters, args.min_time)
+        t_b = max(t_fb - t_f, 1e-9)
+        row.update(bwd_ms=t_b * 1e3, bwd_tflops=2.5 * shape.fwd_flops() / t_b / 1e12)
+    except Exception as e:  # an implementation that refuses or runs out of memory on a shape
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return row
+
+
+def fmt(x, spec=".0f"):
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(rows, meta):
+    by = {}
+    for r in rows:
+        by.setdefault((r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"]), {})[r["impl"]] = r
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    lines = [f"# Attention benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
+             f"dtype {meta['dtype']}; fwd / bwd TFLOP/s (fwd ms); ratio = jax_flash / cudnn; err = forward relative "
+             "error vs float32.", "",
+             "| B, S, Hq/Hkv, D, causal | " + " | ".join(impls) + " | fwd ratio | bwd ratio | jax_flash err |",
+             "|---|" + "---|" * (len(impls) + 3)]
+    fwd_ratios, bwd_ratios = [], []
+    for (b, s, hq, hkv, d, c), group in by.items():
+        cells = []
+        for i in impls:
+            r = group.get(i)
+            if r is None or r["error"]:
+                cells.append("error" if r else "–")
+            else:
+                cells.append(f"{fmt(r['fwd_tflops'])} / {fmt(r['bwd_tflops'])} ({fmt(r['fwd_ms'], '.3f')})")
+        jf, cu = group.get("jax_flash"), group.get("cudnn")
+        fr = br = None
+        if jf and cu and jf["fwd_tflops"] and cu["fwd_tflops"]:
+            fr = jf["fwd_tflops"] / cu["fwd_tflops"]
+            fwd_ratios.append(fr)
+        if jf and cu and jf["bwd_tflops"] and cu["bwd_tflops"]:
+            br = jf["bwd_tflops"] / cu["bwd_tflops"]
+            bwd_ratios.append(br)
+        err = fmt(jf["rel_err"], ".1e") if jf else "–"
+        lines.append(f"| {b}, {s}, {hq}/{hkv}, {d}, {'Y' if c else 'N'} | " + " | ".join(cells) +
+                     f" | {fmt(fr, '.2f')} | {fmt(br, '.2f')} | {err} |")
+    gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+    lines += ["", f"Geometric mean jax_flash/cudnn: forward {fmt(gm(fwd_ratios), '.2f')}, "
+                  f"backward {fmt(gm(bwd_ratios), '.2f')}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, meta, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    mha = [r for r in rows if r["Hq"] == r["Hkv"] and r["B"] * r["Sq"] == TOKENS and not r["error"]]
+    dims = sorted({r["D"] for r in mha})
+    if not dims:
+        return False
+    fig, axes = plt.subplots(2, 2 * len(dims), figsize=(5 * 2 * len(dims), 8), squeeze=False)
+    for col, (d, causal) in enumerate((d, c) for d in dims for c in (False, True)):
+        for row_i, key in enumerate(("fwd_tflops", "bwd_tflops")):
+            ax = axes[row_i][col]
+            for impl in IMPLS:
+                pts = sorted((r["Sq"], r[key]) for r in mha
+                             if r["impl"] == impl and r["D"] == d and r["causal"] == causal and r[key])
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{'forward' if row_i == 0 else 'backward'}, d={d}{', causal' if causal else ''}")
+            ax.set_xlabel("sequence length (batch x seq = 16k)")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.suptitle(f"{meta['device']}, jax {meta['jax_version']}, {meta['dtype']}, {meta['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of shapes")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--name", default=None, help="file stem (default <device>-<date>)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--min-time", type=float, default=0.3, help="keep timing until this many seconds")
+    parser.add_argument("--ref-heads", type=int, default=2, help="query heads checked against the reference")
+    args = parser.parse_args(argv)
+
+    device = jax.devices()[0]
+    on_gpu = device.platform == "gpu"
+    impls = [i for i in args.impls.split(",") if i]
+    if not on_gpu:
+        impls = [i for i in impls if i != "cudnn"]
+    dtype = jnp.dtype(args.dtype)
+    date = datetime.date.today().isoformat()
+    meta = dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__, date=date,
+                dtype=dtype.name, method="median wall clock of jit'd calls, block_until_ready")
+    shapes = shape_matrix(args.quick, on_gpu)
+    rows = []
+    print(f"{meta['device']} | jax {jax.__version__} | {len(shapes)} shapes x {impls}", flush=True)
+    for n, shape in enumerate(shapes, 1):
+        for impl in impls:
+            t0 = time.perf_counter()
+            row = run_case(shape, impl, dtype, args)
+            row.update(device=meta["device"], jax_version=jax.__version__, date=date)
+            rows.append(row)
+            status = row["error"] or (f"fwd {fmt(row['fwd_tflops'])} TFLOP/s ({fmt(row['fwd_ms'], '.3f')} ms), "
+                                      f"bwd {fmt(row['bwd_tflops'])} TFLOP/s, err {fmt(row['rel_err'], '.1e')}")
+            print(f"[{n}/{len(shapes)}] {shape.label:<28} {impl:<9} {status}  ({time.perf_counter() - t0:.0f}s)",
+                  flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.name or f"{meta['device'].replace(' ', '_')}-{date}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    md = markdown(rows, meta)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    plotted = plot(rows, meta, stem + ".png")
+    print(md)
+    print(f"wrote {stem}.json, {stem}.md" + (f", {stem}.png" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

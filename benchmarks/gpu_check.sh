@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Build (or install a carried wheel), run the whole test suite on the GPU, compute-sanitizer on small shapes, and
+# a short benchmark; write everything under $OUT (default ./gpu_check_out) and print a summary last.
+#   bash benchmarks/gpu_check.sh [quick|full|tests|bench]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:-quick}
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+note "gpu_check $(date -u +%Y-%m-%dT%H:%MZ) mode=$MODE"
+note "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader 2>/dev/null | head -1)"
+note "$(python3 -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, jax.devices())')"
+
+# 1. Install: a carried cp312 wheel from dist/ if present (built off the GPU clock), else build here.
+wheel=$(ls dist/jax_flash-*-cp312-*.whl 2>/dev/null | head -1)
+if [ -n "$wheel" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
+  export PYTHONPATH=/tmp/jf_site${PYTHONPATH:+:$PYTHONPATH}
+  note "installed $wheel"
+else
+  t0=$SECONDS
+  JAX_FLASH_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1 || {
+    tail -40 "$OUT/build.log"; exit 1; }
+  note "built from source in $((SECONDS - t0)) s"
+fi
+(cd /tmp && python3 -c 'import jax_flash; print("jax_flash", jax_flash.__version__, "cuda:", jax_flash.cuda_available())') | tee -a "$SUMMARY"
+
+status=0
+# 2. Tests (plain pytest so the source tree does not shadow the installed package).
+if [ "$MODE" != bench ]; then
+  t0=$SECONDS
+  pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  rc=${PIPESTATUS[0]}
+  note "pytest: rc=$rc $(tail -1 "$OUT/pytest.log") ($((SECONDS - t0)) s)"
+  [ $rc -eq 0 ] || status=1
+  for tool in memcheck racecheck; do
+    t0=$SECONDS
+    (cd /tmp && compute-sanitizer --tool $tool --kernel-name kns=flash_ --error-exitcode 9 \
+        python3 "$OLDPWD/benchmarks/sanitize_small.py") >"$OUT/sanitizer-$tool.log" 2>&1
+    rc=$?
+    note "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1) ($((SECONDS - t0)) s)"
+    [ $rc -eq 0 ] || { status=1; tail -30 "$OUT/sanitizer-$tool.log"; }
+  done
+fi
+
+# 3. Benchmark.
+if [ "$MODE" != tests ]; then
+  flag=--quick
+  [ "$MODE" = full ] && flag=
+  (cd /tmp && python3 "$OLDPWD/benchmarks/bench_attention.py" $flag --out "$OUT") 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+note "gpu_check done: status=$status"
+cat "$SUMMARY"
+exit $status

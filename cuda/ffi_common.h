@@ -1,0 +1,215 @@
+// Shared by the CPU and CUDA FFI handlers: buffer validation and FlashParams construction.
+//
+// Arguments arrive as q [..., Sq, Hq, D], k/v [..., Sk, Hkv, D], q_lens/kv_lens int32 [...]; every leading
+// dimension (the batch, plus any added by vmap) is folded into one batch dimension.
+#pragma once
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flash_params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flash {
+
+namespace ffi = xla::ffi;
+
+inline constexpr int kMaxHeadDim = 256;
+inline constexpr int kHeadDimMultiple = 8;
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + (dims.size() == 1 ? ",)" : ")");
+}
+
+inline const char* DTypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::S32: return "int32";
+    default: return "an unsupported dtype";
+  }
+}
+
+inline bool ToDType(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = DType::kF32; return true;
+    case ffi::DataType::BF16: *out = DType::kBF16; return true;
+    case ffi::DataType::F16: *out = DType::kF16; return true;
+    default: return false;
+  }
+}
+
+inline ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_flash: " + msg);
+}
+
+// Checks that `buf` has dimensions `expect` exactly.
+template <typename Buf>
+ffi::Error ExpectShape(const Buf& buf, ffi::AnyBuffer::Dimensions expect, const char* name) {
+  auto dims = buf.dimensions();
+  bool same = dims.size() == expect.size();
+  for (size_t i = 0; same && i < dims.size(); ++i) same = dims[i] == expect[i];
+  if (!same) {
+    return Invalid(std::string(name) + " has shape " + ShapeString(dims) + ", expected " + ShapeString(expect));
+  }
+  return ffi::Error::Success();
+}
+
+// Validates q, k, v, the length arrays and the mask attributes, and fills the shape/mask/input fields of `p`.
+inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
+                                   bool is_causal, int64_t window_left, int64_t window_right, FlashParams* p) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  if (qd.size() < 3) return Invalid("query must have rank >= 3 ([..., seq, heads, head_dim]), got shape " + ShapeString(qd));
+  if (kd.size() != qd.size()) {
+    return Invalid("key has shape " + ShapeString(kd) + ", expected the same rank as query " + ShapeString(qd));
+  }
+  if (auto e = ExpectShape(v, kd, "value"); e.failure()) return e;
+  const size_t r = qd.size();
+  int64_t batch = 1;
+  for (size_t i = 0; i + 3 < r; ++i) {
+    if (qd[i] != kd[i]) {
+      return Invalid("query " + ShapeString(qd) + " and key " + ShapeString(kd) + " differ in a batch dimension");
+    }
+    batch *= qd[i];
+  }
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type()) {
+    return Invalid(std::string("query, key and value must share a dtype, got ") + DTypeName(q.element_type()) +
+                   ", " + DTypeName(k.element_type()) + ", " + DTypeName(v.element_type()));
+  }
+  if (!ToDType(q.element_type(), &p->dtype)) {
+    return Invalid(std::string("unsupported dtype ") + DTypeName(q.element_type()) +
+                   "; expected bfloat16, float16 or float32");
+  }
+  const int64_t d = qd[r - 1];
+  if (kd[r - 1] != d) return Invalid("key head_dim " + std::to_string(kd[r - 1]) + " != query head_dim " + std::to_string(d));
+  if (d <= 0 || d > kMaxHeadDim || d % kHeadDimMultiple != 0) {
+    return Invalid("head_dim must be a positive multiple of 8 up to 256, got " + std::to_string(d));
+  }
+  const int64_t hq = qd[r - 2], hkv = kd[r - 2];
+  if (hkv <= 0 || hq % hkv != 0) {
+    return Invalid("query heads (" + std::to_string(hq) + ") must be a multiple of key/value heads (" +
+                   std::to_string(hkv) + ")");
+  }
+  if (static_cast<int64_t>(q_lens.element_count()) != batch || static_cast<int64_t>(kv_lens.element_count()) != batch) {
+    return Invalid("query_seq_lengths/key_value_seq_lengths must hold one length per batch element (" +
+                   std::to_string(batch) + "), got shapes " + ShapeString(q_lens.dimensions()) + " and " +
+                   ShapeString(kv_lens.dimensions()));
+  }
+  if (window_left < -1 || window_right < -1) return Invalid("window sizes must be >= 0 (or -1 for unbounded)");
+  if (!std::isfinite(scale)) return Invalid("scale must be finite");
+  if (batch > INT32_MAX || qd[r - 3] > INT32_MAX || kd[r - 3] > INT32_MAX) return Invalid("dimension too large");
+
+  p->batch = static_cast<int>(batch);
+  p->seqlen_q = static_cast<int>(qd[r - 3]);
+  p->seqlen_k = static_cast<int>(kd[r - 3]);
+  p->heads_q = static_cast<int>(hq);
+  p->heads_kv = static_cast<int>(hkv);
+  p->head_dim = static_cast<int>(d);
+  p->scale = scale;
+  p->scale_log2 = scale * kLog2e;
+  p->causal = is_causal;
+  const int64_t wmax = int64_t(p->seqlen_q) + p->seqlen_k;  // a window this wide is unbounded
+  p->window_left = window_left < 0 || window_left > wmax ? -1 : static_cast<int>(window_left);
+  p->window_right = window_right < 0 || window_right > wmax ? -1 : static_cast<int>(window_right);
+  p->q_lens = q_lens.typed_data();
+  p->kv_lens = kv_lens.typed_data();
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  return ffi::Error::Success();
+}
+
+// Dimensions of lse/dsum for query dims [..., Sq, Hq, D]: [..., Hq, Sq].
+inline std::vector<int64_t> RowStatDims(ffi::AnyBuffer::Dimensions qd) {
+  std::vector<int64_t> out(qd.begin(), qd.end() - 3);
+  out.push_back(qd[qd.size() - 2]);
+  out.push_back(qd[qd.size() - 3]);
+  return out;
+}
+
+inline ffi::Error CheckForwardResults(ffi::AnyBuffer q, const ffi::Result<ffi::AnyBuffer>& o,
+                                      const ffi::Result<ffi::Buffer<ffi::F32>>& lse) {
+  if (auto e = ExpectShape(*o, q.dimensions(), "output"); e.failure()) return e;
+  if (o->element_type() != q.element_type()) return Invalid("output dtype must match query dtype");
+  auto stat = RowStatDims(q.dimensions());
+  return ExpectShape(*lse, ffi::AnyBuffer::Dimensions(stat.data(), stat.size()), "lse");
+}
+
+// Validates the backward-only buffers and fills the remaining fields of `p` (after FillCommonParams).
+inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer o,
+                                     ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
+                                     const ffi::Result<ffi::AnyBuffer>& dq, const ffi::Result<ffi::AnyBuffer>& dk,
+                                     const ffi::Result<ffi::AnyBuffer>& dv,
+                                     const ffi::Result<ffi::Buffer<ffi::F32>>& dq_accum,
+                                     const ffi::Result<ffi::Buffer<ffi::F32>>& dsum, FlashParams* p) {
+  auto stat = RowStatDims(q.dimensions());
+  ffi::AnyBuffer::Dimensions stat_dims(stat.data(), stat.size());
+  if (auto e = ExpectShape(o, q.dimensions(), "output"); e.failure()) return e;
+  if (auto e = ExpectShape(dout, q.dimensions(), "output cotangent"); e.failure()) return e;
+  if (auto e = ExpectShape(lse, stat_dims, "lse"); e.failure()) return e;
+  if (auto e = ExpectShape(*dq, q.dimensions(), "dq"); e.failure()) return e;
+  if (auto e = ExpectShape(*dk, k.dimensions(), "dk"); e.failure()) return e;
+  if (auto e = ExpectShape(*dv, k.dimensions(), "dv"); e.failure()) return e;
+  if (auto e = ExpectShape(*dq_accum, q.dimensions(), "dq_accum"); e.failure()) return e;
+  if (auto e = ExpectShape(*dsum, stat_dims, "dsum"); e.failure()) return e;
+  for (auto t : {o.element_type(), dout.element_type(), dq->element_type(), dk->element_type(), dv->element_type()}) {
+    if (t != q.element_type()) return Invalid("output, cotangent and gradients must have the query dtype");
+  }
+  p->o = o.untyped_data();
+  p->lse = lse.typed_data();
+  p->dout = dout.untyped_data();
+  p->dq = dq->untyped_data();
+  p->dk = dk->untyped_data();
+  p->dv = dv->untyped_data();
+  p->dq_accum = dq_accum->typed_data();
+  p->dsum = dsum->typed_data();
+  return ffi::Error::Success();
+}
+
+// The argument lists of the two targets, shared by the CPU and CUDA handlers (which may first bind a context such
+// as the CUDA stream). Handler parameters follow this order.
+template <typename Binding>
+auto BindForward(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()   // q [..., Sq, Hq, D]
+      .template Arg<ffi::AnyBuffer>()                  // k [..., Sk, Hkv, D]
+      .template Arg<ffi::AnyBuffer>()                  // v [..., Sk, Hkv, D]
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_lens [...]: valid query rows per batch element
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_lens [...]: valid keys per batch element
+      .template Attr<float>("scale")                   // logit scale
+      .template Attr<bool>("is_causal")                // top-left aligned causal mask
+      .template Attr<int64_t>("window_left")           // local window, keys before the query; -1 unbounded
+      .template Attr<int64_t>("window_right")          // local window, keys after the query; -1 unbounded
+      .template Ret<ffi::AnyBuffer>()                  // o [..., Sq, Hq, D]
+      .template Ret<ffi::Buffer<ffi::F32>>();          // lse [..., Hq, Sq]
+}
+
+template <typename Binding>
+auto BindBackward(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()   // q [..., Sq, Hq, D]
+      .template Arg<ffi::AnyBuffer>()                  // k [..., Sk, Hkv, D]
+      .template Arg<ffi::AnyBuffer>()                  // v [..., Sk, Hkv, D]
+      .template Arg<ffi::AnyBuffer>()                  // o [..., Sq, Hq, D]
+      .template Arg<ffi::Buffer<ffi::F32>>()           // lse [..., Hq, Sq]
+      .template Arg<ffi::AnyBuffer>()                  // dout [..., Sq, Hq, D]
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_lens [...]
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_lens [...]
+      .template Attr<float>("scale")                   // logit scale
+      .template Attr<bool>("is_causal")                // top-left aligned causal mask
+      .template Attr<int64_t>("window_left")           // -1 unbounded
+      .template Attr<int64_t>("window_right")          // -1 unbounded
+      .template Ret<ffi::AnyBuffer>()                  // dq [..., Sq, Hq, D]
+      .template Ret<ffi::AnyBuffer>()                  // dk [..., Sk, Hkv, D]
+      .template Ret<ffi::AnyBuffer>()                  // dv [..., Sk, Hkv, D]
+      .template Ret<ffi::Buffer<ffi::F32>>()           // dq_accum [..., Sq, Hq, D]: float32 workspace
+      .template Ret<ffi::Buffer<ffi::F32>>();          // dsum [..., Hq, Sq]: float32 workspace
+}
+
+}  // namespace jax_flash

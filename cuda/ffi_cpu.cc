@@ -1,0 +1,60 @@
+// XLA FFI handlers for the CPU target, and the nanobind module that hands them to Python.
+#include <nanobind/nanobind.h>
+
+#include "cpu/attention_cpu.h"
+#include "ffi_common.h"
+
+namespace nb = nanobind;
+
+namespace jax_flash {
+namespace {
+
+ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_lens,
+                               ffi::Buffer<ffi::S32> kv_lens, float scale, bool is_causal, int64_t window_left,
+                               int64_t window_right, ffi::Result<ffi::AnyBuffer> o,
+                               ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  FlashParams p{};
+  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckForwardResults(q, o, lse); e.failure()) return e;
+  p.o = o->untyped_data();
+  p.lse = lse->typed_data();
+  cpu::FlashForward(p);
+  return ffi::Error::Success();
+}
+
+ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                                ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::S32> q_lens,
+                                ffi::Buffer<ffi::S32> kv_lens, float scale, bool is_causal, int64_t window_left,
+                                int64_t window_right, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                                ffi::Result<ffi::Buffer<ffi::F32>> dsum) {
+  FlashParams p{};
+  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, dsum, &p); e.failure()) return e;
+  cpu::FlashBackward(p);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_flash
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardCpu, jax_flash::FlashForwardCpuImpl,
+                              jax_flash::BindForward(xla::ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardCpu, jax_flash::FlashBackwardCpuImpl,
+                              jax_flash::BindBackward(xla::ffi::Ffi::Bind()));
+
+NB_MODULE(_jax_flash_cpu, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_flash_fwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashForwardCpu));
+    d["jax_flash_bwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashBackwardCpu));
+    return d;
+  });
+}

@@ -1,0 +1,83 @@
+// XLA FFI handlers for the CUDA target, and the nanobind module that hands them to Python.
+// Handlers never synchronise and only enqueue work on XLA's stream, so they are command-buffer (CUDA graph) safe.
+#include <nanobind/nanobind.h>
+
+#include <string>
+
+#include "ffi_common.h"
+#include "kernels/flash_api.h"
+
+namespace nb = nanobind;
+
+namespace jax_flash {
+namespace {
+
+ffi::Error CudaError(cudaError_t err, const char* what) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jax_flash: ") + what + " failed: " + cudaGetErrorString(err));
+}
+
+ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
+                                bool is_causal, int64_t window_left, int64_t window_right,
+                                ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  FlashParams p{};
+  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckForwardResults(q, o, lse); e.failure()) return e;
+  p.o = o->untyped_data();
+  p.lse = lse->typed_data();
+  if (const char* why = cuda::UnsupportedReason(p); why[0] != '\0') return Invalid(why);
+  if (cudaError_t err = cuda::RunFlashForward(p, stream); err != cudaSuccess) {
+    return CudaError(err, "forward kernel");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                 ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
+                                 ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
+                                 bool is_causal, int64_t window_left, int64_t window_right,
+                                 ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                 ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> dsum) {
+  FlashParams p{};
+  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, dsum, &p); e.failure()) return e;
+  if (const char* why = cuda::UnsupportedReason(p); why[0] != '\0') return Invalid(why);
+  if (cudaError_t err = cuda::RunFlashBackward(p, stream); err != cudaSuccess) {
+    return CudaError(err, "backward kernels");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_flash
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardCuda, jax_flash::FlashForwardCudaImpl,
+                              jax_flash::BindForward(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardCuda, jax_flash::FlashBackwardCudaImpl,
+                              jax_flash::BindBackward(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+NB_MODULE(_jax_flash_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_flash_fwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashForwardCuda));
+    d["jax_flash_bwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashBackwardCuda));
+    return d;
+  });
+  m.def("device_count", []() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  });
+}

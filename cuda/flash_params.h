@@ -1,0 +1,66 @@
+// The one contract between the host (FFI handlers) and the kernels, CPU and CUDA alike.
+//
+// Layout is jax.nn.dot_product_attention's BTNH:
+//   q, o, dq, dout : [batch, seqlen_q, heads_q,  head_dim]
+//   k, v, dk, dv   : [batch, seqlen_k, heads_kv, head_dim]
+//   lse, dsum      : [batch, heads_q, seqlen_q]            (float32)
+//   dq_accum       : [batch, seqlen_q, heads_q, head_dim]  (float32)
+// All arrays are dense and row-major. Query head h reads key/value head h / (heads_q / heads_kv).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JF_HD __host__ __device__ __forceinline__
+#else
+#define JF_HD inline
+#endif
+
+namespace jax_flash {
+
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct FlashParams {
+  // Shapes.
+  int batch;
+  int seqlen_q;
+  int seqlen_k;
+  int heads_q;
+  int heads_kv;
+  int head_dim;
+  DType dtype;
+
+  // Softmax: logits = scale * q.k; scale_log2 = scale * log2(e) so kernels can use exp2.
+  float scale;
+  float scale_log2;
+
+  // Mask (jax.nn.dot_product_attention semantics; every field combines with every other).
+  bool causal;       // key j visible to query i only if j <= i (top-left aligned)
+  int window_left;   // key j visible only if j >= i - window_left; -1 = unbounded
+  int window_right;  // key j visible only if j <= i + window_right; -1 = unbounded
+  const int32_t* q_lens;   // [batch] valid query rows; rows >= q_lens[b] give zeros. Never null.
+  const int32_t* kv_lens;  // [batch] valid keys; keys >= kv_lens[b] are masked. Never null.
+
+  // Forward.
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;  // natural-log sum-exp of the scaled logits; +inf for rows that see no key
+
+  // Backward.
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dq_accum;  // float32 dQ accumulator (workspace)
+  float* dsum;      // rowsum(dout * o) (workspace)
+
+  JF_HD int64_t q_row_stride() const { return int64_t(heads_q) * head_dim; }
+  JF_HD int64_t kv_row_stride() const { return int64_t(heads_kv) * head_dim; }
+  JF_HD int64_t q_batch_stride() const { return int64_t(seqlen_q) * q_row_stride(); }
+  JF_HD int64_t kv_batch_stride() const { return int64_t(seqlen_k) * kv_row_stride(); }
+  JF_HD int group_size() const { return heads_q / heads_kv; }
+};
+
+}  // namespace jax_flash

@@ -1,0 +1,76 @@
+// Kernel selection: compute capability, dtype, head-dim class.
+#include <atomic>
+
+#include "flash_api.h"
+#include "flash_launch_sm80.cuh"
+
+namespace jax_flash::cuda {
+namespace {
+
+constexpr int kMaxGridYZ = 65535;
+
+// Compute capability (major * 10 + minor) of the current device, cached per device; 0 on error.
+int current_cc() {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  const int slot = dev % 64;
+  if (int cc = cache[slot].load(std::memory_order_relaxed); cc != 0) return cc;
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    return 0;
+  }
+  cache[slot].store(major * 10 + minor, std::memory_order_relaxed);
+  return major * 10 + minor;
+}
+
+int head_dim_class(int d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+
+template <typename T>
+cudaError_t forward_sm80(const FlashParams& p, cudaStream_t s) {
+  switch (head_dim_class(p.head_dim)) {
+    case 64: return launch_fwd_sm80<T, 64>(p, s);
+    case 128: return launch_fwd_sm80<T, 128>(p, s);
+    default: return launch_fwd_sm80<T, 256>(p, s);
+  }
+}
+
+template <typename T>
+cudaError_t backward_sm80(const FlashParams& p, cudaStream_t s) {
+  switch (head_dim_class(p.head_dim)) {
+    case 64: return launch_bwd_sm80<T, 64>(p, s);
+    case 128: return launch_bwd_sm80<T, 128>(p, s);
+    default: return launch_bwd_sm80<T, 256>(p, s);
+  }
+}
+
+}  // namespace
+
+const char* UnsupportedReason(const FlashParams& p) {
+  if (p.dtype == DType::kF32) return "the CUDA kernels take bfloat16 or float16, got float32";
+  if (p.heads_q > kMaxGridYZ || p.batch > kMaxGridYZ) {
+    return "the CUDA kernels support at most 65535 heads and 65535 batch elements (batch includes vmapped axes)";
+  }
+  const int cc = current_cc();
+  if (cc == 0) return "could not query the CUDA device";
+  if (cc < 80) return "the CUDA kernels need compute capability 8.0 or newer";
+  return "";
+}
+
+cudaError_t RunFlashForward(const FlashParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return cudaSuccess;
+  return p.dtype == DType::kBF16 ? forward_sm80<__nv_bfloat16>(p, stream) : forward_sm80<__half>(p, stream);
+}
+
+cudaError_t RunFlashBackward(const FlashParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.heads_q == 0) return cudaSuccess;
+  if (p.seqlen_q == 0) {  // nothing attends: dK = dV = 0
+    const size_t bytes = size_t(p.batch) * p.seqlen_k * p.heads_kv * p.head_dim * 2;
+    if (cudaError_t e = cudaMemsetAsync(p.dk, 0, bytes, stream); e != cudaSuccess) return e;
+    return cudaMemsetAsync(p.dv, 0, bytes, stream);
+  }
+  return p.dtype == DType::kBF16 ? backward_sm80<__nv_bfloat16>(p, stream) : backward_sm80<__half>(p, stream);
+}
+
+}  // namespace jax_flash::cuda

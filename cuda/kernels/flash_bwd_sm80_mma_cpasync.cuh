@@ -1,0 +1,314 @@
+// Backward FlashAttention-2 kernels for sm_80 and newer.
+//   1. flash_bwd_preprocess_kernel: dsum = rowsum(dO * O) (float32, [batch, heads_q, seqlen_q]).
+//   2. flash_bwd_sm80_kernel: key/value stationary. A CTA keeps kBlockN keys of one kv head in shared memory and
+//      loops over every query head of the group and every query block that can see them, recomputing
+//      P^T = exp(S^T - lse) from K Q^T. dK and dV stay in registers for the whole loop (no head-expanded
+//      temporaries for GQA); dQ partials go to a float32 accumulator with atomics.
+//   3. flash_bwd_convert_dq_kernel: dq = scale * dq_accum in the input dtype.
+// Working with S^T (keys as rows) puts P^T and dS^T in the A-operand layout of dV += P^T dO and dK += dS^T Q,
+// so both are fed from registers; dS^T also goes to shared memory for dQ = dS K.
+#pragma once
+
+#include <cmath>
+
+#include "../flash_params.h"
+#include "../mask.h"
+#include "flash_fwd_sm80_mma_cpasync.cuh"
+#include "kernel_traits_sm80.h"
+#include "utils_sm80.cuh"
+
+namespace jax_flash::cuda {
+
+inline constexpr int kPreprocessThreads = 256;
+inline constexpr float kLog2eF = 1.4426950408889634f;
+
+// One warp per (row, head): dsum[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d].
+template <typename T>
+__global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(const FlashParams p) {
+  using ET = ElemTraits<T>;
+  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;  // flattened [b, i, h]
+  const int64_t warp_id = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (warp_id >= rows) return;
+  const T* o = static_cast<const T*>(p.o) + warp_id * p.head_dim;
+  const T* dout = static_cast<const T*>(p.dout) + warp_id * p.head_dim;
+  float acc = 0.f;
+  for (int d = 2 * lane; d < p.head_dim; d += 2 * kWarpSize) {
+    const float2 a = ET::unpack(*reinterpret_cast<const uint32_t*>(o + d));
+    const float2 c = ET::unpack(*reinterpret_cast<const uint32_t*>(dout + d));
+    acc += a.x * c.x + a.y * c.y;
+  }
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (lane == 0) {
+    const int h = int(warp_id % p.heads_q);
+    const int64_t bi = warp_id / p.heads_q;
+    const int i = int(bi % p.seqlen_q);
+    const int b = int(bi / p.seqlen_q);
+    p.dsum[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] = acc;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_convert_dq_kernel(const FlashParams p) {
+  using ET = ElemTraits<T>;
+  const int64_t pairs = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim / 2;
+  const int64_t i = int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x;
+  if (i >= pairs) return;
+  const float2 v = reinterpret_cast<const float2*>(p.dq_accum)[i];
+  reinterpret_cast<uint32_t*>(p.dq)[i] = ET::pack(v.x * p.scale, v.y * p.scale);
+}
+
+// 4-byte cp.async (row statistics), zero-filled when !pred.
+__device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem, bool pred) {
+  const int src_bytes = pred ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes));
+}
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(const FlashParams p) {
+  constexpr int kD = Traits::kHeadDim;
+  constexpr int kBM = Traits::kBlockM;
+  constexpr int kBN = Traits::kBlockN;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kMTiles = kBM / 8;                   // 8-wide column tiles of S^T (query rows)
+  constexpr int kDW = Traits::kDimPerWarp;           // dK/dV columns per warp
+  constexpr int kDqW = Traits::kDqDimPerWarp;        // dQ columns per warp
+  using ET = ElemTraits<T>;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);                            // [kBN][kD]
+  T* sV = sK + Traits::kSmemKVElems;                                 // [kBN][kD]
+  T* sQ = sV + Traits::kSmemKVElems;                                 // [kStages][kBM][kD]
+  T* sdO = sQ + Traits::kStages * Traits::kSmemQElems;               // [kStages][kBM][kD]
+  T* sdS = sdO + Traits::kStages * Traits::kSmemQElems;              // [kBN][kBM]  (dS^T)
+  float* sLse = reinterpret_cast<float*>(sdS + Traits::kSmemDsElems);  // [kStages][kBM]
+  float* sDsum = sLse + Traits::kStages * kBM;                         // [kStages][kBM]
+
+  const int n_block = blockIdx.x;
+  const int hk = blockIdx.y;
+  const int b = blockIdx.z;
+  const int group = p.group_size();
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int warp_n = warp % Traits::kWarpsN;  // which 16 keys
+  const int warp_d = warp / Traits::kWarpsN;  // which dK/dV column slice
+
+  const int q_len = imin(imax(p.q_lens[b], 0), p.seqlen_q);
+  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
+  const AttentionMask mask(p.causal, p.window_left, p.window_right, q_len, kv_len);
+
+  const int n0 = n_block * kBN;
+  const int keys_valid = imin(kBN, p.seqlen_k - n0);
+  const int64_t q_stride = p.q_row_stride();
+  const int64_t kv_stride = p.kv_row_stride();
+  const int64_t kv_off = b * p.kv_batch_stride() + n0 * kv_stride + int64_t(hk) * p.head_dim;
+  T* gdK = static_cast<T*>(p.dk) + kv_off;
+  T* gdV = static_cast<T*>(p.dv) + kv_off;
+
+  int row_begin, row_end;
+  mask.row_range(n0, n0 + kBN, &row_begin, &row_end);
+  row_end = imin(row_end, p.seqlen_q);
+  const int m_first = imax(row_begin, 0) / kBM;
+  const int m_count = row_end > row_begin ? (row_end + kBM - 1) / kBM - m_first : 0;
+  const int iters = m_count * group;
+
+  if (iters == 0) {  // no query sees these keys: zero gradients
+    for (int c = tid; c < keys_valid * (p.head_dim / kElemsPerChunk); c += kThreads) {
+      const int row = c / (p.head_dim / kElemsPerChunk);
+      const int col = (c % (p.head_dim / kElemsPerChunk)) * kElemsPerChunk;
+      *reinterpret_cast<uint4*>(gdK + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(gdV + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+
+  // Loads the query-side tiles of iteration `it` into ring stage `stage`.
+  auto load_query_side = [&](int it, int stage) {
+    const int h = hk * group + it / m_count;
+    const int m0 = (m_first + it % m_count) * kBM;
+    const int64_t q_off = b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
+    const int rows = p.seqlen_q - m0;
+    load_tile_async<kBM, kD, kThreads>(sQ + stage * Traits::kSmemQElems, static_cast<const T*>(p.q) + q_off,
+                                       q_stride, rows, p.head_dim, tid);
+    load_tile_async<kBM, kD, kThreads>(sdO + stage * Traits::kSmemQElems, static_cast<const T*>(p.dout) + q_off,
+                                       q_stride, rows, p.head_dim, tid);
+    const int64_t stat_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+    for (int r = tid; r < kBM; r += kThreads) {
+      const bool ok = r < rows;
+      cp_async_4(smem_u32(sLse + stage * kBM + r), ok ? p.lse + stat_off + r : p.lse, ok);
+      cp_async_4(smem_u32(sDsum + stage * kBM + r), ok ? p.dsum + stat_off + r : p.dsum, ok);
+    }
+  };
+
+  load_tile_async<kBN, kD, kThreads>(sK, static_cast<const T*>(p.k) + kv_off, kv_stride, keys_valid, p.head_dim, tid);
+  load_tile_async<kBN, kD, kThreads>(sV, static_cast<const T*>(p.v) + kv_off, kv_stride, keys_valid, p.head_dim, tid);
+  load_query_side(0, 0);
+  cp_async_commit();
+
+  float acc_dk[kDW / 8][4];
+  float acc_dv[kDW / 8][4];
+#pragma unroll
+  for (int i = 0; i < kDW / 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+  }
+
+  const int a_row = lane % 16, a_col = (lane / 16) * 8;
+  const int bn_row = (lane % 8) + (lane / 16) * 8, bn_col = ((lane / 8) % 2) * 8;
+  const int bt_row = (lane % 8) + ((lane / 8) % 2) * 8, bt_col = (lane / 16) * 8;
+  // A operand from a transposed [k][m] tile (dS^T): row (lane%8) + (lane/16)*8, column ((lane/8)%2)*8.
+  const int at_row = (lane % 8) + (lane / 16) * 8, at_col = ((lane / 8) % 2) * 8;
+  const int key_row0 = warp_n * kMmaM;  // first key of this warp inside the block
+  const int dq_wm = warp % Traits::kDqWarpsM;
+  const int dq_wd = warp / Traits::kDqWarpsM;
+
+  for (int it = 0; it < iters; ++it) {
+    const int stage = it & 1;
+    const int h = hk * group + it / m_count;
+    const int m0 = (m_first + it % m_count) * kBM;
+    const T* sQs = sQ + stage * Traits::kSmemQElems;
+    const T* sdOs = sdO + stage * Traits::kSmemQElems;
+    const float* sLses = sLse + stage * kBM;
+    const float* sDsums = sDsum + stage * kBM;
+    cp_async_wait<0>();
+    __syncthreads();  // this step's tiles landed; every warp is done with the other stage and with sdS
+    if (it + 1 < iters) load_query_side(it + 1, stage ^ 1);
+    cp_async_commit();
+
+    // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x kBM query rows.
+    float acc_s[kMTiles][4];
+    float acc_dp[kMTiles][4];
+#pragma unroll
+    for (int i = 0; i < kMTiles; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[i][e] = acc_dp[i][e] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kD / kMmaK; ++kk) {
+      uint32_t a_k[4], a_v[4];
+      ldmatrix_x4(a_k, smem_u32(sK + swz<kD>(key_row0 + a_row, kk * kMmaK + a_col)));
+      ldmatrix_x4(a_v, smem_u32(sV + swz<kD>(key_row0 + a_row, kk * kMmaK + a_col)));
+#pragma unroll
+      for (int mm = 0; mm < kBM / 16; ++mm) {
+        uint32_t b_q[4], b_do[4];
+        ldmatrix_x4(b_q, smem_u32(sQs + swz<kD>(mm * 16 + bn_row, kk * kMmaK + bn_col)));
+        ldmatrix_x4(b_do, smem_u32(sdOs + swz<kD>(mm * 16 + bn_row, kk * kMmaK + bn_col)));
+        mma_16x8x16<T>(acc_s[2 * mm], a_k, b_q[0], b_q[1]);
+        mma_16x8x16<T>(acc_s[2 * mm + 1], a_k, b_q[2], b_q[3]);
+        mma_16x8x16<T>(acc_dp[2 * mm], a_v, b_do[0], b_do[1]);
+        mma_16x8x16<T>(acc_dp[2 * mm + 1], a_v, b_do[2], b_do[3]);
+      }
+    }
+
+    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; dS^T = P^T * (dP^T - dsum).
+    const bool need_mask =
+        !mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + kMmaM, p.seqlen_q);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m_local = mt * 8 + 2 * t + (e & 1);
+        const int key = n0 + key_row0 + g + 8 * (e >> 1);
+        float pe = exp2f(acc_s[mt][e] * p.scale_log2 - sLses[m_local] * kLog2eF);
+        if (need_mask && !mask.visible(m0 + m_local, key)) pe = 0.f;
+        acc_s[mt][e] = pe;
+        acc_dp[mt][e] = pe * (acc_dp[mt][e] - sDsums[m_local]);
+      }
+    }
+
+    // dS^T -> shared memory (bf16/fp16) for dQ; one warp of each split-D group writes.
+    if (warp_d == 0) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          *reinterpret_cast<uint32_t*>(sdS + swz<kBM>(key_row0 + g + 8 * r, mt * 8 + 2 * t)) =
+              ET::pack(acc_dp[mt][2 * r], acc_dp[mt][2 * r + 1]);
+        }
+      }
+    }
+
+    // dV += P^T dO and dK += dS^T Q over this warp's kDW columns; A operands straight from registers.
+#pragma unroll
+    for (int kk = 0; kk < kBM / kMmaK; ++kk) {
+      uint32_t a_p[4], a_ds[4];
+      a_p[0] = ET::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+      a_p[1] = ET::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+      a_p[2] = ET::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+      a_p[3] = ET::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+      a_ds[0] = ET::pack(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
+      a_ds[1] = ET::pack(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
+      a_ds[2] = ET::pack(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
+      a_ds[3] = ET::pack(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
+#pragma unroll
+      for (int dd = 0; dd < kDW / 16; ++dd) {
+        const int col = warp_d * kDW + dd * 16 + bt_col;
+        uint32_t b_do[4], b_q[4];
+        ldmatrix_x4_trans(b_do, smem_u32(sdOs + swz<kD>(kk * kMmaK + bt_row, col)));
+        ldmatrix_x4_trans(b_q, smem_u32(sQs + swz<kD>(kk * kMmaK + bt_row, col)));
+        mma_16x8x16<T>(acc_dv[2 * dd], a_p, b_do[0], b_do[1]);
+        mma_16x8x16<T>(acc_dv[2 * dd + 1], a_p, b_do[2], b_do[3]);
+        mma_16x8x16<T>(acc_dk[2 * dd], a_ds, b_q[0], b_q[1]);
+        mma_16x8x16<T>(acc_dk[2 * dd + 1], a_ds, b_q[2], b_q[3]);
+      }
+    }
+    __syncthreads();  // dS^T complete
+
+    // dQ(partial) = dS K over this block's keys: warp tile (dq_wm: 16 rows) x (dq_wd: kDqW columns).
+    float acc_dq[kDqW / 8][4];
+#pragma unroll
+    for (int i = 0; i < kDqW / 8; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kBN / kMmaK; ++kk) {
+      uint32_t a_ds[4];
+      ldmatrix_x4_trans(a_ds, smem_u32(sdS + swz<kBM>(kk * kMmaK + at_row, dq_wm * kMmaM + at_col)));
+#pragma unroll
+      for (int dd = 0; dd < kDqW / 16; ++dd) {
+        uint32_t b_k[4];
+        ldmatrix_x4_trans(b_k, smem_u32(sK + swz<kD>(kk * kMmaK + bt_row, dq_wd * kDqW + dd * 16 + bt_col)));
+        mma_16x8x16<T>(acc_dq[2 * dd], a_ds, b_k[0], b_k[1]);
+        mma_16x8x16<T>(acc_dq[2 * dd + 1], a_ds, b_k[2], b_k[3]);
+      }
+    }
+    float* gdQ = p.dq_accum + b * p.q_batch_stride() + int64_t(h) * p.head_dim;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = m0 + dq_wm * kMmaM + g + 8 * r;
+      if (row < p.seqlen_q) {
+#pragma unroll
+        for (int dt = 0; dt < kDqW / 8; ++dt) {
+          const int col = dq_wd * kDqW + dt * 8 + 2 * t;
+          if (col < p.head_dim) {
+            atomicAdd(gdQ + row * q_stride + col, acc_dq[dt][2 * r]);
+            atomicAdd(gdQ + row * q_stride + col + 1, acc_dq[dt][2 * r + 1]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, columns < head_dim.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = key_row0 + g + 8 * r;
+    if (row < keys_valid) {
+#pragma unroll
+      for (int dt = 0; dt < kDW / 8; ++dt) {
+        const int col = warp_d * kDW + dt * 8 + 2 * t;
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) =
+              ET::pack(acc_dk[dt][2 * r] * p.scale, acc_dk[dt][2 * r + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) =
+              ET::pack(acc_dv[dt][2 * r], acc_dv[dt][2 * r + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,240 @@
+// Forward FlashAttention-2 kernel for sm_80 and newer: cp.async K/V ring, mma.sync m16n8k16 for QK^T and PV,
+// online softmax in registers with exp2 and the log2(e)-folded scale, O and LSE written once.
+//
+// Grid: (query blocks, query heads, batch). Each warp owns 16 query rows; per lane (g = lane / 4, t = lane % 4)
+// that is rows g and g + 8 of the warp's slice, columns 2t, 2t+1 of every 8-wide MMA tile.
+#pragma once
+
+#include <cmath>
+
+#include "../flash_params.h"
+#include "../mask.h"
+#include "kernel_traits_sm80.h"
+#include "utils_sm80.cuh"
+
+namespace jax_flash::cuda {
+
+// Copies rows [0, rows_valid) of a kRows x kCols tile (global row stride `stride` elements, `cols_valid` real
+// columns) into swizzled shared memory with cp.async; rows/columns outside are zero-filled.
+template <int kRows, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t stride, int rows_valid,
+                                                int cols_valid, int tid) {
+  constexpr int kChunksPerRow = kCols / kElemsPerChunk;
+  constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+  for (int c = tid; c < kChunks; c += kThreads) {
+    const int row = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * kElemsPerChunk;
+    const bool pred = row < rows_valid && col < cols_valid;
+    const T* src = pred ? gmem + row * stride + col : gmem;
+    cp_async_16(smem_u32(smem + swz<kCols>(row, col)), src, pred);
+  }
+}
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const FlashParams p) {
+  constexpr int kD = Traits::kHeadDim;
+  constexpr int kBM = Traits::kBlockM;
+  constexpr int kBN = Traits::kBlockN;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kNTiles = kBN / 8;   // 8-wide MMA column tiles of S
+  constexpr int kDTiles = kD / 8;    // 8-wide MMA column tiles of O
+  using ET = ElemTraits<T>;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);                  // [kBM][kD]
+  T* sK = sQ + Traits::kSmemQElems;                        // [kStages][kBN][kD]
+  T* sV = sK + Traits::kStages * Traits::kSmemKVElems;     // [kStages][kBN][kD]
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // last (heaviest under a causal mask) blocks first
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int hk = h / p.group_size();
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const int g = lane / 4;
+  const int t = lane % 4;
+
+  const int q_len = imin(imax(p.q_lens[b], 0), p.seqlen_q);
+  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
+  const AttentionMask mask(p.causal, p.window_left, p.window_right, q_len, kv_len);
+
+  const int m0 = m_block * kBM;
+  const int rows_valid = imin(kBM, p.seqlen_q - m0);
+  const int64_t q_stride = p.q_row_stride();
+  const int64_t kv_stride = p.kv_row_stride();
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
+  const T* gK = static_cast<const T*>(p.k) + b * p.kv_batch_stride() + int64_t(hk) * p.head_dim;
+  const T* gV = static_cast<const T*>(p.v) + b * p.kv_batch_stride() + int64_t(hk) * p.head_dim;
+  T* gO = static_cast<T*>(p.o) + b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
+  float* gLse = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+
+  int key_begin, key_end;
+  mask.key_range(m0, m0 + rows_valid, &key_begin, &key_end);
+  const int n_begin = imax(key_begin, 0) / kBN;
+  const int n_end = key_end > key_begin ? (imin(key_end, p.seqlen_k) + kBN - 1) / kBN : n_begin;
+
+  if (n_end <= n_begin) {  // no row of this block sees a key: zeros and lse = +inf
+    for (int c = tid; c < rows_valid * (p.head_dim / kElemsPerChunk); c += kThreads) {
+      const int row = c / (p.head_dim / kElemsPerChunk);
+      const int col = (c % (p.head_dim / kElemsPerChunk)) * kElemsPerChunk;
+      *reinterpret_cast<uint4*>(gO + row * q_stride + col) = make_uint4(0, 0, 0, 0);
+    }
+    for (int r = tid; r < rows_valid; r += kThreads) gLse[r] = INFINITY;
+    return;
+  }
+
+  load_tile_async<kBM, kD, kThreads>(sQ, gQ, q_stride, rows_valid, p.head_dim, tid);
+  load_tile_async<kBN, kD, kThreads>(sK, gK + int64_t(n_begin) * kBN * kv_stride, kv_stride,
+                                     p.seqlen_k - n_begin * kBN, p.head_dim, tid);
+  load_tile_async<kBN, kD, kThreads>(sV, gV + int64_t(n_begin) * kBN * kv_stride, kv_stride,
+                                     p.seqlen_k - n_begin * kBN, p.head_dim, tid);
+  cp_async_commit();
+
+  float acc_o[kDTiles][4];  // O rows (g, g+8) x this warp's 16 rows, all kD columns
+#pragma unroll
+  for (int i = 0; i < kDTiles; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};  // per-lane partial sums; reduced over the quad at the end
+
+  uint32_t q_frag[Traits::kQInRegs ? kD / kMmaK : 1][4];
+  const int warp_row0 = warp * kMmaM;  // first row of this warp inside the block
+  // ldmatrix lane addressing (see utils_sm80.cuh): A operands take row lane%16, column (lane/16)*8; B operands
+  // from a [n][k] tile take row (lane%8) + (lane/16)*8, column ((lane/8)%2)*8; B from a [k][n] tile (.trans) take
+  // row (lane%8) + ((lane/8)%2)*8, column (lane/16)*8.
+  const int a_row = lane % 16, a_col = (lane / 16) * 8;
+  const int bn_row = (lane % 8) + (lane / 16) * 8, bn_col = ((lane / 8) % 2) * 8;
+  const int bt_row = (lane % 8) + ((lane / 8) % 2) * 8, bt_col = (lane / 16) * 8;
+
+  for (int n_block = n_begin; n_block < n_end; ++n_block) {
+    const int stage = (n_block - n_begin) & 1;
+    const T* sKs = sK + stage * Traits::kSmemKVElems;
+    const T* sVs = sV + stage * Traits::kSmemKVElems;
+    cp_async_wait<0>();
+    __syncthreads();  // tiles of this step landed; every warp is done with the other stage
+    if constexpr (Traits::kQInRegs) {
+      if (n_block == n_begin) {
+#pragma unroll
+        for (int kk = 0; kk < kD / kMmaK; ++kk) {
+          ldmatrix_x4(q_frag[kk], smem_u32(sQ + swz<kD>(warp_row0 + a_row, kk * kMmaK + a_col)));
+        }
+      }
+    }
+    if (n_block + 1 < n_end) {
+      const int n1 = (n_block + 1) * kBN;
+      load_tile_async<kBN, kD, kThreads>(sK + (stage ^ 1) * Traits::kSmemKVElems, gK + int64_t(n1) * kv_stride,
+                                         kv_stride, p.seqlen_k - n1, p.head_dim, tid);
+      load_tile_async<kBN, kD, kThreads>(sV + (stage ^ 1) * Traits::kSmemKVElems, gV + int64_t(n1) * kv_stride,
+                                         kv_stride, p.seqlen_k - n1, p.head_dim, tid);
+    }
+    cp_async_commit();
+
+    // S = Q K^T for this warp's 16 rows x kBN keys.
+    float acc_s[kNTiles][4];
+#pragma unroll
+    for (int i = 0; i < kNTiles; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / kMmaK; ++kk) {
+      uint32_t a_reg[4];
+      if constexpr (Traits::kQInRegs) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a_reg[i] = q_frag[kk][i];
+      } else {
+        ldmatrix_x4(a_reg, smem_u32(sQ + swz<kD>(warp_row0 + a_row, kk * kMmaK + a_col)));
+      }
+#pragma unroll
+      for (int nn = 0; nn < kBN / 16; ++nn) {
+        uint32_t b_reg[4];
+        ldmatrix_x4(b_reg, smem_u32(sKs + swz<kD>(nn * 16 + bn_row, kk * kMmaK + bn_col)));
+        mma_16x8x16<T>(acc_s[2 * nn], a_reg, b_reg[0], b_reg[1]);
+        mma_16x8x16<T>(acc_s[2 * nn + 1], a_reg, b_reg[2], b_reg[3]);
+      }
+    }
+
+    // Mask (only tiles that are not entirely visible to this warp's rows).
+    const int n0 = n_block * kBN;
+    const int row_a = m0 + warp_row0 + g;  // global rows held by this lane: row_a, row_a + 8
+    if (!mask.tile_fully_visible(m0 + warp_row0, m0 + warp_row0 + kMmaM, n0, n0 + kBN, p.seqlen_q)) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int lo = mask.lo(row_a + 8 * r);
+        const int hi = mask.hi(row_a + 8 * r);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = n0 + nt * 8 + 2 * t + e;
+            if (col < lo || col >= hi) acc_s[nt][2 * r + e] = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // Online softmax: rescale the running state by exp2((old_max - new_max) * scale_log2).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
+      mx = quad_max(mx);
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+      const float correction = exp2f(row_max[r] * p.scale_log2 - max_scaled);
+      row_max[r] = mx;
+      row_sum[r] *= correction;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc_o[dt][2 * r] *= correction;
+        acc_o[dt][2 * r + 1] *= correction;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = exp2f(acc_s[nt][2 * r + e] * p.scale_log2 - max_scaled);
+          acc_s[nt][2 * r + e] = pe;
+          row_sum[r] += pe;
+        }
+      }
+    }
+
+    // O += P V, P straight from the S accumulators (their layout is the A-operand layout).
+#pragma unroll
+    for (int kk = 0; kk < kBN / kMmaK; ++kk) {
+      uint32_t a_reg[4];
+      a_reg[0] = ET::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+      a_reg[1] = ET::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+      a_reg[2] = ET::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+      a_reg[3] = ET::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dd = 0; dd < kD / 16; ++dd) {
+        uint32_t b_reg[4];
+        ldmatrix_x4_trans(b_reg, smem_u32(sVs + swz<kD>(kk * kMmaK + bt_row, dd * 16 + bt_col)));
+        mma_16x8x16<T>(acc_o[2 * dd], a_reg, b_reg[0], b_reg[1]);
+        mma_16x8x16<T>(acc_o[2 * dd + 1], a_reg, b_reg[2], b_reg[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: normalise, write O (rows < seqlen_q, columns < head_dim) and the natural-log LSE.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int row = warp_row0 + g + 8 * r;  // inside the block
+    if (row < rows_valid) {
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int col = dt * 8 + 2 * t;
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) =
+              ET::pack(acc_o[dt][2 * r] * inv, acc_o[dt][2 * r + 1] * inv);
+        }
+      }
+      if (t == 0) gLse[row] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : INFINITY;
+    }
+  }
+}
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,67 @@
+// Launchers of the sm_80-class kernels, instantiated per (dtype, head-dim class) in flash_*_sm80_hdim*.cu.
+#pragma once
+
+#include <atomic>
+
+#include "flash_bwd_sm80_mma_cpasync.cuh"
+#include "flash_fwd_sm80_mma_cpasync.cuh"
+
+namespace jax_flash::cuda {
+
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Raises a kernel's dynamic shared-memory limit once per device (kernels above 48 KB need it).
+template <typename Kernel>
+cudaError_t ensure_smem_limit(Kernel kernel, int bytes) {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  const uint64_t bit = uint64_t(1) << (dev % 64);
+  if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
+
+template <typename T, int kD>
+cudaError_t launch_fwd_sm80(const FlashParams& p, cudaStream_t stream) {
+  using Traits = FwdKernelTraits<FwdTraitsSm80<kD>>;
+  constexpr int kSmemBytes = Traits::kSmemElems * int(sizeof(T));
+  auto kernel = flash_fwd_sm80_kernel<T, Traits>;
+  if (cudaError_t e = ensure_smem_limit(kernel, kSmemBytes); e != cudaSuccess) return e;
+  const dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
+  kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int kD>
+cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream) {
+  using Traits = BwdKernelTraits<BwdTraitsSm80<kD>>;
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  const int64_t q_elems = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim;
+  if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), stream); e != cudaSuccess) return e;
+  if (q_elems > 0) {
+    const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
+    flash_bwd_preprocess_kernel<T><<<ceil_div(rows * kWarpSize, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (p.seqlen_k > 0) {
+    auto kernel = flash_bwd_sm80_kernel<T, Traits>;
+    if (cudaError_t e = ensure_smem_limit(kernel, kSmemBytes); e != cudaSuccess) return e;
+    const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+    kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (q_elems > 0) {
+    flash_bwd_convert_dq_kernel<T><<<ceil_div(q_elems / 2, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
+}  // namespace jax_flash::cuda
+
+// Explicit instantiation for one (dtype, head-dim class).
+#define JAX_FLASH_INSTANTIATE_SM80(T, D)                                                              \
+  template cudaError_t jax_flash::cuda::launch_fwd_sm80<T, D>(const FlashParams&, cudaStream_t);      \
+  template cudaError_t jax_flash::cuda::launch_bwd_sm80<T, D>(const FlashParams&, cudaStream_t);

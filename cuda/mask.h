@@ -1,0 +1,101 @@
+// Attention masks as small policy structs, shared by the CPU and CUDA kernels.
+//
+// Every mask jax.nn.dot_product_attention can express without a dense array (causal, local window, query and
+// key/value lengths) leaves each query row i a contiguous interval of visible keys [lo(i), hi(i)) whose ends never
+// decrease as i grows. Each policy below exposes the same hooks:
+//   lo(i), hi(i)          visible keys of row i are [lo(i), hi(i)); empty when hi(i) <= lo(i)
+//   first_row(c)          the smallest row that can see key c or a later key
+//   last_row(c)           one past the largest row that can see a key below c
+// and AttentionMask intersects them. Kernels ask the composite for the key blocks a query block needs (forward),
+// the query rows a key block needs (backward), and whether a tile is entirely visible (no per-element masking).
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "flash_params.h"  // JF_HD
+
+namespace jax_flash {
+
+JF_HD int imin(int a, int b) { return a < b ? a : b; }
+JF_HD int imax(int a, int b) { return a > b ? a : b; }
+
+// Key j visible to query i iff j <= i (jax.nn: top-left aligned tril).
+struct CausalPolicy {
+  bool enabled;
+  JF_HD int lo(int) const { return 0; }
+  JF_HD int hi(int i) const { return enabled ? i + 1 : INT_MAX; }
+  // Smallest row that sees key c (rows seeing key c or later keys start here).
+  JF_HD int first_row(int c) const { return enabled ? c : 0; }
+  // One past the largest row that sees a key below c.
+  JF_HD int last_row(int) const { return INT_MAX; }
+};
+
+// Key j visible to query i iff i - left <= j <= i + right; a negative bound is unbounded.
+struct WindowPolicy {
+  int left;
+  int right;
+  JF_HD int lo(int i) const { return left >= 0 ? i - left : 0; }
+  JF_HD int hi(int i) const { return right >= 0 ? i + right + 1 : INT_MAX; }
+  JF_HD int first_row(int c) const { return right >= 0 ? c - right : 0; }
+  JF_HD int last_row(int c) const { return left >= 0 ? c + left : INT_MAX; }
+};
+
+// Keys >= kv_len are masked; rows >= q_len see nothing (their output is zero).
+struct LengthPolicy {
+  int q_len;
+  int kv_len;
+  JF_HD int lo(int) const { return 0; }
+  JF_HD int hi(int) const { return kv_len; }
+  JF_HD int first_row(int) const { return 0; }
+  JF_HD int last_row(int) const { return q_len; }
+};
+
+struct AttentionMask {
+  CausalPolicy causal;
+  WindowPolicy window;
+  LengthPolicy length;
+
+  JF_HD AttentionMask(bool is_causal, int window_left, int window_right, int q_len, int kv_len)
+      : causal{is_causal}, window{window_left, window_right}, length{q_len, kv_len} {}
+
+  JF_HD bool row_valid(int i) const { return i < length.q_len; }
+  JF_HD int lo(int i) const { return imax(imax(causal.lo(i), window.lo(i)), imax(length.lo(i), 0)); }
+  JF_HD int hi(int i) const {
+    return row_valid(i) ? imin(imin(causal.hi(i), window.hi(i)), length.hi(i)) : 0;
+  }
+  JF_HD bool visible(int i, int j) const { return j >= lo(i) && j < hi(i); }
+
+  // Keys that any row of [row_begin, row_end) can see: [*key_begin, *key_end) (empty if end <= begin).
+  JF_HD void key_range(int row_begin, int row_end, int* key_begin, int* key_end) const {
+    const int last = imin(row_end, length.q_len) - 1;
+    if (last < row_begin) {
+      *key_begin = 0;
+      *key_end = 0;
+      return;
+    }
+    *key_begin = lo(row_begin);
+    *key_end = hi(last);
+  }
+
+  // Rows that can see some key of [key_begin, key_end): [*row_begin, *row_end).
+  JF_HD void row_range(int key_begin, int key_end, int* row_begin, int* row_end) const {
+    if (key_begin >= length.kv_len) {
+      *row_begin = 0;
+      *row_end = 0;
+      return;
+    }
+    *row_begin = imax(imax(causal.first_row(key_begin), window.first_row(key_begin)), 0);
+    *row_end = imin(imin(causal.last_row(key_end), window.last_row(key_end)), length.last_row(key_end));
+  }
+
+  // True when every (row, key) of the tile with row < row_limit is visible, so the kernel may skip per-element
+  // masking. row_limit is the number of rows the kernel stores (seqlen_q); rows past it are never written.
+  JF_HD bool tile_fully_visible(int row_begin, int row_end, int key_begin, int key_end, int row_limit) const {
+    const int last = imin(row_end, row_limit) - 1;
+    if (last >= length.q_len) return false;
+    return lo(last) <= key_begin && hi(row_begin) >= key_end;
+  }
+};
+
+}  // namespace jax_flash
