@@ -10,15 +10,16 @@ namespace jax_flash::cuda {
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-// Raises a kernel's dynamic shared-memory limit once per device (kernels above 48 KB need it).
-template <typename Kernel>
-cudaError_t ensure_smem_limit(Kernel kernel, int bytes) {
+// Raises a kernel's dynamic shared-memory limit once per device (kernels above 48 KB need it). Templated on the
+// kernel itself so each kernel has its own once-flag.
+template <auto kKernel>
+cudaError_t ensure_smem_limit(int bytes) {
   static std::atomic<uint64_t> done{0};
   int dev = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   const uint64_t bit = uint64_t(1) << (dev % 64);
   if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  cudaError_t e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
@@ -27,8 +28,8 @@ template <typename T, int kD>
 cudaError_t launch_fwd_sm80(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraits<FwdTraitsSm80<kD>>;
   constexpr int kSmemBytes = Traits::kSmemElems * int(sizeof(T));
-  auto kernel = flash_fwd_sm80_kernel<T, Traits>;
-  if (cudaError_t e = ensure_smem_limit(kernel, kSmemBytes); e != cudaSuccess) return e;
+  constexpr auto kernel = flash_fwd_sm80_kernel<T, Traits>;
+  if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p);
   return cudaGetLastError();
@@ -46,8 +47,8 @@ cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream) {
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (p.seqlen_k > 0) {
-    auto kernel = flash_bwd_sm80_kernel<T, Traits>;
-    if (cudaError_t e = ensure_smem_limit(kernel, kSmemBytes); e != cudaSuccess) return e;
+    constexpr auto kernel = flash_bwd_sm80_kernel<T, Traits>;
+    if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
     const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
     kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
