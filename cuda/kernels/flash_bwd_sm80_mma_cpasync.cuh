@@ -59,6 +59,16 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_convert_dq_kerne
   reinterpret_cast<uint32_t*>(p.dq)[i] = ET::pack(v.x * p.scale, v.y * p.scale);
 }
 
+// dst[0] += a, dst[1] += b (fire-and-forget; one vector reduction on sm_90).
+__device__ __forceinline__ void atomic_add_f32x2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
 // 4-byte cp.async (row statistics), zero-filled when !pred.
 __device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem, bool pred) {
   const int src_bytes = pred ? 4 : 0;
@@ -283,8 +293,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
         for (int dt = 0; dt < kDqW / 8; ++dt) {
           const int col = dq_wd * kDqW + dt * 8 + 2 * t;
           if (col < p.head_dim) {
-            atomicAdd(gdQ + row * q_stride + col, acc_dq[dt][2 * r]);
-            atomicAdd(gdQ + row * q_stride + col + 1, acc_dq[dt][2 * r + 1]);
+            atomic_add_f32x2(gdQ + row * q_stride + col, acc_dq[dt][2 * r], acc_dq[dt][2 * r + 1]);
           }
         }
       }

@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const 
   constexpr int kD = Traits::kHeadDim;
   constexpr int kBM = Traits::kBlockM;
   constexpr int kBN = Traits::kBlockN;
+  constexpr int kTM = Traits::kWarpMTiles;  // 16-row MMA tiles per warp
   constexpr int kThreads = Traits::kThreads;
   constexpr int kNTiles = kBN / 8;   // 8-wide MMA column tiles of S
   constexpr int kDTiles = kD / 8;    // 8-wide MMA column tiles of O
@@ -92,14 +93,19 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const 
                                      p.seqlen_k - n_begin * kBN, p.head_dim, tid);
   cp_async_commit();
 
-  float acc_o[kDTiles][4];  // O rows (g, g+8) x this warp's 16 rows, all kD columns
+  float acc_o[kTM][kDTiles][4];  // O: this warp's kTM x 16 rows, all kD columns
+  float row_max[kTM][2];         // running max of the raw logits of rows g and g + 8 of each m-tile
+  float row_sum[kTM][2];         // per-lane partial sums; reduced over the quad at the end
 #pragma unroll
-  for (int i = 0; i < kDTiles; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};  // per-lane partial sums; reduced over the quad at the end
+  for (int mi = 0; mi < kTM; ++mi) {
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) acc_o[mi][i][0] = acc_o[mi][i][1] = acc_o[mi][i][2] = acc_o[mi][i][3] = 0.f;
+    row_max[mi][0] = row_max[mi][1] = -INFINITY;
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
 
-  uint32_t q_frag[Traits::kQInRegs ? kD / kMmaK : 1][4];
-  const int warp_row0 = warp * kMmaM;  // first row of this warp inside the block
+  uint32_t q_frag[Traits::kQInRegs ? kTM : 1][Traits::kQInRegs ? kD / kMmaK : 1][4];
+  const int warp_row0 = warp * kTM * kMmaM;  // first row of this warp inside the block
   // ldmatrix lane addressing (see utils_sm80.cuh): A operands take row lane%16, column (lane/16)*8; B operands
   // from a [n][k] tile take row (lane%8) + (lane/16)*8, column ((lane/8)%2)*8; B from a [k][n] tile (.trans) take
   // row (lane%8) + ((lane/8)%2)*8, column (lane/16)*8.
@@ -116,8 +122,11 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const 
     if constexpr (Traits::kQInRegs) {
       if (n_block == n_begin) {
 #pragma unroll
-        for (int kk = 0; kk < kD / kMmaK; ++kk) {
-          ldmatrix_x4(q_frag[kk], smem_u32(sQ + swz<kD>(warp_row0 + a_row, kk * kMmaK + a_col)));
+        for (int mi = 0; mi < kTM; ++mi) {
+#pragma unroll
+          for (int kk = 0; kk < kD / kMmaK; ++kk) {
+            ldmatrix_x4(q_frag[mi][kk], smem_u32(sQ + swz<kD>(warp_row0 + mi * kMmaM + a_row, kk * kMmaK + a_col)));
+          }
         }
       }
     }
@@ -130,88 +139,108 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const 
     }
     cp_async_commit();
 
-    // S = Q K^T for this warp's 16 rows x kBN keys.
-    float acc_s[kNTiles][4];
+    // S = Q K^T for this warp's rows x kBN keys; each K fragment feeds kTM MMAs.
+    float acc_s[kTM][kNTiles][4];
 #pragma unroll
-    for (int i = 0; i < kNTiles; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0.f;
+    for (int mi = 0; mi < kTM; ++mi) {
+#pragma unroll
+      for (int i = 0; i < kNTiles; ++i) acc_s[mi][i][0] = acc_s[mi][i][1] = acc_s[mi][i][2] = acc_s[mi][i][3] = 0.f;
+    }
 #pragma unroll
     for (int kk = 0; kk < kD / kMmaK; ++kk) {
-      uint32_t a_reg[4];
-      if constexpr (Traits::kQInRegs) {
+      uint32_t a_reg[kTM][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a_reg[i] = q_frag[kk][i];
-      } else {
-        ldmatrix_x4(a_reg, smem_u32(sQ + swz<kD>(warp_row0 + a_row, kk * kMmaK + a_col)));
+      for (int mi = 0; mi < kTM; ++mi) {
+        if constexpr (Traits::kQInRegs) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a_reg[mi][i] = q_frag[mi][kk][i];
+        } else {
+          ldmatrix_x4(a_reg[mi], smem_u32(sQ + swz<kD>(warp_row0 + mi * kMmaM + a_row, kk * kMmaK + a_col)));
+        }
       }
 #pragma unroll
       for (int nn = 0; nn < kBN / 16; ++nn) {
         uint32_t b_reg[4];
         ldmatrix_x4(b_reg, smem_u32(sKs + swz<kD>(nn * 16 + bn_row, kk * kMmaK + bn_col)));
-        mma_16x8x16<T>(acc_s[2 * nn], a_reg, b_reg[0], b_reg[1]);
-        mma_16x8x16<T>(acc_s[2 * nn + 1], a_reg, b_reg[2], b_reg[3]);
+#pragma unroll
+        for (int mi = 0; mi < kTM; ++mi) {
+          mma_16x8x16<T>(acc_s[mi][2 * nn], a_reg[mi], b_reg[0], b_reg[1]);
+          mma_16x8x16<T>(acc_s[mi][2 * nn + 1], a_reg[mi], b_reg[2], b_reg[3]);
+        }
       }
     }
 
-    // Mask (only tiles that are not entirely visible to this warp's rows).
+    // Mask (only m-tiles whose 16 rows do not see the whole key tile), then online softmax: rescale the running
+    // state by exp2((old_max - new_max) * scale_log2).
     const int n0 = n_block * kBN;
-    const int row_a = m0 + warp_row0 + g;  // global rows held by this lane: row_a, row_a + 8
-    if (!mask.tile_fully_visible(m0 + warp_row0, m0 + warp_row0 + kMmaM, n0, n0 + kBN, p.seqlen_q)) {
+#pragma unroll
+    for (int mi = 0; mi < kTM; ++mi) {
+      const int tile_row0 = m0 + warp_row0 + mi * kMmaM;
+      if (!mask.tile_fully_visible(tile_row0, tile_row0 + kMmaM, n0, n0 + kBN, p.seqlen_q)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int lo = mask.lo(tile_row0 + g + 8 * r);
+          const int hi = mask.hi(tile_row0 + g + 8 * r);
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = n0 + nt * 8 + 2 * t + e;
+              if (col < lo || col >= hi) acc_s[mi][nt][2 * r + e] = -INFINITY;
+            }
+          }
+        }
+      }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int lo = mask.lo(row_a + 8 * r);
-        const int hi = mask.hi(row_a + 8 * r);
+        float mx = row_max[mi][r];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          mx = fmaxf(mx, fmaxf(acc_s[mi][nt][2 * r], acc_s[mi][nt][2 * r + 1]));
+        }
+        mx = quad_max(mx);
+        const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+        const float correction = exp2f(row_max[mi][r] * p.scale_log2 - max_scaled);
+        row_max[mi][r] = mx;
+        row_sum[mi][r] *= correction;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          acc_o[mi][dt][2 * r] *= correction;
+          acc_o[mi][dt][2 * r + 1] *= correction;
+        }
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int col = n0 + nt * 8 + 2 * t + e;
-            if (col < lo || col >= hi) acc_s[nt][2 * r + e] = -INFINITY;
+            const float pe = exp2f(acc_s[mi][nt][2 * r + e] * p.scale_log2 - max_scaled);
+            acc_s[mi][nt][2 * r + e] = pe;
+            row_sum[mi][r] += pe;
           }
         }
       }
     }
 
-    // Online softmax: rescale the running state by exp2((old_max - new_max) * scale_log2).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
-      mx = quad_max(mx);
-      const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      const float correction = exp2f(row_max[r] * p.scale_log2 - max_scaled);
-      row_max[r] = mx;
-      row_sum[r] *= correction;
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        acc_o[dt][2 * r] *= correction;
-        acc_o[dt][2 * r + 1] *= correction;
-      }
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = exp2f(acc_s[nt][2 * r + e] * p.scale_log2 - max_scaled);
-          acc_s[nt][2 * r + e] = pe;
-          row_sum[r] += pe;
-        }
-      }
-    }
-
-    // O += P V, P straight from the S accumulators (their layout is the A-operand layout).
+    // O += P V, P straight from the S accumulators (their layout is the A-operand layout); each V fragment
+    // feeds kTM MMAs.
 #pragma unroll
     for (int kk = 0; kk < kBN / kMmaK; ++kk) {
-      uint32_t a_reg[4];
-      a_reg[0] = ET::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-      a_reg[1] = ET::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-      a_reg[2] = ET::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-      a_reg[3] = ET::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+      uint32_t a_reg[kTM][4];
+#pragma unroll
+      for (int mi = 0; mi < kTM; ++mi) {
+        a_reg[mi][0] = ET::pack(acc_s[mi][2 * kk][0], acc_s[mi][2 * kk][1]);
+        a_reg[mi][1] = ET::pack(acc_s[mi][2 * kk][2], acc_s[mi][2 * kk][3]);
+        a_reg[mi][2] = ET::pack(acc_s[mi][2 * kk + 1][0], acc_s[mi][2 * kk + 1][1]);
+        a_reg[mi][3] = ET::pack(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dd = 0; dd < kD / 16; ++dd) {
         uint32_t b_reg[4];
         ldmatrix_x4_trans(b_reg, smem_u32(sVs + swz<kD>(kk * kMmaK + bt_row, dd * 16 + bt_col)));
-        mma_16x8x16<T>(acc_o[2 * dd], a_reg, b_reg[0], b_reg[1]);
-        mma_16x8x16<T>(acc_o[2 * dd + 1], a_reg, b_reg[2], b_reg[3]);
+#pragma unroll
+        for (int mi = 0; mi < kTM; ++mi) {
+          mma_16x8x16<T>(acc_o[mi][2 * dd], a_reg[mi], b_reg[0], b_reg[1]);
+          mma_16x8x16<T>(acc_o[mi][2 * dd + 1], a_reg[mi], b_reg[2], b_reg[3]);
+        }
       }
     }
   }
@@ -219,20 +248,23 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const 
 
   // Epilogue: normalise, write O (rows < seqlen_q, columns < head_dim) and the natural-log LSE.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum = quad_sum(row_sum[r]);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int row = warp_row0 + g + 8 * r;  // inside the block
-    if (row < rows_valid) {
+  for (int mi = 0; mi < kTM; ++mi) {
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        const int col = dt * 8 + 2 * t;
-        if (col < p.head_dim) {
-          *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) =
-              ET::pack(acc_o[dt][2 * r] * inv, acc_o[dt][2 * r + 1] * inv);
+    for (int r = 0; r < 2; ++r) {
+      const float sum = quad_sum(row_sum[mi][r]);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = warp_row0 + mi * kMmaM + g + 8 * r;  // inside the block
+      if (row < rows_valid) {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int col = dt * 8 + 2 * t;
+          if (col < p.head_dim) {
+            *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) =
+                ET::pack(acc_o[mi][dt][2 * r] * inv, acc_o[mi][dt][2 * r + 1] * inv);
+          }
         }
+        if (t == 0) gLse[row] = sum > 0.f ? row_max[mi][r] * p.scale + logf(sum) : INFINITY;
       }
-      if (t == 0) gLse[row] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : INFINITY;
     }
   }
 }

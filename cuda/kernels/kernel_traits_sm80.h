@@ -10,39 +10,43 @@ inline constexpr int kMmaM = 16;  // rows of one m16n8k16 MMA
 inline constexpr int kMmaK = 16;
 inline constexpr int kElemsPerChunk = 8;  // 16-byte cp.async / ldmatrix row chunk of 16-bit elements
 
-// Forward: each warp owns 16 query rows of the CTA's kBlockM; K/V tiles of kBlockN keys stream through a
-// two-stage cp.async ring.
+// Forward: each warp owns kWarpMTiles x 16 query rows of the CTA's kBlockM; K/V tiles of kBlockN keys stream
+// through a two-stage cp.async ring. Two m-tiles per warp let every K/V fragment read from shared memory feed two
+// MMAs (half the shared-memory traffic per FLOP) at the price of twice the accumulator registers.
 template <int kHeadDim_>
 struct FwdTraitsSm80;
 
 template <>
 struct FwdTraitsSm80<64> {
   static constexpr int kHeadDim = 64;
-  static constexpr int kWarps = 4;      // 64 rows per CTA; small smem (64 KB) so 3 CTAs share an SM
-  static constexpr int kBlockN = 128;   // long key tiles amortise the per-tile softmax bookkeeping
-  static constexpr bool kQInRegs = true;  // 16 registers of Q fragments
+  static constexpr int kWarps = 4;
+  static constexpr int kWarpMTiles = 2;   // 32 rows per warp, 128 per CTA
+  static constexpr int kBlockN = 64;      // S (64) + O (64) accumulators; 48 KB of smem
+  static constexpr bool kQInRegs = true;  // 32 registers of Q fragments
 };
 
 template <>
 struct FwdTraitsSm80<128> {
   static constexpr int kHeadDim = 128;
-  static constexpr int kWarps = 8;      // 128 rows per CTA: each K/V tile feeds 8 warps
-  static constexpr int kBlockN = 64;    // 96 KB smem -> 2 CTAs per SM on sm_90
-  static constexpr bool kQInRegs = true;  // 32 registers of Q fragments; O accumulator is 64
+  static constexpr int kWarps = 4;
+  static constexpr int kWarpMTiles = 2;    // 32 rows per warp, 128 per CTA: O accumulator is 128 registers
+  static constexpr int kBlockN = 64;       // S is 64 registers; 96 KB smem -> 2 CTAs per SM on sm_90
+  static constexpr bool kQInRegs = false;  // no room for 64 more registers: Q fragments re-read from smem
 };
 
 template <>
 struct FwdTraitsSm80<256> {
   static constexpr int kHeadDim = 256;
   static constexpr int kWarps = 8;
-  static constexpr int kBlockN = 32;    // keeps Q (64 KB) + two K/V stages (64 KB) at 128 KB of smem
-  static constexpr bool kQInRegs = false;  // O accumulator alone is 128 registers: Q is re-read from smem
+  static constexpr int kWarpMTiles = 1;    // O accumulator alone is 128 registers
+  static constexpr int kBlockN = 32;       // keeps Q (64 KB) + two K/V stages (64 KB) at 128 KB of smem
+  static constexpr bool kQInRegs = false;
 };
 
 template <typename Base>
 struct FwdKernelTraits : Base {
   static constexpr int kThreads = Base::kWarps * kWarpSize;
-  static constexpr int kBlockM = Base::kWarps * kMmaM;
+  static constexpr int kBlockM = Base::kWarps * Base::kWarpMTiles * kMmaM;
   static constexpr int kStages = 2;
   static constexpr int kSmemQElems = kBlockM * Base::kHeadDim;
   static constexpr int kSmemKVElems = Base::kBlockN * Base::kHeadDim;  // one stage of K (or of V)
@@ -58,7 +62,7 @@ struct BwdTraitsSm80;
 template <>
 struct BwdTraitsSm80<64> {
   static constexpr int kHeadDim = 64;
-  static constexpr int kWarps = 8;
+  static constexpr int kWarps = 4;      // 64 keys per CTA; 56 KB of smem, so several CTAs overlap their phases
   static constexpr int kSplitD = 1;
   static constexpr int kBlockM = 64;
 };
@@ -66,8 +70,11 @@ struct BwdTraitsSm80<64> {
 template <>
 struct BwdTraitsSm80<128> {
   static constexpr int kHeadDim = 128;
-  static constexpr int kWarps = 8;
-  static constexpr int kSplitD = 1;     // dK+dV accumulators: 128 registers per thread
+  static constexpr int kWarps = 4;      // dK+dV accumulators are 128 registers per thread, so 255 registers x 128
+                                        // threads and 104 KB of smem let two CTAs share an SM: one CTA's MMAs run
+                                        // while the other waits at a barrier (8 warps in one CTA measured 168
+                                        // TFLOP/s on H200, NOTES.md)
+  static constexpr int kSplitD = 1;
   static constexpr int kBlockM = 64;
 };
 
