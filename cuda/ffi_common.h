@@ -94,8 +94,8 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     return Invalid("head_dim must be a positive multiple of 8 up to 256, got " + std::to_string(d));
   }
   const int64_t hq = qd[r - 2], hkv = kd[r - 2];
-  if (hkv <= 0 || hq % hkv != 0) {
-    return Invalid("query heads (" + std::to_string(hq) + ") must be a multiple of key/value heads (" +
+  if (hkv <= 0 || hq <= 0 || hq % hkv != 0) {
+    return Invalid("query heads (" + std::to_string(hq) + ") must be a positive multiple of key/value heads (" +
                    std::to_string(hkv) + ")");
   }
   if (static_cast<int64_t>(q_lens.element_count()) != batch || static_cast<int64_t>(kv_lens.element_count()) != batch) {

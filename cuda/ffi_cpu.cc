@@ -1,6 +1,9 @@
 // XLA FFI handlers for the CPU target, and the nanobind module that hands them to Python.
 #include <nanobind/nanobind.h>
 
+#include <exception>
+#include <string>
+
 #include "cpu/attention_cpu.h"
 #include "ffi_common.h"
 
@@ -8,6 +11,17 @@ namespace nb = nanobind;
 
 namespace jax_flash {
 namespace {
+
+// Runs a CPU kernel, turning a C++ exception (e.g. std::bad_alloc for per-thread buffers) into an ffi::Error.
+template <typename F>
+ffi::Error RunCatching(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_flash: CPU kernel failed: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
 
 ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_lens,
                                ffi::Buffer<ffi::S32> kv_lens, float scale, bool is_causal, int64_t window_left,
@@ -21,8 +35,7 @@ ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
   if (auto e = CheckForwardResults(q, o, lse); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
-  cpu::FlashForward(p);
-  return ffi::Error::Success();
+  return RunCatching([&] { cpu::FlashForward(p); });
 }
 
 ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
@@ -37,8 +50,7 @@ ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
     return e;
   }
   if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, dsum, &p); e.failure()) return e;
-  cpu::FlashBackward(p);
-  return ffi::Error::Success();
+  return RunCatching([&] { cpu::FlashBackward(p); });
 }
 
 }  // namespace

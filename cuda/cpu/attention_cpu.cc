@@ -19,9 +19,15 @@
 //
 // Matrix products go through one register-blocked kernel on GCC vector extensions. All operands are first copied
 // into zero-padded float tiles, so the kernel only sees row counts that are multiples of its tile height and column
-// counts that are multiples of 8; sums over k run in order (no reassociation). The build has no -march flags, so the
-// hot per-item functions are compiled twice: for baseline x86-64 (SSE2, 4 x 8 kernel tile) and, through a function
-// target attribute, for AVX2 + FMA (8 x 8 tile), chosen at run time from the CPU's feature bits.
+// counts that are multiples of 8; sums over k run in order (no reassociation).
+//
+// The build has no -march flags. The ISA-dependent part of this file (between the JF_KERNELS markers below) is
+// therefore compiled twice, by including this file into itself: once for baseline x86-64 (SSE2, 4 x 8 kernel tile)
+// and once under `#pragma GCC target("avx2,fma")` (8 x 8 tile, FMA); the AVX2 copy runs when the CPU has AVX2 and
+// FMA. (A target attribute on the callers alone is not enough: GCC lowers 32-byte vector code in default-target
+// helpers to SSE before inlining it.)
+#ifndef JF_KERNELS
+
 #include "cpu/attention_cpu.h"
 
 #include <algorithm>
@@ -36,19 +42,16 @@
 
 #include "mask.h"
 
-// The AVX2 instantiations pass 32-byte vectors between functions that are all inlined into target("avx2,fma")
-// functions; GCC still notes that such a signature would have a different ABI without AVX.
+// The AVX2 copy has 32-byte vector signatures; all of them are inlined, but GCC still notes the ABI difference.
 #pragma GCC diagnostic ignored "-Wpsabi"
-
-#if defined(__x86_64__) && !defined(JAX_FLASH_CPU_NO_AVX2)
-#define JF_HAVE_AVX2_PATH 1
-#define JF_TARGET_AVX2 __attribute__((target("avx2,fma"), flatten))
-#else
-#define JF_HAVE_AVX2_PATH 0
-#endif
 
 #ifndef JAX_FLASH_CPU_BWD_FORCE
 #define JAX_FLASH_CPU_BWD_FORCE 0  // testing only: 1 always fused backward, 2 always split
+#endif
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(JAX_FLASH_CPU_NO_AVX2)
+#define JF_AVX2 1
+#else
+#define JF_AVX2 0
 #endif
 
 namespace jax_flash::cpu {
@@ -151,126 +154,27 @@ inline F16 FromFloat<F16>(float f) {
 }
 
 // ----------------------------------------------------------------------------------------------------------------
-// SIMD vectors (GCC vector extensions). An Isa names the vector width and the kernel tile height.
+// Tile loads and stores (4-wide, ISA independent). Float tiles are zero padded out to the kernel's multiples, so
+// padding never holds nan.
 
-typedef float V4 __attribute__((vector_size(16)));
-typedef int32_t I4 __attribute__((vector_size(16)));
-typedef float V8 __attribute__((vector_size(32)));
-typedef int32_t I8 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+typedef int32_t S4 __attribute__((vector_size(16)));
 
-struct IsaSse2 {  // baseline x86-64: 16 xmm registers, 4 x 8 kernel tile = 8 accumulators
-  using V = V4;
-  using I = I4;
-  static constexpr int kW = 4;
-  static constexpr int kMR = 4;
-  static I Iota() { return I{0, 1, 2, 3}; }
-};
-struct IsaAvx2 {  // AVX2 + FMA: 16 ymm registers, 8 x 8 kernel tile = 8 accumulators
-  using V = V8;
-  using I = I8;
-  static constexpr int kW = 8;
-  static constexpr int kMR = 8;
-  static I Iota() { return I{0, 1, 2, 3, 4, 5, 6, 7}; }
-};
-
-template <typename V>
-inline V LoadV(const float* p) {
-  V v;
+inline F4 LoadF4(const float* p) {
+  F4 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-template <typename V>
-inline void StoreV(float* p, const V& v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-template <typename V>
-inline V Splat(float x) {
-  return V{} + x;
-}
-template <typename V>
-inline V MaxV(const V& a, const V& b) {
-  return a < b ? b : a;
-}
-template <typename V>
-inline float HMax(const V& v) {
-  float m = v[0];
-  for (size_t t = 1; t < sizeof(V) / sizeof(float); ++t) m = std::max(m, float(v[t]));
-  return m;
-}
-template <typename V>
-inline float HSum(const V& v) {
-  float s = v[0];
-  for (size_t t = 1; t < sizeof(V) / sizeof(float); ++t) s += v[t];
-  return s;
-}
-
-// 2^x elementwise, relative error ~2e-7; 0 for x < -126 (and -inf); nan stays nan. Branch-free.
-template <typename V, typename I>
-inline V Exp2(const V& x) {
-  const V lo = Splat<V>(-126.0f), hi = Splat<V>(126.0f);
-  V xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
-  const V magic = Splat<V>(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits
-  const V t = xc + magic;
-  const V f = xc - (t - magic);  // [-0.5, 0.5]
-  // Cephes exp2f minimax polynomial on [-0.5, 0.5].
-  V poly = Splat<V>(1.535336188319500e-4f);
-  poly = poly * f + 1.339887440266574e-3f;
-  poly = poly * f + 9.618437357674640e-3f;
-  poly = poly * f + 5.550332471162809e-2f;
-  poly = poly * f + 2.402264791363012e-1f;
-  poly = poly * f + 6.931472028550421e-1f;
-  poly = poly * f + 1.0f;
-  const I n = (I)t - (I)magic;  // round(xc) as an integer
-  const V r = (V)((I)poly + (n << 23));
-  return x < lo ? V{} : r;
-}
-inline float Exp2Scalar(float x) { return Exp2<V4, I4>(Splat<V4>(x))[0]; }
-
-// C (= or +=) A B with A(r, k) = A[r * a_rs + k * a_ks], B(k, c) = B[k * ldb + c], C(r, c) = C[r * ldc + c].
-// M must be a multiple of Isa::kMR and N of kNR. Each C element is a sum over k in order.
-template <typename Isa, bool kAccumulate>
-inline void Gemm(int M, int N, int K, const float* __restrict A, ptrdiff_t a_rs, ptrdiff_t a_ks,
-                 const float* __restrict B, ptrdiff_t ldb, float* __restrict C, ptrdiff_t ldc) {
-  using V = typename Isa::V;
-  constexpr int MR = Isa::kMR, W = Isa::kW, NV = kNR / Isa::kW;
-  for (int r = 0; r < M; r += MR) {
-    for (int c = 0; c < N; c += kNR) {
-      float* cp = C + r * ldc + c;
-      V x[MR][NV];
-      for (int i = 0; i < MR; ++i) {
-        for (int v = 0; v < NV; ++v) x[i][v] = kAccumulate ? LoadV<V>(cp + i * ldc + v * W) : V{};
-      }
-      const float* a = A + r * a_rs;
-      const float* b = B + c;
-      for (int k = 0; k < K; ++k) {
-        V bv[NV];
-        for (int v = 0; v < NV; ++v) bv[v] = LoadV<V>(b + v * W);
-        for (int i = 0; i < MR; ++i) {
-          const V ai = Splat<V>(a[i * a_rs]);
-          for (int v = 0; v < NV; ++v) x[i][v] += ai * bv[v];
-        }
-        a += a_ks;
-        b += ldb;
-      }
-      for (int i = 0; i < MR; ++i) {
-        for (int v = 0; v < NV; ++v) StoreV(cp + i * ldc + v * W, x[i][v]);
-      }
-    }
-  }
-}
-
-// ----------------------------------------------------------------------------------------------------------------
-// Tile loads and stores. Float tiles are zero padded out to the kernel's multiples, so padding never holds nan.
+inline void StoreF4(float* p, const F4& v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Four consecutive elements as floats.
-inline V4 Load4(const float* s) { return LoadV<V4>(s); }
-inline V4 Load4(const BF16* s) {
+inline F4 Load4(const float* s) { return LoadF4(s); }
+inline F4 Load4(const BF16* s) {
   uint16_t b[4];
   std::memcpy(b, s, sizeof(b));
-  return (V4)(I4{b[0], b[1], b[2], b[3]} << 16);
+  return (F4)(S4{b[0], b[1], b[2], b[3]} << 16);
 }
-inline V4 Load4(const F16* s) { return V4{ToFloat(s[0]), ToFloat(s[1]), ToFloat(s[2]), ToFloat(s[3])}; }
+inline F4 Load4(const F16* s) { return F4{ToFloat(s[0]), ToFloat(s[1]), ToFloat(s[2]), ToFloat(s[3])}; }
 
 // dst[r * ldd + c] = src[r * lds + c] for r < rows, c < cols (a multiple of 4); rows [rows, rows_pad) are zeroed.
 template <typename T>
@@ -279,7 +183,7 @@ inline void LoadRows(const T* __restrict src, int64_t lds, int rows, int rows_pa
   for (int r = 0; r < rows; ++r) {
     const T* s = src + r * lds;
     float* d = dst + int64_t(r) * ldd;
-    for (int c = 0; c < cols; c += 4) StoreV(d + c, Load4(s + c));
+    for (int c = 0; c < cols; c += 4) StoreF4(d + c, Load4(s + c));
   }
   for (int r = rows; r < rows_pad; ++r) std::memset(dst + int64_t(r) * ldd, 0, sizeof(float) * cols);
 }
@@ -296,14 +200,14 @@ inline void LoadRowsTransposed(const T* __restrict src, int64_t lds, int rows, i
     const T* s2 = s1 + lds;
     const T* s3 = s2 + lds;
     for (int c = 0; c < cols; c += 4) {
-      const V4 a = Load4(s0 + c), b = Load4(s1 + c), x = Load4(s2 + c), y = Load4(s3 + c);
-      const V4 ab_lo = __builtin_shuffle(a, b, I4{0, 4, 1, 5}), ab_hi = __builtin_shuffle(a, b, I4{2, 6, 3, 7});
-      const V4 xy_lo = __builtin_shuffle(x, y, I4{0, 4, 1, 5}), xy_hi = __builtin_shuffle(x, y, I4{2, 6, 3, 7});
+      const F4 a = Load4(s0 + c), b = Load4(s1 + c), x = Load4(s2 + c), y = Load4(s3 + c);
+      const F4 ab_lo = __builtin_shuffle(a, b, S4{0, 4, 1, 5}), ab_hi = __builtin_shuffle(a, b, S4{2, 6, 3, 7});
+      const F4 xy_lo = __builtin_shuffle(x, y, S4{0, 4, 1, 5}), xy_hi = __builtin_shuffle(x, y, S4{2, 6, 3, 7});
       float* d = dst + int64_t(c) * ldd + r;
-      StoreV(d, __builtin_shuffle(ab_lo, xy_lo, I4{0, 1, 4, 5}));
-      StoreV(d + ldd, __builtin_shuffle(ab_lo, xy_lo, I4{2, 3, 6, 7}));
-      StoreV(d + 2 * ldd, __builtin_shuffle(ab_hi, xy_hi, I4{0, 1, 4, 5}));
-      StoreV(d + 3 * ldd, __builtin_shuffle(ab_hi, xy_hi, I4{2, 3, 6, 7}));
+      StoreF4(d, __builtin_shuffle(ab_lo, xy_lo, S4{0, 1, 4, 5}));
+      StoreF4(d + ldd, __builtin_shuffle(ab_lo, xy_lo, S4{2, 3, 6, 7}));
+      StoreF4(d + 2 * ldd, __builtin_shuffle(ab_hi, xy_hi, S4{0, 1, 4, 5}));
+      StoreF4(d + 3 * ldd, __builtin_shuffle(ab_hi, xy_hi, S4{2, 3, 6, 7}));
     }
   }
   for (; r < rows; ++r) {
@@ -335,7 +239,7 @@ inline void StoreZeros(int rows, int cols, T* __restrict dst, int64_t ldd) {
 }
 
 // ----------------------------------------------------------------------------------------------------------------
-// Masks and threading.
+// Masks, scratch tiles, threading.
 
 inline AttentionMask MaskFor(const FlashParams& p, int b) {
   const int q_len = std::min(std::max(p.q_lens[b], 0), p.seqlen_q);
@@ -361,51 +265,6 @@ inline void RowSpan(const AttentionMask& mask, bool full, int q0, int i, int nq,
   }
 }
 
-bool UseAvx2() {
-#if JF_HAVE_AVX2_PATH
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-int HardwareThreads() { return std::max(1, int(std::thread::hardware_concurrency())); }
-
-// Threads for a call: one for tiny problems (a thread costs more than the work), else up to one per item.
-int NumThreads(const FlashParams& p, int64_t items) {
-  const int64_t work = int64_t(p.batch) * p.heads_q * p.seqlen_q * int64_t(p.seqlen_k) * p.head_dim;
-  if (items <= 1 || work < (int64_t(1) << 22)) return 1;
-  return int(std::min<int64_t>(HardwareThreads(), items));
-}
-
-// Runs body(item, scratch) for every item in [0, n), each thread with its own Scratch(p), dynamically scheduled.
-template <typename Scratch, typename Body>
-void RunItems(const FlashParams& p, int64_t n, int nthreads, const Body& body) {
-  if (n <= 0) return;
-  nthreads = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, n)));
-  std::atomic<int64_t> next{0};
-  auto worker = [&]() {
-    Scratch scratch(p);
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) body(i, scratch);
-  };
-  if (nthreads == 1) {
-    worker();
-    return;
-  }
-  std::vector<std::thread> threads;
-  threads.reserve(nthreads - 1);
-  for (int t = 1; t < nthreads; ++t) threads.emplace_back(worker);
-  worker();
-  for (auto& t : threads) t.join();
-}
-
-// ----------------------------------------------------------------------------------------------------------------
-// Forward.
-
 struct FwdScratch {
   std::vector<float> q, kt, v, s, o, m, l;
   explicit FwdScratch(const FlashParams& p)
@@ -417,136 +276,6 @@ struct FwdScratch {
         m(kFwdBlockQ),
         l(kFwdBlockQ) {}
 };
-
-int64_t ForwardItems(const FlashParams& p) { return int64_t(p.batch) * p.heads_q * CeilDiv(p.seqlen_q, kFwdBlockQ); }
-
-template <typename Isa, typename T>
-inline void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
-  using V = typename Isa::V;
-  using I = typename Isa::I;
-  constexpr int W = Isa::kW;
-  const int nqb = CeilDiv(p.seqlen_q, kFwdBlockQ);
-  const int qb = int(item % nqb);
-  const int h = int(item / nqb % p.heads_q);
-  const int b = int(item / nqb / p.heads_q);
-  const int kvh = h / p.group_size();
-  const int D = p.head_dim;
-  const int ldd = LdD(D), ldk = LdK(kFwdBlockK);
-  const int q0 = qb * kFwdBlockQ;
-  const int nq = std::min(kFwdBlockQ, p.seqlen_q - q0);
-  const int nqp = RoundUp(nq, Isa::kMR);
-  const AttentionMask mask = MaskFor(p, b);
-
-  const int64_t q_rs = p.q_row_stride(), kv_rs = p.kv_row_stride();
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
-  const T* k = static_cast<const T*>(p.k) + b * p.kv_batch_stride() + int64_t(kvh) * D;
-  const T* v = static_cast<const T*>(p.v) + b * p.kv_batch_stride() + int64_t(kvh) * D;
-  T* o = static_cast<T*>(p.o) + b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
-  float* lse = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + q0;
-
-  int kb0, kb1;
-  mask.key_range(q0, q0 + nq, &kb0, &kb1);
-  kb0 = std::max(kb0, 0);
-  kb1 = std::min(kb1, p.seqlen_k);
-  if (kb1 <= kb0) {  // no row of the block sees any key
-    StoreZeros(nq, D, o, q_rs);
-    for (int i = 0; i < nq; ++i) lse[i] = kInf;
-    return;
-  }
-
-  float* __restrict qf = w.q.data();
-  float* __restrict kt = w.kt.data();
-  float* __restrict vf = w.v.data();
-  float* __restrict s = w.s.data();
-  float* __restrict acc = w.o.data();
-  float* __restrict m = w.m.data();
-  float* __restrict l = w.l.data();
-  LoadRows(q, q_rs, nq, nqp, D, qf, ldd);
-  std::fill(acc, acc + size_t(nqp) * ldd, 0.0f);
-  std::fill(m, m + nqp, -kInf);
-  std::fill(l, l + nqp, 0.0f);
-  const V vsl2 = Splat<V>(p.scale_log2), vneg = Splat<V>(-kInf);
-
-  for (int k0 = kb0; k0 < kb1; k0 += kFwdBlockK) {
-    const int nk = std::min(kFwdBlockK, kb1 - k0);
-    const int nkp = RoundUp(nk, kNR);
-    LoadRowsTransposed(k + int64_t(k0) * kv_rs, kv_rs, nk, nkp, D, kt, ldk);
-    LoadRows(v + int64_t(k0) * kv_rs, kv_rs, nk, nkp, D, vf, ldd);
-    Gemm<Isa, false>(nqp, nkp, D, qf, ldd, 1, kt, ldk, s, ldk);  // S = Q K^T
-    const bool full = mask.tile_fully_visible(q0, q0 + nq, k0, k0 + nk, p.seqlen_q);
-    for (int i = 0; i < nqp; ++i) {
-      float* __restrict si = s + i * ldk;
-      int jlo, jhi;
-      RowSpan(mask, full, q0, i, nq, k0, nk, &jlo, &jhi);
-      if (jhi <= jlo) {  // nothing visible in this tile: P = 0, running max/sum unchanged
-        std::fill(si, si + nkp, 0.0f);
-        continue;
-      }
-      // Logits in the log2 domain, -inf where masked, and their maximum.
-      V vmax = vneg;
-      for (int j = 0; j < nkp; j += W) {
-        const I idx = Isa::Iota() + j;
-        const V x = (idx >= jlo) & (idx < jhi) ? LoadV<V>(si + j) * vsl2 : vneg;
-        StoreV(si + j, x);
-        vmax = MaxV(vmax, x);
-      }
-      const float m_new = std::max(m[i], HMax(vmax));
-      const float alpha = Exp2Scalar(m[i] - m_new);  // 0 while m[i] is still -inf
-      const V vm = Splat<V>(m_new);
-      V vsum = V{};
-      for (int j = 0; j < nkp; j += W) {
-        const V e = Exp2<V, I>(LoadV<V>(si + j) - vm);  // masked: exp2(-inf) = 0
-        StoreV(si + j, e);
-        vsum += e;
-      }
-      l[i] = l[i] * alpha + HSum(vsum);
-      m[i] = m_new;
-      if (alpha != 1.0f) {
-        float* __restrict ai = acc + int64_t(i) * ldd;
-        const V va = Splat<V>(alpha);
-        for (int d = 0; d < D; d += W) StoreV(ai + d, LoadV<V>(ai + d) * va);
-      }
-    }
-    Gemm<Isa, true>(nqp, D, nkp, s, ldk, 1, vf, ldd, acc, ldd);  // O += P V
-  }
-
-  for (int i = 0; i < nq; ++i) {
-    if (l[i] > 0.0f) {
-      StoreRows(acc + int64_t(i) * ldd, ldd, 1, D, 1.0f / l[i], o + i * q_rs, q_rs);
-      lse[i] = (m[i] + std::log2(l[i])) * kLn2;
-    } else {
-      StoreZeros(1, D, o + i * q_rs, q_rs);
-      lse[i] = kInf;
-    }
-  }
-}
-
-template <typename T>
-__attribute__((flatten)) void ForwardItemSse2(const FlashParams& p, int64_t item, FwdScratch& w) {
-  ForwardItem<IsaSse2, T>(p, item, w);
-}
-#if JF_HAVE_AVX2_PATH
-template <typename T>
-JF_TARGET_AVX2 void ForwardItemAvx2(const FlashParams& p, int64_t item, FwdScratch& w) {
-  ForwardItem<IsaAvx2, T>(p, item, w);
-}
-#endif
-
-template <typename T>
-void Forward(const FlashParams& p) {
-  const int64_t items = ForwardItems(p);
-  const int nthreads = NumThreads(p, items);
-#if JF_HAVE_AVX2_PATH
-  if (UseAvx2()) {
-    RunItems<FwdScratch>(p, items, nthreads, [&](int64_t i, FwdScratch& w) { ForwardItemAvx2<T>(p, i, w); });
-    return;
-  }
-#endif
-  RunItems<FwdScratch>(p, items, nthreads, [&](int64_t i, FwdScratch& w) { ForwardItemSse2<T>(p, i, w); });
-}
-
-// ----------------------------------------------------------------------------------------------------------------
-// Backward.
 
 struct BwdScratch {
   int bk, ldk, ldd;
@@ -599,41 +328,6 @@ inline void LoadKeySide(const FlashParams& p, int b, int kvh, int k0, int nk, in
   if (need_k) LoadRows(k, kv_rs, nk, nkp, p.head_dim, w.k.data(), w.ldd);
 }
 
-// From the loaded tiles: P (w.p) and scale * dS (w.ds) of query rows [q0, q0 + nq) x keys [k0, k0 + nk). Padding
-// rows and columns come out zero.
-template <typename Isa>
-inline void BackwardTile(const FlashParams& p, const AttentionMask& mask, int q0, int nq, int nqp, int k0, int nk,
-                         int nkp, BwdScratch& w) {
-  using V = typename Isa::V;
-  using I = typename Isa::I;
-  constexpr int W = Isa::kW;
-  const int D = p.head_dim, ldd = w.ldd, ldk = w.ldk;
-  float* __restrict pt = w.p.data();
-  float* __restrict ds = w.ds.data();
-  Gemm<Isa, false>(nqp, nkp, D, w.q.data(), ldd, 1, w.kt.data(), ldk, pt, ldk);     // S = Q K^T
-  Gemm<Isa, false>(nqp, nkp, D, w.dout.data(), ldd, 1, w.vt.data(), ldk, ds, ldk);  // dP = dO V^T
-  const bool full = mask.tile_fully_visible(q0, q0 + nq, k0, k0 + nk, p.seqlen_q);
-  const V vsl2 = Splat<V>(p.scale_log2), vscale = Splat<V>(p.scale);
-  for (int i = 0; i < nqp; ++i) {
-    float* __restrict pi = pt + i * ldk;
-    float* __restrict dsi = ds + i * ldk;
-    int jlo, jhi;
-    RowSpan(mask, full, q0, i, nq, k0, nk, &jlo, &jhi);
-    if (jhi <= jlo) {
-      std::fill(pi, pi + nkp, 0.0f);
-      std::fill(dsi, dsi + nkp, 0.0f);
-      continue;
-    }
-    const V l2 = Splat<V>(w.lse2[i]), di = Splat<V>(w.dsum[i]);
-    for (int j = 0; j < nkp; j += W) {
-      const I idx = Isa::Iota() + j;
-      const V e = (idx >= jlo) & (idx < jhi) ? Exp2<V, I>(LoadV<V>(pi + j) * vsl2 - l2) : V{};
-      StoreV(pi + j, e);
-      StoreV(dsi + j, e * (LoadV<V>(dsi + j) - di) * vscale);
-    }
-  }
-}
-
 // dsum[b, h, i] = sum_d dout[b, i, h, d] * o[b, i, h, d] for every row of (batch b, query head h).
 template <typename T>
 void ComputeDsum(const FlashParams& p, int b, int h) {
@@ -646,16 +340,392 @@ void ComputeDsum(const FlashParams& p, int b, int h) {
   for (int i = 0; i < p.seqlen_q; ++i) {
     const T* oi = o + i * q_rs;
     const T* di = dout + i * q_rs;
-    V4 part = V4{};
+    F4 part = F4{};
     for (int d = 0; d < D; d += 4) part += Load4(oi + d) * Load4(di + d);
-    dsum[i] = HSum(part);
+    dsum[i] = (part[0] + part[1]) + (part[2] + part[3]);
+  }
+}
+
+bool UseAvx2() {
+#if JF_AVX2
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Threads for a call: one for tiny problems (a thread costs more than the work), else up to one per item.
+int NumThreads(const FlashParams& p, int64_t items) {
+  const int64_t work = int64_t(p.batch) * p.heads_q * p.seqlen_q * int64_t(p.seqlen_k) * p.head_dim;
+  if (items <= 1 || work < (int64_t(1) << 22)) return 1;
+  const int hw = std::max(1, int(std::thread::hardware_concurrency()));
+  return int(std::min<int64_t>(hw, items));
+}
+
+// Runs body(item, scratch) for every item in [0, n), each thread with its own Scratch(p), dynamically scheduled.
+template <typename Scratch, typename Body>
+void RunItems(const FlashParams& p, int64_t n, int nthreads, const Body& body) {
+  if (n <= 0) return;
+  nthreads = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, n)));
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    Scratch scratch(p);
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) body(i, scratch);
+  };
+  if (nthreads == 1) {
+    worker();
+    return;
+  }
+  std::vector<std::thread> threads;
+  threads.reserve(nthreads - 1);
+  for (int t = 1; t < nthreads; ++t) {
+    try {
+      threads.emplace_back(worker);
+    } catch (...) {  // cannot start a thread: the ones running (at least this one) take all the items
+      break;
+    }
+  }
+  worker();
+  for (auto& t : threads) t.join();
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// The ISA-dependent kernels, compiled once per instruction set (see the top of the file).
+
+namespace sse2 {
+typedef float V __attribute__((vector_size(16)));
+typedef int32_t I __attribute__((vector_size(16)));
+constexpr int kW = 4;   // floats per vector
+constexpr int kMR = 4;  // kernel tile rows: 4 x (2 vectors) = 8 accumulators of the 16 xmm registers
+inline I Iota() { return I{0, 1, 2, 3}; }
+#define JF_KERNELS 1
+#include "attention_cpu.cc"
+#undef JF_KERNELS
+}  // namespace sse2
+
+#if JF_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+typedef float V __attribute__((vector_size(32)));
+typedef int32_t I __attribute__((vector_size(32)));
+constexpr int kW = 8;
+constexpr int kMR = 8;  // 8 x (1 vector) = 8 accumulators of the 16 ymm registers
+inline I Iota() { return I{0, 1, 2, 3, 4, 5, 6, 7}; }
+#define JF_KERNELS 1
+#include "attention_cpu.cc"
+#undef JF_KERNELS
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+// ----------------------------------------------------------------------------------------------------------------
+// Dispatch.
+
+template <typename T>
+void Forward(const FlashParams& p) {
+  const int64_t items = int64_t(p.batch) * p.heads_q * CeilDiv(p.seqlen_q, kFwdBlockQ);
+  const int nthreads = NumThreads(p, items);
+#if JF_AVX2
+  if (UseAvx2()) {
+    RunItems<FwdScratch>(p, items, nthreads, [&](int64_t i, FwdScratch& w) { avx2::ForwardItem<T>(p, i, w); });
+    return;
+  }
+#endif
+  RunItems<FwdScratch>(p, items, nthreads, [&](int64_t i, FwdScratch& w) { sse2::ForwardItem<T>(p, i, w); });
+}
+
+template <typename T>
+void Backward(const FlashParams& p) {
+  if (p.heads_q <= 0) {  // no query heads: nothing reaches K and V
+    for (int b = 0; b < p.batch; ++b) {
+      const int64_t off = b * p.kv_batch_stride();
+      StoreZeros(p.seqlen_k, int(p.kv_row_stride()), static_cast<T*>(p.dk) + off, p.kv_row_stride());
+      StoreZeros(p.seqlen_k, int(p.kv_row_stride()), static_cast<T*>(p.dv) + off, p.kv_row_stride());
+    }
+    return;
+  }
+  [[maybe_unused]] const bool avx2 = UseAvx2();
+  const int64_t pairs = int64_t(p.batch) * p.heads_kv;
+  const int64_t heads = int64_t(p.batch) * p.heads_q;
+  const int64_t q_items = heads * CeilDiv(p.seqlen_q, kBwdBlockQ);
+  const int nthreads = NumThreads(p, q_items + pairs);
+  // The fused schedule does 5 tile products per (query tile, key tile) pair, the split one 7, but the fused one has
+  // only `pairs` items: use it unless its busiest thread would do more than a thread of the split schedule.
+  bool fused = 5 * ((pairs + nthreads - 1) / nthreads) * nthreads <= 7 * pairs;
+  if (JAX_FLASH_CPU_BWD_FORCE == 1) fused = true;
+  if (JAX_FLASH_CPU_BWD_FORCE == 2) fused = false;
+  if (fused) {
+    RunItems<BwdScratch>(p, pairs, nthreads, [&](int64_t i, BwdScratch& w) {
+#if JF_AVX2
+      if (avx2) return avx2::BackwardFusedItem<T>(p, i, w);
+#endif
+      sse2::BackwardFusedItem<T>(p, i, w);
+    });
+    return;
+  }
+  struct NoScratch {
+    explicit NoScratch(const FlashParams&) {}
+  };
+  RunItems<NoScratch>(p, heads, nthreads, [&](int64_t i, NoScratch&) {
+    ComputeDsum<T>(p, int(i / p.heads_q), int(i % p.heads_q));
+  });
+  const int64_t kv_items = pairs * CeilDiv(p.seqlen_k, BwdBlockK(p.head_dim));
+  RunItems<BwdScratch>(p, kv_items, nthreads, [&](int64_t i, BwdScratch& w) {
+#if JF_AVX2
+    if (avx2) return avx2::BackwardDkvItem<T>(p, i, w);
+#endif
+    sse2::BackwardDkvItem<T>(p, i, w);
+  });
+  RunItems<BwdScratch>(p, q_items, nthreads, [&](int64_t i, BwdScratch& w) {
+#if JF_AVX2
+    if (avx2) return avx2::BackwardDqItem<T>(p, i, w);
+#endif
+    sse2::BackwardDqItem<T>(p, i, w);
+  });
+}
+
+}  // namespace
+
+void FlashForward(const FlashParams& p) {
+  if (p.batch <= 0 || p.heads_q <= 0 || p.seqlen_q <= 0) return;
+  switch (p.dtype) {
+    case DType::kF32: Forward<float>(p); break;
+    case DType::kBF16: Forward<BF16>(p); break;
+    case DType::kF16: Forward<F16>(p); break;
+  }
+}
+
+void FlashBackward(const FlashParams& p) {
+  // Empty sequences need no special case: key blocks no row sees get zero dK/dV, query rows that see no key get
+  // zero dQ, and with seqlen_q == 0 there is no dQ at all.
+  if (p.batch <= 0) return;
+  switch (p.dtype) {
+    case DType::kF32: Backward<float>(p); break;
+    case DType::kBF16: Backward<BF16>(p); break;
+    case DType::kF16: Backward<F16>(p); break;
+  }
+}
+
+}  // namespace jax_flash::cpu
+
+#else  // JF_KERNELS ==================================================================================================
+// Kernels for one instruction set: included above inside namespace sse2 / avx2, which define V (float vector), I
+// (int32 vector of the same width), kW (its width), kMR (kernel tile rows) and Iota() ({0, 1, ..., kW - 1}).
+
+inline V VLoad(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void VStore(float* p, const V& v) { std::memcpy(p, &v, sizeof(v)); }
+inline V VSplat(float x) { return -V{} + x; }  // (-0) + x == x exactly: folds to a plain broadcast
+inline V VMax(const V& a, const V& b) { return a < b ? b : a; }
+inline float HMax(const V& v) {
+  float m = v[0];
+  for (int t = 1; t < kW; ++t) m = std::max(m, float(v[t]));
+  return m;
+}
+inline float HSum(const V& v) {
+  float s = v[0];
+  for (int t = 1; t < kW; ++t) s += v[t];
+  return s;
+}
+
+// 2^x elementwise, relative error ~2e-7; 0 for x < -126 (and -inf); nan stays nan. Branch-free.
+inline V Exp2(const V& x) {
+  const V lo = VSplat(-126.0f), hi = VSplat(126.0f);
+  V xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const V magic = VSplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits
+  const V t = xc + magic;
+  const V f = xc - (t - magic);  // [-0.5, 0.5]
+  // Cephes exp2f minimax polynomial on [-0.5, 0.5].
+  V poly = VSplat(1.535336188319500e-4f);
+  poly = poly * f + 1.339887440266574e-3f;
+  poly = poly * f + 9.618437357674640e-3f;
+  poly = poly * f + 5.550332471162809e-2f;
+  poly = poly * f + 2.402264791363012e-1f;
+  poly = poly * f + 6.931472028550421e-1f;
+  poly = poly * f + 1.0f;
+  const I n = (I)t - (I)magic;  // round(xc) as an integer
+  const V r = (V)((I)poly + (n << 23));
+  return x < lo ? V{} : r;
+}
+inline float Exp2Scalar(float x) { return Exp2(VSplat(x))[0]; }
+
+// C (= or +=) A B with A(r, k) = A[r * a_rs + k * a_ks], B(k, c) = B[k * ldb + c], C(r, c) = C[r * ldc + c].
+// M must be a multiple of kMR and N of kNR. Each C element is a sum over k in order.
+template <bool kAccumulate>
+inline void Gemm(int M, int N, int K, const float* __restrict A, ptrdiff_t a_rs, ptrdiff_t a_ks,
+                 const float* __restrict B, ptrdiff_t ldb, float* __restrict C, ptrdiff_t ldc) {
+  constexpr int NV = kNR / kW;  // vectors per kernel tile row
+  for (int r = 0; r < M; r += kMR) {
+    for (int c = 0; c < N; c += kNR) {
+      float* cp = C + r * ldc + c;
+      V x[kMR][NV];
+      for (int i = 0; i < kMR; ++i) {
+        for (int v = 0; v < NV; ++v) x[i][v] = kAccumulate ? VLoad(cp + i * ldc + v * kW) : V{};
+      }
+      const float* a = A + r * a_rs;
+      const float* b = B + c;
+      for (int k = 0; k < K; ++k) {
+        V bv[NV];
+        for (int v = 0; v < NV; ++v) bv[v] = VLoad(b + v * kW);
+        for (int i = 0; i < kMR; ++i) {
+          const V ai = VSplat(a[i * a_rs]);
+          for (int v = 0; v < NV; ++v) x[i][v] += ai * bv[v];
+        }
+        a += a_ks;
+        b += ldb;
+      }
+      for (int i = 0; i < kMR; ++i) {
+        for (int v = 0; v < NV; ++v) VStore(cp + i * ldc + v * kW, x[i][v]);
+      }
+    }
+  }
+}
+
+// ---- Forward: one (batch, query head, query block) item.
+template <typename T>
+void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
+  const int nqb = CeilDiv(p.seqlen_q, kFwdBlockQ);
+  const int qb = int(item % nqb);
+  const int h = int(item / nqb % p.heads_q);
+  const int b = int(item / nqb / p.heads_q);
+  const int kvh = h / p.group_size();
+  const int D = p.head_dim;
+  const int ldd = LdD(D), ldk = LdK(kFwdBlockK);
+  const int q0 = qb * kFwdBlockQ;
+  const int nq = std::min(kFwdBlockQ, p.seqlen_q - q0);
+  const int nqp = RoundUp(nq, kMR);
+  const AttentionMask mask = MaskFor(p, b);
+
+  const int64_t q_rs = p.q_row_stride(), kv_rs = p.kv_row_stride();
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
+  const T* k = static_cast<const T*>(p.k) + b * p.kv_batch_stride() + int64_t(kvh) * D;
+  const T* v = static_cast<const T*>(p.v) + b * p.kv_batch_stride() + int64_t(kvh) * D;
+  T* o = static_cast<T*>(p.o) + b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
+  float* lse = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + q0;
+
+  int kb0, kb1;
+  mask.key_range(q0, q0 + nq, &kb0, &kb1);
+  kb0 = std::max(kb0, 0);
+  kb1 = std::min(kb1, p.seqlen_k);
+  if (kb1 <= kb0) {  // no row of the block sees any key
+    StoreZeros(nq, D, o, q_rs);
+    for (int i = 0; i < nq; ++i) lse[i] = kInf;
+    return;
+  }
+
+  float* __restrict qf = w.q.data();
+  float* __restrict kt = w.kt.data();
+  float* __restrict vf = w.v.data();
+  float* __restrict s = w.s.data();
+  float* __restrict acc = w.o.data();
+  float* __restrict m = w.m.data();
+  float* __restrict l = w.l.data();
+  LoadRows(q, q_rs, nq, nqp, D, qf, ldd);
+  std::fill(acc, acc + size_t(nqp) * ldd, 0.0f);
+  std::fill(m, m + nqp, -kInf);
+  std::fill(l, l + nqp, 0.0f);
+  const V vsl2 = VSplat(p.scale_log2), vneg = VSplat(-kInf);
+
+  for (int k0 = kb0; k0 < kb1; k0 += kFwdBlockK) {
+    const int nk = std::min(kFwdBlockK, kb1 - k0);
+    const int nkp = RoundUp(nk, kNR);
+    LoadRowsTransposed(k + int64_t(k0) * kv_rs, kv_rs, nk, nkp, D, kt, ldk);
+    LoadRows(v + int64_t(k0) * kv_rs, kv_rs, nk, nkp, D, vf, ldd);
+    Gemm<false>(nqp, nkp, D, qf, ldd, 1, kt, ldk, s, ldk);  // S = Q K^T
+    const bool full = mask.tile_fully_visible(q0, q0 + nq, k0, k0 + nk, p.seqlen_q);
+    for (int i = 0; i < nqp; ++i) {
+      float* __restrict si = s + i * ldk;
+      int jlo, jhi;
+      RowSpan(mask, full, q0, i, nq, k0, nk, &jlo, &jhi);
+      if (jhi <= jlo) {  // nothing visible in this tile: P = 0, running max/sum unchanged
+        std::fill(si, si + nkp, 0.0f);
+        continue;
+      }
+      // Logits in the log2 domain, -inf where masked, and their maximum.
+      V vmax = vneg;
+      for (int j = 0; j < nkp; j += kW) {
+        const I idx = Iota() + j;
+        const V x = (idx >= jlo) & (idx < jhi) ? VLoad(si + j) * vsl2 : vneg;
+        VStore(si + j, x);
+        vmax = VMax(vmax, x);
+      }
+      const float m_new = std::max(m[i], HMax(vmax));
+      const float alpha = Exp2Scalar(m[i] - m_new);  // 0 while m[i] is still -inf
+      const V vm = VSplat(m_new);
+      V vsum = V{};
+      for (int j = 0; j < nkp; j += kW) {
+        const V e = Exp2(VLoad(si + j) - vm);  // masked: exp2(-inf) = 0
+        VStore(si + j, e);
+        vsum += e;
+      }
+      l[i] = l[i] * alpha + HSum(vsum);
+      m[i] = m_new;
+      if (alpha != 1.0f) {
+        float* __restrict ai = acc + int64_t(i) * ldd;
+        const V va = VSplat(alpha);
+        for (int d = 0; d < D; d += kW) VStore(ai + d, VLoad(ai + d) * va);
+      }
+    }
+    Gemm<true>(nqp, D, nkp, s, ldk, 1, vf, ldd, acc, ldd);  // O += P V
+  }
+
+  for (int i = 0; i < nq; ++i) {
+    if (l[i] > 0.0f) {
+      StoreRows(acc + int64_t(i) * ldd, ldd, 1, D, 1.0f / l[i], o + i * q_rs, q_rs);
+      lse[i] = (m[i] + std::log2(l[i])) * kLn2;
+    } else {
+      StoreZeros(1, D, o + i * q_rs, q_rs);
+      lse[i] = kInf;
+    }
+  }
+}
+
+// ---- Backward.
+
+// From the loaded tiles: P (w.p) and scale * dS (w.ds) of query rows [q0, q0 + nq) x keys [k0, k0 + nk). Padding
+// rows and columns come out zero.
+inline void BackwardTile(const FlashParams& p, const AttentionMask& mask, int q0, int nq, int nqp, int k0, int nk,
+                         int nkp, BwdScratch& w) {
+  const int D = p.head_dim, ldd = w.ldd, ldk = w.ldk;
+  float* __restrict pt = w.p.data();
+  float* __restrict ds = w.ds.data();
+  Gemm<false>(nqp, nkp, D, w.q.data(), ldd, 1, w.kt.data(), ldk, pt, ldk);     // S = Q K^T
+  Gemm<false>(nqp, nkp, D, w.dout.data(), ldd, 1, w.vt.data(), ldk, ds, ldk);  // dP = dO V^T
+  const bool full = mask.tile_fully_visible(q0, q0 + nq, k0, k0 + nk, p.seqlen_q);
+  const V vsl2 = VSplat(p.scale_log2), vscale = VSplat(p.scale);
+  for (int i = 0; i < nqp; ++i) {
+    float* __restrict pi = pt + i * ldk;
+    float* __restrict dsi = ds + i * ldk;
+    int jlo, jhi;
+    RowSpan(mask, full, q0, i, nq, k0, nk, &jlo, &jhi);
+    if (jhi <= jlo) {
+      std::fill(pi, pi + nkp, 0.0f);
+      std::fill(dsi, dsi + nkp, 0.0f);
+      continue;
+    }
+    const V l2 = VSplat(w.lse2[i]), di = VSplat(w.dsum[i]);
+    for (int j = 0; j < nkp; j += kW) {
+      const I idx = Iota() + j;
+      const V e = (idx >= jlo) & (idx < jhi) ? Exp2(VLoad(pi + j) * vsl2 - l2) : V{};
+      VStore(pi + j, e);
+      VStore(dsi + j, e * (VLoad(dsi + j) - di) * vscale);
+    }
   }
 }
 
 // dK and dV of keys [k0, k0 + bk) of kv head kvh of batch b: sums over the group's query heads and the query rows
 // that see the key block. With kFusedDq, also adds dS K into p.dq_accum (the caller owns those heads' rows).
-template <typename Isa, typename T, bool kFusedDq>
-inline void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdScratch& w) {
+template <typename T, bool kFusedDq>
+void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdScratch& w) {
   const int D = p.head_dim, ldd = w.ldd, ldk = w.ldk;
   const int G = p.group_size();
   const int64_t kv_rs = p.kv_row_stride(), q_rs = p.q_row_stride();
@@ -685,19 +755,19 @@ inline void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdSc
     const int h = kvh * G + g;
     for (int q0 = r0; q0 < r1; q0 += kBwdBlockQ) {
       const int nq = std::min(kBwdBlockQ, r1 - q0);
-      const int nqp = RoundUp(nq, Isa::kMR);
+      const int nqp = RoundUp(nq, kMR);
       LoadQuerySide<T>(p, b, h, q0, nq, nqp, w);
-      BackwardTile<Isa>(p, mask, q0, nq, nqp, k0, nk, nkp, w);
-      Gemm<Isa, true>(nkp, D, nqp, w.p.data(), 1, ldk, w.dout.data(), ldd, dva, ldd);  // dV += P^T dO
-      Gemm<Isa, true>(nkp, D, nqp, w.ds.data(), 1, ldk, w.q.data(), ldd, dka, ldd);    // dK += dS^T Q
+      BackwardTile(p, mask, q0, nq, nqp, k0, nk, nkp, w);
+      Gemm<true>(nkp, D, nqp, w.p.data(), 1, ldk, w.dout.data(), ldd, dva, ldd);  // dV += P^T dO
+      Gemm<true>(nkp, D, nqp, w.ds.data(), 1, ldk, w.q.data(), ldd, dka, ldd);    // dK += dS^T Q
       if constexpr (kFusedDq) {
         float* __restrict dqt = w.dq.data();
-        Gemm<Isa, false>(nqp, D, nkp, w.ds.data(), ldk, 1, w.k.data(), ldd, dqt, ldd);  // dS K
+        Gemm<false>(nqp, D, nkp, w.ds.data(), ldk, 1, w.k.data(), ldd, dqt, ldd);  // dS K
         float* dqa = p.dq_accum + b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
         for (int i = 0; i < nq; ++i) {
           float* __restrict dst = dqa + i * q_rs;
           const float* __restrict src = dqt + int64_t(i) * ldd;
-          for (int d = 0; d < D; d += 4) StoreV(dst + d, LoadV<V4>(dst + d) + LoadV<V4>(src + d));
+          for (int d = 0; d < D; d += kW) VStore(dst + d, VLoad(dst + d) + VLoad(src + d));
         }
       }
     }
@@ -707,8 +777,8 @@ inline void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdSc
 }
 
 // Fused backward item: everything for (batch b, kv head kvh); owns dQ (and dsum) of the group's query heads.
-template <typename Isa, typename T>
-inline void BackwardFusedItem(const FlashParams& p, int64_t item, BwdScratch& w) {
+template <typename T>
+void BackwardFusedItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   const int kvh = int(item % p.heads_kv);
   const int b = int(item / p.heads_kv);
   const int D = p.head_dim;
@@ -720,7 +790,7 @@ inline void BackwardFusedItem(const FlashParams& p, int64_t item, BwdScratch& w)
     float* dqa = p.dq_accum + b * p.q_batch_stride() + int64_t(h) * D;
     for (int i = 0; i < p.seqlen_q; ++i) std::fill(dqa + i * q_rs, dqa + i * q_rs + D, 0.0f);
   }
-  for (int k0 = 0; k0 < p.seqlen_k; k0 += w.bk) BackwardKeyBlock<Isa, T, true>(p, b, kvh, k0, w);
+  for (int k0 = 0; k0 < p.seqlen_k; k0 += w.bk) BackwardKeyBlock<T, true>(p, b, kvh, k0, w);
   for (int g = 0; g < G; ++g) {
     const int64_t off = b * p.q_batch_stride() + int64_t(kvh * G + g) * D;
     StoreRows(p.dq_accum + off, q_rs, p.seqlen_q, D, 1.0f, static_cast<T*>(p.dq) + off, q_rs);
@@ -728,18 +798,18 @@ inline void BackwardFusedItem(const FlashParams& p, int64_t item, BwdScratch& w)
 }
 
 // Split backward, dK/dV pass: one (batch, kv head, key block) item.
-template <typename Isa, typename T>
-inline void BackwardDkvItem(const FlashParams& p, int64_t item, BwdScratch& w) {
+template <typename T>
+void BackwardDkvItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   const int nkb = CeilDiv(p.seqlen_k, w.bk);
   const int kb = int(item % nkb);
   const int kvh = int(item / nkb % p.heads_kv);
   const int b = int(item / nkb / p.heads_kv);
-  BackwardKeyBlock<Isa, T, false>(p, b, kvh, kb * w.bk, w);
+  BackwardKeyBlock<T, false>(p, b, kvh, kb * w.bk, w);
 }
 
 // Split backward, dQ pass: one (batch b, query head h, query block) item over the key blocks from key_range.
-template <typename Isa, typename T>
-inline void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
+template <typename T>
+void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   const int nqb = CeilDiv(p.seqlen_q, kBwdBlockQ);
   const int qb = int(item % nqb);
   const int h = int(item / nqb % p.heads_q);
@@ -749,7 +819,7 @@ inline void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   const int64_t q_rs = p.q_row_stride();
   const int q0 = qb * kBwdBlockQ;
   const int nq = std::min(kBwdBlockQ, p.seqlen_q - q0);
-  const int nqp = RoundUp(nq, Isa::kMR);
+  const int nqp = RoundUp(nq, kMR);
   const AttentionMask mask = MaskFor(p, b);
   const int64_t q_off = b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
   float* __restrict dqa = w.dq.data();
@@ -765,103 +835,12 @@ inline void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
       const int nk = std::min(w.bk, kb1 - k0);
       const int nkp = RoundUp(nk, kNR);
       LoadKeySide<T>(p, b, kvh, k0, nk, nkp, true, w);
-      BackwardTile<Isa>(p, mask, q0, nq, nqp, k0, nk, nkp, w);
-      Gemm<Isa, true>(nqp, D, nkp, w.ds.data(), w.ldk, 1, w.k.data(), ldd, dqa, ldd);  // dQ += dS K
+      BackwardTile(p, mask, q0, nq, nqp, k0, nk, nkp, w);
+      Gemm<true>(nqp, D, nkp, w.ds.data(), w.ldk, 1, w.k.data(), ldd, dqa, ldd);  // dQ += dS K
     }
   }
   for (int i = 0; i < nq; ++i) std::memcpy(p.dq_accum + q_off + i * q_rs, dqa + int64_t(i) * ldd, sizeof(float) * D);
   StoreRows(dqa, ldd, nq, D, 1.0f, static_cast<T*>(p.dq) + q_off, q_rs);
 }
 
-template <typename T>
-__attribute__((flatten)) void BackwardFusedItemSse2(const FlashParams& p, int64_t item, BwdScratch& w) {
-  BackwardFusedItem<IsaSse2, T>(p, item, w);
-}
-template <typename T>
-__attribute__((flatten)) void BackwardDkvItemSse2(const FlashParams& p, int64_t item, BwdScratch& w) {
-  BackwardDkvItem<IsaSse2, T>(p, item, w);
-}
-template <typename T>
-__attribute__((flatten)) void BackwardDqItemSse2(const FlashParams& p, int64_t item, BwdScratch& w) {
-  BackwardDqItem<IsaSse2, T>(p, item, w);
-}
-#if JF_HAVE_AVX2_PATH
-template <typename T>
-JF_TARGET_AVX2 void BackwardFusedItemAvx2(const FlashParams& p, int64_t item, BwdScratch& w) {
-  BackwardFusedItem<IsaAvx2, T>(p, item, w);
-}
-template <typename T>
-JF_TARGET_AVX2 void BackwardDkvItemAvx2(const FlashParams& p, int64_t item, BwdScratch& w) {
-  BackwardDkvItem<IsaAvx2, T>(p, item, w);
-}
-template <typename T>
-JF_TARGET_AVX2 void BackwardDqItemAvx2(const FlashParams& p, int64_t item, BwdScratch& w) {
-  BackwardDqItem<IsaAvx2, T>(p, item, w);
-}
-#endif
-
-template <typename T>
-void Backward(const FlashParams& p) {
-  [[maybe_unused]] const bool avx2 = UseAvx2();
-  const int64_t pairs = int64_t(p.batch) * p.heads_kv;
-  const int64_t heads = int64_t(p.batch) * p.heads_q;
-  const int64_t q_items = heads * CeilDiv(p.seqlen_q, kBwdBlockQ);
-  const int nthreads = NumThreads(p, q_items + pairs);
-  // The fused schedule does 5 tile products per (query tile, key tile) pair, the split one 7, but the fused one has
-  // only `pairs` items: use it unless its busiest thread would do more than a thread of the split schedule.
-  bool fused = 5 * ((pairs + nthreads - 1) / nthreads) * int64_t(nthreads) <= 7 * pairs;
-  if (JAX_FLASH_CPU_BWD_FORCE == 1) fused = true;
-  if (JAX_FLASH_CPU_BWD_FORCE == 2) fused = false;
-  if (fused) {
-    RunItems<BwdScratch>(p, pairs, nthreads, [&](int64_t i, BwdScratch& w) {
-#if JF_HAVE_AVX2_PATH
-      if (avx2) return BackwardFusedItemAvx2<T>(p, i, w);
-#endif
-      BackwardFusedItemSse2<T>(p, i, w);
-    });
-    return;
-  }
-  struct NoScratch {
-    explicit NoScratch(const FlashParams&) {}
-  };
-  RunItems<NoScratch>(p, heads, nthreads, [&](int64_t i, NoScratch&) {
-    ComputeDsum<T>(p, int(i / p.heads_q), int(i % p.heads_q));
-  });
-  const int64_t kv_items = pairs * CeilDiv(p.seqlen_k, BwdBlockK(p.head_dim));
-  RunItems<BwdScratch>(p, kv_items, nthreads, [&](int64_t i, BwdScratch& w) {
-#if JF_HAVE_AVX2_PATH
-    if (avx2) return BackwardDkvItemAvx2<T>(p, i, w);
-#endif
-    BackwardDkvItemSse2<T>(p, i, w);
-  });
-  RunItems<BwdScratch>(p, q_items, nthreads, [&](int64_t i, BwdScratch& w) {
-#if JF_HAVE_AVX2_PATH
-    if (avx2) return BackwardDqItemAvx2<T>(p, i, w);
-#endif
-    BackwardDqItemSse2<T>(p, i, w);
-  });
-}
-
-}  // namespace
-
-void FlashForward(const FlashParams& p) {
-  if (p.batch <= 0 || p.heads_q <= 0 || p.seqlen_q <= 0) return;
-  switch (p.dtype) {
-    case DType::kF32: Forward<float>(p); break;
-    case DType::kBF16: Forward<BF16>(p); break;
-    case DType::kF16: Forward<F16>(p); break;
-  }
-}
-
-void FlashBackward(const FlashParams& p) {
-  // Empty sequences need no special case: key blocks no row sees get zero dK/dV, query rows that see no key get
-  // zero dQ, and with seqlen_q == 0 there is no dQ at all.
-  if (p.batch <= 0 || p.heads_q <= 0) return;
-  switch (p.dtype) {
-    case DType::kF32: Backward<float>(p); break;
-    case DType::kBF16: Backward<BF16>(p); break;
-    case DType::kF16: Backward<F16>(p); break;
-  }
-}
-
-}  // namespace jax_flash::cpu
+#endif  // JF_KERNELS

@@ -167,21 +167,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
     for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
   }
 
-  const int a_row = lane % 16, a_col = (lane / 16) * 8;
-  const int bn_row = (lane % 8) + (lane / 16) * 8, bn_col = ((lane / 8) % 2) * 8;
-  const int bt_row = (lane % 8) + ((lane / 8) % 2) * 8, bt_col = (lane / 16) * 8;
-  // A operand from a transposed [k][m] tile (dS^T): row (lane%8) + (lane/16)*8, column ((lane/8)%2)*8.
-  const int at_row = (lane % 8) + (lane / 16) * 8, at_col = ((lane / 8) % 2) * 8;
   const int key_row0 = warp_n * kMmaM;  // first key of this warp inside the block
   const int dq_wm = warp % Traits::kDqWarpsM;
   const int dq_wd = warp / Traits::kDqWarpsM;
+  constexpr int kRB = kRowBytes<kD>;
+  constexpr uint32_t kStageBytes = Traits::kSmemQElems * sizeof(T);
+  // ldmatrix lane addresses (see utils_sm80.cuh); column steps of 16 elements are XORs with 32 bytes.
+  const int a_row = lane % 16, a_chunk = lane / 16;                          // A from a row-major tile
+  const int bn_row = (lane % 8) + (lane / 16) * 8, bn_chunk = (lane / 8) % 2;  // B from an [n][k] tile
+  const int bt_row = (lane % 8) + ((lane / 8) % 2) * 8, bt_chunk = lane / 16;  // B from a [k][n] tile (.trans)
+  const uint32_t k_a_addr = swz_addr<kD>(smem_u32(sK), key_row0 + a_row, a_chunk);
+  const uint32_t v_a_addr = swz_addr<kD>(smem_u32(sV), key_row0 + a_row, a_chunk);
+  const uint32_t q_b_addr = swz_addr<kD>(smem_u32(sQ), bn_row, bn_chunk);
+  const uint32_t do_b_addr = swz_addr<kD>(smem_u32(sdO), bn_row, bn_chunk);
+  const uint32_t q_t_addr = swz_addr<kD>(smem_u32(sQ), bt_row, warp_d * kDW / 8 + bt_chunk);
+  const uint32_t do_t_addr = swz_addr<kD>(smem_u32(sdO), bt_row, warp_d * kDW / 8 + bt_chunk);
+  const uint32_t k_t_addr = swz_addr<kD>(smem_u32(sK), bt_row, dq_wd * kDqW / 8 + bt_chunk);
+  // dS^T as an A operand via ldmatrix.trans: row (lane%8) + (lane/16)*8, chunk dq_wm*2 + (lane/8)%2.
+  const uint32_t ds_t_addr = swz_addr<kBM>(smem_u32(sdS), (lane % 8) + (lane / 16) * 8, dq_wm * 2 + (lane / 8) % 2);
+  // dS^T stores: rows key_row0 + g (+8), 4-byte word t of chunk mt.
+  const uint32_t ds_st_addr = swz_addr<kBM>(smem_u32(sdS), key_row0 + g, 0) + 4 * t;
 
   for (int it = 0; it < iters; ++it) {
     const int stage = it & 1;
     const int h = hk * group + it / m_count;
     const int m0 = (m_first + it % m_count) * kBM;
-    const T* sQs = sQ + stage * Traits::kSmemQElems;
-    const T* sdOs = sdO + stage * Traits::kSmemQElems;
+    const uint32_t q_b = q_b_addr + stage * kStageBytes;
+    const uint32_t do_b = do_b_addr + stage * kStageBytes;
+    const uint32_t q_t = q_t_addr + stage * kStageBytes;
+    const uint32_t do_t = do_t_addr + stage * kStageBytes;
     const float* sLses = sLse + stage * kBM;
     const float* sDsums = sDsum + stage * kBM;
     cp_async_wait<0>();
@@ -200,13 +214,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
 #pragma unroll
     for (int kk = 0; kk < kD / kMmaK; ++kk) {
       uint32_t a_k[4], a_v[4];
-      ldmatrix_x4(a_k, smem_u32(sK + swz<kD>(key_row0 + a_row, kk * kMmaK + a_col)));
-      ldmatrix_x4(a_v, smem_u32(sV + swz<kD>(key_row0 + a_row, kk * kMmaK + a_col)));
+      ldmatrix_x4(a_k, k_a_addr ^ (kk * 32));
+      ldmatrix_x4(a_v, v_a_addr ^ (kk * 32));
+      const uint32_t q_col = q_b ^ (kk * 32), do_col = do_b ^ (kk * 32);
 #pragma unroll
       for (int mm = 0; mm < kBM / 16; ++mm) {
         uint32_t b_q[4], b_do[4];
-        ldmatrix_x4(b_q, smem_u32(sQs + swz<kD>(mm * 16 + bn_row, kk * kMmaK + bn_col)));
-        ldmatrix_x4(b_do, smem_u32(sdOs + swz<kD>(mm * 16 + bn_row, kk * kMmaK + bn_col)));
+        ldmatrix_x4(b_q, q_col + mm * 16 * kRB);
+        ldmatrix_x4(b_do, do_col + mm * 16 * kRB);
         mma_16x8x16<T>(acc_s[2 * mm], a_k, b_q[0], b_q[1]);
         mma_16x8x16<T>(acc_s[2 * mm + 1], a_k, b_q[2], b_q[3]);
         mma_16x8x16<T>(acc_dp[2 * mm], a_v, b_do[0], b_do[1]);
@@ -236,8 +251,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
       for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          *reinterpret_cast<uint32_t*>(sdS + swz<kBM>(key_row0 + g + 8 * r, mt * 8 + 2 * t)) =
-              ET::pack(acc_dp[mt][2 * r], acc_dp[mt][2 * r + 1]);
+          st_shared_u32((ds_st_addr ^ (mt * 16)) + r * 8 * kRowBytes<kBM>,
+                        ET::pack(acc_dp[mt][2 * r], acc_dp[mt][2 * r + 1]));
         }
       }
     }
@@ -256,10 +271,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
       a_ds[3] = ET::pack(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
 #pragma unroll
       for (int dd = 0; dd < kDW / 16; ++dd) {
-        const int col = warp_d * kDW + dd * 16 + bt_col;
         uint32_t b_do[4], b_q[4];
-        ldmatrix_x4_trans(b_do, smem_u32(sdOs + swz<kD>(kk * kMmaK + bt_row, col)));
-        ldmatrix_x4_trans(b_q, smem_u32(sQs + swz<kD>(kk * kMmaK + bt_row, col)));
+        ldmatrix_x4_trans(b_do, (do_t ^ (dd * 32)) + kk * kMmaK * kRB);
+        ldmatrix_x4_trans(b_q, (q_t ^ (dd * 32)) + kk * kMmaK * kRB);
         mma_16x8x16<T>(acc_dv[2 * dd], a_p, b_do[0], b_do[1]);
         mma_16x8x16<T>(acc_dv[2 * dd + 1], a_p, b_do[2], b_do[3]);
         mma_16x8x16<T>(acc_dk[2 * dd], a_ds, b_q[0], b_q[1]);
@@ -275,11 +289,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
 #pragma unroll
     for (int kk = 0; kk < kBN / kMmaK; ++kk) {
       uint32_t a_ds[4];
-      ldmatrix_x4_trans(a_ds, smem_u32(sdS + swz<kBM>(kk * kMmaK + at_row, dq_wm * kMmaM + at_col)));
+      ldmatrix_x4_trans(a_ds, ds_t_addr + kk * kMmaK * kRowBytes<kBM>);
 #pragma unroll
       for (int dd = 0; dd < kDqW / 16; ++dd) {
         uint32_t b_k[4];
-        ldmatrix_x4_trans(b_k, smem_u32(sK + swz<kD>(kk * kMmaK + bt_row, dq_wd * kDqW + dd * 16 + bt_col)));
+        ldmatrix_x4_trans(b_k, (k_t_addr ^ (dd * 32)) + kk * kMmaK * kRB);
         mma_16x8x16<T>(acc_dq[2 * dd], a_ds, b_k[0], b_k[1]);
         mma_16x8x16<T>(acc_dq[2 * dd + 1], a_ds, b_k[2], b_k[3]);
       }

@@ -106,17 +106,19 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const 
 
   uint32_t q_frag[Traits::kQInRegs ? kTM : 1][Traits::kQInRegs ? kD / kMmaK : 1][4];
   const int warp_row0 = warp * kTM * kMmaM;  // first row of this warp inside the block
-  // ldmatrix lane addressing (see utils_sm80.cuh): A operands take row lane%16, column (lane/16)*8; B operands
-  // from a [n][k] tile take row (lane%8) + (lane/16)*8, column ((lane/8)%2)*8; B from a [k][n] tile (.trans) take
-  // row (lane%8) + ((lane/8)%2)*8, column (lane/16)*8.
-  const int a_row = lane % 16, a_col = (lane / 16) * 8;
-  const int bn_row = (lane % 8) + (lane / 16) * 8, bn_col = ((lane / 8) % 2) * 8;
-  const int bt_row = (lane % 8) + ((lane / 8) % 2) * 8, bt_col = (lane / 16) * 8;
+  constexpr int kRB = kRowBytes<kD>;
+  constexpr uint32_t kStageBytes = Traits::kSmemKVElems * sizeof(T);
+  // ldmatrix lane addresses (see utils_sm80.cuh): A operands take row lane%16, chunk lane/16; B operands from a
+  // [n][k] tile take row (lane%8) + (lane/16)*8, chunk (lane/8)%2; B from a [k][n] tile (.trans) take row
+  // (lane%8) + ((lane/8)%2)*8, chunk lane/16. Column steps of 16 elements are XORs with 32 bytes.
+  const uint32_t q_addr = swz_addr<kD>(smem_u32(sQ), warp_row0 + lane % 16, lane / 16);
+  const uint32_t k_addr = swz_addr<kD>(smem_u32(sK), (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
+  const uint32_t v_addr = swz_addr<kD>(smem_u32(sV), (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
   for (int n_block = n_begin; n_block < n_end; ++n_block) {
     const int stage = (n_block - n_begin) & 1;
-    const T* sKs = sK + stage * Traits::kSmemKVElems;
-    const T* sVs = sV + stage * Traits::kSmemKVElems;
+    const uint32_t k_stage = k_addr + stage * kStageBytes;
+    const uint32_t v_stage = v_addr + stage * kStageBytes;
     cp_async_wait<0>();
     __syncthreads();  // tiles of this step landed; every warp is done with the other stage
     if constexpr (Traits::kQInRegs) {
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const 
         for (int mi = 0; mi < kTM; ++mi) {
 #pragma unroll
           for (int kk = 0; kk < kD / kMmaK; ++kk) {
-            ldmatrix_x4(q_frag[mi][kk], smem_u32(sQ + swz<kD>(warp_row0 + mi * kMmaM + a_row, kk * kMmaK + a_col)));
+            ldmatrix_x4(q_frag[mi][kk], (q_addr ^ (kk * 32)) + mi * kMmaM * kRB);
           }
         }
       }
@@ -155,13 +157,14 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const 
 #pragma unroll
           for (int i = 0; i < 4; ++i) a_reg[mi][i] = q_frag[mi][kk][i];
         } else {
-          ldmatrix_x4(a_reg[mi], smem_u32(sQ + swz<kD>(warp_row0 + mi * kMmaM + a_row, kk * kMmaK + a_col)));
+          ldmatrix_x4(a_reg[mi], (q_addr ^ (kk * 32)) + mi * kMmaM * kRB);
         }
       }
+      const uint32_t k_col = k_stage ^ (kk * 32);
 #pragma unroll
       for (int nn = 0; nn < kBN / 16; ++nn) {
         uint32_t b_reg[4];
-        ldmatrix_x4(b_reg, smem_u32(sKs + swz<kD>(nn * 16 + bn_row, kk * kMmaK + bn_col)));
+        ldmatrix_x4(b_reg, k_col + nn * 16 * kRB);
 #pragma unroll
         for (int mi = 0; mi < kTM; ++mi) {
           mma_16x8x16<T>(acc_s[mi][2 * nn], a_reg[mi], b_reg[0], b_reg[1]);
@@ -235,7 +238,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const 
 #pragma unroll
       for (int dd = 0; dd < kD / 16; ++dd) {
         uint32_t b_reg[4];
-        ldmatrix_x4_trans(b_reg, smem_u32(sVs + swz<kD>(kk * kMmaK + bt_row, dd * 16 + bt_col)));
+        ldmatrix_x4_trans(b_reg, (v_stage ^ (dd * 32)) + kk * kMmaK * kRB);
 #pragma unroll
         for (int mi = 0; mi < kTM; ++mi) {
           mma_16x8x16<T>(acc_o[mi][2 * dd], a_reg[mi], b_reg[0], b_reg[1]);

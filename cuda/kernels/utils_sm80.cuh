@@ -79,6 +79,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
 // ---- cp.async (16 bytes, zero-filled when !pred) -------------------------------------------------------------------
 __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool pred) {
   const int src_bytes = pred ? 16 : 0;
@@ -100,6 +104,17 @@ __device__ __forceinline__ int swz(int row, int col) {
   static_assert(kCols % 64 == 0, "swizzle needs at least 8 chunks per row");
   return row * kCols + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
+
+// Byte address of (row, chunk) in a swizzled tile at shared address `tile`. For the fixed lane positions the
+// kernels use (chunk even-aligned plus 0 or 1), moving right by 2j chunks is `addr ^ (32 * j)` and moving down by a
+// multiple of 8 rows is `addr + rows * kCols * 2`, provided `tile` is aligned to its row bytes: the XOR only touches
+// the chunk bits. That keeps the per-ldmatrix address arithmetic to one LOP3 (or none).
+template <int kCols>
+__device__ __forceinline__ uint32_t swz_addr(uint32_t tile, int row, int chunk) {
+  return tile + row * (kCols * 2) + ((chunk ^ (row & 7)) << 4);
+}
+template <int kCols>
+inline constexpr int kRowBytes = kCols * 2;
 
 // ---- reductions over the 4 lanes that share a row of an MMA fragment ------------------------------------------------
 __device__ __forceinline__ float quad_max(float x) {
