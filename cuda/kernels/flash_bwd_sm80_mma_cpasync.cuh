@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
   T* sV = sK + Traits::kSmemKVElems;                                 // [kBN][kD]
   T* sQ = sV + Traits::kSmemKVElems;                                 // [kStages][kBM][kD]
   T* sdO = sQ + Traits::kStages * Traits::kSmemQElems;               // [kStages][kBM][kD]
-  T* sdS = sdO + Traits::kStages * Traits::kSmemQElems;              // [kBN][kBM]  (dS^T)
+  T* sdS = sdO + Traits::kStages * Traits::kSmemQElems;              // [kBN][kDsCols]  (dS^T)
   float* sLse = reinterpret_cast<float*>(sdS + Traits::kSmemDsElems);  // [kStages][kBM]
   float* sDsum = sLse + Traits::kStages * kBM;                         // [kStages][kBM]
 
@@ -184,9 +184,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
   const uint32_t do_t_addr = swz_addr<kD>(smem_u32(sdO), bt_row, warp_d * kDW / 8 + bt_chunk);
   const uint32_t k_t_addr = swz_addr<kD>(smem_u32(sK), bt_row, dq_wd * kDqW / 8 + bt_chunk);
   // dS^T as an A operand via ldmatrix.trans: row (lane%8) + (lane/16)*8, chunk dq_wm*2 + (lane/8)%2.
-  const uint32_t ds_t_addr = swz_addr<kBM>(smem_u32(sdS), (lane % 8) + (lane / 16) * 8, dq_wm * 2 + (lane / 8) % 2);
+  const uint32_t ds_t_addr = swz_addr<Traits::kDsCols>(smem_u32(sdS), (lane % 8) + (lane / 16) * 8, dq_wm * 2 + (lane / 8) % 2);
   // dS^T stores: rows key_row0 + g (+8), 4-byte word t of chunk mt.
-  const uint32_t ds_st_addr = swz_addr<kBM>(smem_u32(sdS), key_row0 + g, 0) + 4 * t;
+  const uint32_t ds_st_addr = swz_addr<Traits::kDsCols>(smem_u32(sdS), key_row0 + g, 0) + 4 * t;
 
   for (int it = 0; it < iters; ++it) {
     const int stage = it & 1;
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
       for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          st_shared_u32((ds_st_addr ^ (mt * 16)) + r * 8 * kRowBytes<kBM>,
+          st_shared_u32((ds_st_addr ^ (mt * 16)) + r * 8 * kRowBytes<Traits::kDsCols>,
                         ET::pack(acc_dp[mt][2 * r], acc_dp[mt][2 * r + 1]));
         }
       }
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(con
 #pragma unroll
     for (int kk = 0; kk < kBN / kMmaK; ++kk) {
       uint32_t a_ds[4];
-      ldmatrix_x4_trans(a_ds, ds_t_addr + kk * kMmaK * kRowBytes<kBM>);
+      ldmatrix_x4_trans(a_ds, ds_t_addr + kk * kMmaK * kRowBytes<Traits::kDsCols>);
 #pragma unroll
       for (int dd = 0; dd < kDqW / 16; ++dd) {
         uint32_t b_k[4];

@@ -71,11 +71,10 @@ template <>
 struct BwdTraitsSm80<128> {
   static constexpr int kHeadDim = 128;
   static constexpr int kWarps = 4;      // dK+dV accumulators are 128 registers per thread, so 255 registers x 128
-                                        // threads and 104 KB of smem let two CTAs share an SM: one CTA's MMAs run
-                                        // while the other waits at a barrier (8 warps in one CTA measured 168
-                                        // TFLOP/s on H200, NOTES.md)
+                                        // threads and <= 113 KB of smem let two CTAs share an SM
   static constexpr int kSplitD = 1;
-  static constexpr int kBlockM = 64;
+  static constexpr int kBlockM = 32;    // S^T and dP^T tiles of 16 registers each leave room for the compiler to
+                                        // run loads ahead of the MMAs (64 spilled; NOTES.md)
 };
 
 template <>
@@ -101,7 +100,8 @@ struct BwdKernelTraits : Base {
   static_assert(Base::kWarps % kDqWarpsM == 0, "dQ warp tiling");
   static constexpr int kSmemKVElems = kBlockN * Base::kHeadDim;
   static constexpr int kSmemQElems = Base::kBlockM * Base::kHeadDim;  // one stage of Q (or of dO)
-  static constexpr int kSmemDsElems = kBlockN * Base::kBlockM;        // dS^T tile
+  static constexpr int kDsCols = Base::kBlockM < 64 ? 64 : Base::kBlockM;  // dS^T row, padded for the swizzle
+  static constexpr int kSmemDsElems = kBlockN * kDsCols;                    // dS^T tile
   static constexpr int kSmemBytes = (2 * kSmemKVElems + 2 * kStages * kSmemQElems + kSmemDsElems) * 2 +
                                     2 * kStages * Base::kBlockM * int(sizeof(float));
 };

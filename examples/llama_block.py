@@ -1,0 +1,684 @@
+"""A LLaMA-style decoder in Flax NNX whose attention runs through jax_flash.
+
+The model: token embedding, a stack of pre-norm blocks (RMSNorm, grouped-query causal self-attention with rotary
+embeddings through ``jax_flash.flax.Attention``, RMSNorm, SwiGLU MLP, residual connections), a final RMSNorm and an
+untied LM head. ``--attention`` switches only the attention computation, on the same parameters: ``jax_flash``
+(the fused kernels), or ``cudnn`` / ``xla`` (``jax.nn.dot_product_attention`` with that implementation).
+
+Modes (default: ``bench`` when JAX's default device is a GPU, ``train`` otherwise):
+
+* ``train``: trains a tiny decoder with Adam on synthetic sequences (arithmetic progressions mod the vocabulary,
+  a random start and stride per sequence) and prints the falling loss.
+* ``check``: for one LLaMA-3-8B-like block (``--config``), computes the loss and the gradients of a train step
+  with each attention choice and compares them with the first choice's: the relative differences of the loss and
+  of all gradients together must stay below ``--check-tol`` (2e-2), that of each gradient group (the q, k, v, o
+  projections, the MLP matrices, the norms, the block input) below ``--check-group-tol`` (5e-2).
+* ``bench``: the check, then times the train step of the block (forward, the loss ``0.5 * mean(block(x)^2)``,
+  backward to the gradients of the parameters and of the block input, all under ``jax.jit``) for each attention
+  choice at B x S = 2 x 4096 and 1 x 8192, and writes the results to
+  ``<out>/llama_block-<device>-<date>.{json,md}``. By default each shape's check and each (shape, attention)
+  measurement run in a child process of their own, so that the peak device memory (``peak_bytes_in_use``, which
+  cannot be reset) is that measurement's own; ``--no-isolate`` runs everything in this process and reports the
+  process peak so far.
+
+Model FLOPs of one train step (the basis of TFLOP/s and MFU, recomputation not counted):
+``6 * P * B * S + 3 * F_attn``, where P is the number of weights in the block's matmuls (the q, k, v, o
+projections and the three MLP matrices; 2 FLOPs per weight and token forward, 4 backward for the gradients of
+inputs and weights) and ``F_attn = 4 * B * S^2 * Hq * D / 2`` the causal attention forward (QK^T and PV; the
+backward counts twice the forward). RMSNorm, RoPE, SwiGLU's elementwise work and the loss are not counted.
+
+    python examples/llama_block.py                                # train on CPU, bench on GPU
+    python examples/llama_block.py --mode train --attention xla --steps 50
+    python examples/llama_block.py --mode check --config tiny
+    python examples/llama_block.py --mode bench --batch 1 --seq 8192 --attention jax_flash cudnn
+    python examples/llama_block.py --mode bench --dry-run          # lower every step at full size, run nothing
+"""
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jax_flash
+from jax_flash.flax import Attention
+
+ATTENTION = {"jax_flash": None, "cudnn": "cudnn", "xla": "xla"}  # --attention -> Attention(implementation=...)
+MODES = ("train", "check", "bench")
+H100_BF16_TFLOPS = 989.0  # dense bfloat16 peak of an H100 SXM
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")
+
+log = functools.partial(print, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def matmul_params(self):
+        """Weights in one block's matmuls: the attention projections and the three MLP matrices."""
+        attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        return attn + 3 * self.d_model * self.mlp_dim
+
+
+CONFIGS = {
+    "tiny": Config(vocab=256, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,
+                   rope_theta=10000.0),
+    "llama3-8b": Config(vocab=128256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                        mlp_dim=14336, rope_theta=500000.0),
+}
+BENCH_SHAPES = {"tiny": [(4, 128), (2, 256)], "llama3-8b": [(2, 4096), (1, 8192)]}
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg, *, dtype, param_dtype, rngs):
+        linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                   kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+        self.gate_proj = linear(cfg.d_model, cfg.mlp_dim)
+        self.up_proj = linear(cfg.d_model, cfg.mlp_dim)
+        self.down_proj = linear(cfg.mlp_dim, cfg.d_model)
+
+    def __call__(self, x):
+        return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg, *, attention="jax_flash", dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs):
+        norm = functools.partial(nnx.RMSNorm, cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype,
+                                 param_dtype=param_dtype, rngs=rngs)
+        self.attn_norm = norm()
+        self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, is_causal=True,
+                              rope_theta=cfg.rope_theta, implementation=ATTENTION[attention], dtype=dtype,
+                              param_dtype=param_dtype, kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+        self.mlp_norm = norm()
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x):
+        h = x + self.attn(self.attn_norm(x))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Decoder(nnx.Module):
+    """Token embedding, cfg.num_layers blocks, final RMSNorm and an untied LM head; returns float32 logits."""
+
+    def __init__(self, cfg, *, attention="jax_flash", dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs):
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
+                               embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+        self.layers = nnx.List([Block(cfg, attention=attention, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
+                                      rngs=rngs)
+        self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                  kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.final_norm(x)).astype(jnp.float32)
+
+
+def set_attention(module, attention):
+    """Switches every jax_flash.flax.Attention inside `module` to `attention` (a key of ATTENTION)."""
+    for _, sub in nnx.iter_graph(module):
+        if isinstance(sub, Attention):
+            sub.implementation = ATTENTION[attention]
+
+
+def device_info():
+    device = jax.devices()[0]
+    return device, device.device_kind, device.platform == "gpu"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train
+
+
+def progression_batch(key, batch, seqlen, vocab, max_stride=4):
+    """[batch, seqlen + 1] int32 arithmetic progressions mod vocab: random start, random stride in 1..max_stride."""
+    k_start, k_stride = jax.random.split(key)
+    start = jax.random.randint(k_start, (batch, 1), 0, vocab)
+    stride = jax.random.randint(k_stride, (batch, 1), 1, max_stride + 1)
+    return ((start + stride * jnp.arange(seqlen + 1)) % vocab).astype(jnp.int32)
+
+
+def cross_entropy(model, tokens):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+@nnx.jit
+def train_step(model, optimizer, tokens):
+    loss, grads = nnx.value_and_grad(cross_entropy)(model, tokens)
+    optimizer.update(model, grads)
+    return loss
+
+
+def train(args):
+    cfg = CONFIGS[args.config]
+    attention = args.attention[0]
+    dtype = jnp.dtype(args.dtype)
+    _, kind, _ = device_info()
+    model = Decoder(cfg, attention=attention, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
+    make_batch = jax.jit(functools.partial(progression_batch, batch=args.batch, seqlen=args.seq, vocab=cfg.vocab))
+    log(f"{kind} | jax {jax.__version__} | attention {attention} | {cfg.num_layers} layers, d_model {cfg.d_model}, "
+        f"{cfg.num_heads} q / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, {n_params / 1e6:.2f}M params, "
+        f"{dtype.name} activations | batch {args.batch} x seq {args.seq}, adam lr {args.lr}, {args.steps} steps")
+    log(f"task: next token of arithmetic progressions mod {cfg.vocab} (uniform guess: loss {math.log(cfg.vocab):.2f})")
+    key = jax.random.key(args.seed + 1)
+    losses = []
+    for step in range(1, args.steps + 1):
+        key, sub = jax.random.split(key)
+        tokens = make_batch(sub)
+        t0 = time.perf_counter()
+        loss = float(train_step(model, optimizer, tokens))
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        note = " (includes compilation)" if step == 1 else f", {args.batch * args.seq / dt:,.0f} tokens/s"
+        log(f"step {step:4d}/{args.steps}  loss {loss:.4f}  {dt * 1e3:8.1f} ms{note}")
+    if not all(math.isfinite(x) for x in losses):
+        log("FAILED: the loss is not finite")
+        return 1
+    head, tail = np.mean(losses[:3]), np.mean(losses[-3:])
+    log(f"loss {head:.3f} (mean of the first 3 steps) -> {tail:.3f} (mean of the last 3)")
+    if tail >= head:
+        log("FAILED: the loss did not fall")
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# block train step: shared by check and bench
+
+
+def step_flops(cfg, batch, seqlen):
+    """Model FLOPs of one block train step (module docstring): 6 * P * tokens + 3 * causal attention forward."""
+    attention_fwd = 4.0 * batch * seqlen * seqlen * cfg.num_heads * cfg.head_dim / 2
+    return 6.0 * cfg.matmul_params() * batch * seqlen + 3.0 * attention_fwd
+
+
+def block_loss(graphdef, params, x):
+    """0.5 * mean(block(x)^2) in float32. The residual stream dominates its value, so the check leans on the
+    gradients; its cotangent, block(x) / size, is well conditioned in bfloat16."""
+    out = nnx.merge(graphdef, params)(x)
+    return 0.5 * jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+
+def block_step(block, attention):
+    """(jitted step(params, x) -> (loss, (param grads, x grad)), params) for `block` run with `attention`."""
+    set_attention(block, attention)
+    graphdef, params = nnx.split(block)
+    step = jax.jit(jax.value_and_grad(functools.partial(block_loss, graphdef), argnums=(0, 1)))
+    return step, params
+
+
+def make_block(cfg, dtype, seed, abstract=False):
+    build = lambda: Block(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))
+    return nnx.eval_shape(build) if abstract else build()
+
+
+def block_input(cfg, batch, seqlen, dtype, seed):
+    return jax.random.normal(jax.random.key(seed), (batch, seqlen, cfg.d_model), jnp.float32).astype(dtype)
+
+
+def rel_diff(a, b):
+    """||a - b|| / ||b|| over all leaves, computed in float32."""
+    num = sum(jnp.sum(jnp.square(x.astype(jnp.float32) - y.astype(jnp.float32)))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    den = sum(jnp.sum(jnp.square(y.astype(jnp.float32))) for y in jax.tree.leaves(b))
+    return float(jnp.sqrt(num / den))
+
+
+def grad_groups(grads):
+    """{name: subtree} of (param grads, x grad): the attention projections, the MLP, the norms and dx."""
+    param_grads, x_grad = grads
+    flat = dict(nnx.to_flat_state(param_grads))
+    groups = {}
+    for path, value in flat.items():
+        name = ".".join(str(p) for p in path[:2] if p not in ("kernel", "scale"))
+        groups.setdefault(name, []).append(value)
+    groups["dx"] = [x_grad]
+    return groups
+
+
+def check(cfg, shape, attentions, dtype, tol, group_tol, seed):
+    """Loss and gradients of each attention choice against the first of `attentions`; returns a JSON-able dict.
+
+    Passes when the relative differences of the loss and of all gradients together are below `tol`, and that of
+    each gradient group (grad_groups) below `group_tol`.
+    """
+    batch, seqlen = shape
+    block = make_block(cfg, dtype, seed)
+    x = block_input(cfg, batch, seqlen, dtype, seed + 1)
+    results = {}
+    for attention in attentions:
+        t0 = time.perf_counter()
+        step, params = block_step(block, attention)
+        try:
+            loss, grads = jax.block_until_ready(step(params, x))
+        except Exception as e:  # an implementation that refuses the shape or runs out of memory
+            results[attention] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            log(f"  check {batch}x{seqlen} {attention:<9} ERROR {results[attention]}")
+            continue
+        results[attention] = (float(loss), grads)
+        log(f"  check {batch}x{seqlen} {attention:<9} loss {float(loss):.6f}  ({time.perf_counter() - t0:.1f}s "
+            "with compilation)")
+    ran = [a for a in attentions if isinstance(results[a], tuple)]
+    out = dict(batch=batch, seqlen=seqlen, reference=ran[0] if ran else None, tol=tol, group_tol=group_tol, rows=[],
+               errors={a: r for a, r in results.items() if isinstance(r, str)})
+    if not ran:
+        out["passed"] = False
+        return out
+    ref_loss, ref_grads = results[ran[0]]
+    ref_groups = grad_groups(ref_grads)
+    for attention in ran[1:]:
+        loss, grads = results[attention]
+        groups = grad_groups(grads)
+        row = dict(attention=attention, loss=loss, loss_rel=abs(loss - ref_loss) / abs(ref_loss),
+                   grad_rel=rel_diff(grads, ref_grads),
+                   group_rel={name: rel_diff(groups[name], ref_groups[name]) for name in ref_groups})
+        row["passed"] = bool(row["loss_rel"] < tol and row["grad_rel"] < tol
+                             and max(row["group_rel"].values()) < group_tol)
+        out["rows"].append(row)
+        worst = max(row["group_rel"], key=row["group_rel"].get)
+        log(f"  check {batch}x{seqlen} {attention} vs {ran[0]}: loss rel diff {row['loss_rel']:.1e}, gradient rel "
+            f"diff {row['grad_rel']:.1e} (all), {row['group_rel'][worst]:.1e} (worst: {worst}) -> "
+            f"{'ok' if row['passed'] else 'FAILED'} (tolerances {tol:g}, per group {group_tol:g})")
+    out["passed"] = not out["errors"] and all(r["passed"] for r in out["rows"])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bench
+
+
+def time_step(step, args_, warmup, iters):
+    for _ in range(warmup):
+        jax.block_until_ready(step(*args_))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(*args_))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_one(cfg, shape, attention, dtype, args, block, x):
+    """Compiles, warms up and times one (shape, attention) train step; returns a result row."""
+    batch, seqlen = shape
+    device = jax.devices()[0]
+    flops = step_flops(cfg, batch, seqlen)
+    row = dict(attention=attention, batch=batch, seqlen=seqlen, tokens=batch * seqlen, step_ms=None,
+               tokens_per_s=None, tflops=None, mfu=None, compile_s=None, peak_bytes=None, xla_temp_bytes=None,
+               xla_total_bytes=None, model_flops=flops, error=None)
+    try:
+        step, params = block_step(block, attention)
+        log(f"  [{batch}x{seqlen} {attention}] compiling ...")
+        t0 = time.perf_counter()
+        compiled = step.lower(params, x).compile()
+        row["compile_s"] = time.perf_counter() - t0
+        memory = compiled.memory_analysis()
+        if memory is not None:
+            row["xla_temp_bytes"] = memory.temp_size_in_bytes
+            row["xla_total_bytes"] = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                      + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+        log(f"  [{batch}x{seqlen} {attention}] compiled in {row['compile_s']:.1f}s; {args.warmup} warm-up + "
+            f"{args.steps} timed steps ...")
+        t = time_step(compiled, (params, x), args.warmup, args.steps)
+        row.update(step_ms=t * 1e3, tokens_per_s=batch * seqlen / t, tflops=flops / t / 1e12)
+        row["mfu"] = row["tflops"] / args.peak_tflops
+        stats = device.memory_stats() or {}
+        row["peak_bytes"] = stats.get("peak_bytes_in_use")
+    except Exception as e:  # an implementation that refuses the shape or runs out of memory
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return row
+
+
+def describe(row):
+    if row["error"]:
+        return f"ERROR {row['error']}"
+    peak = "–" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**30:.1f} GiB"
+    return (f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.3g} TFLOP/s, "
+            f"MFU {100 * row['mfu']:.3g}%, peak memory {peak}")
+
+
+def dry_run(cfg, shapes, attentions, dtype, seed):
+    """Lowers the block train step of every (shape, attention) from abstract shapes; executes nothing."""
+    block = make_block(cfg, dtype, seed, abstract=True)
+    failed = 0
+    for batch, seqlen in shapes:
+        x = jax.ShapeDtypeStruct((batch, seqlen, cfg.d_model), dtype)
+        for attention in attentions:
+            step, params = block_step(block, attention)
+            t0 = time.perf_counter()
+            try:
+                text = step.lower(params, x).as_text()
+            except Exception as e:
+                failed += 1
+                log(f"  lower {batch}x{seqlen} {attention:<9} ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            calls = [t for t in ("jax_flash_fwd", "jax_flash_bwd") if t in text]
+            if attention == "jax_flash" and len(calls) != 2:
+                failed += 1
+                log(f"  lower {batch}x{seqlen} {attention:<9} ERROR: the jax_flash custom calls are missing")
+                continue
+            log(f"  lower {batch}x{seqlen} {attention:<9} ok ({time.perf_counter() - t0:.1f}s, {len(text) / 1e3:.0f}k "
+                f"chars of StableHLO{', calls ' + ' + '.join(calls) if calls else ''}); "
+                f"{step_flops(cfg, batch, seqlen) / 1e12:.1f} model TFLOP per step")
+    return 1 if failed else 0
+
+
+def run_child(argv, env):
+    """Runs this script with `argv` in a child process, echoing its output; returns (rc, last lines)."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
+    for line in proc.stdout:
+        print("    | " + line, end="", flush=True)
+        tail = (tail + [line.rstrip()])[-5:]
+    return proc.wait(), tail
+
+
+def child_argv(args, mode, shape, attentions, out, name):
+    argv = ["--mode", mode, "--config", args.config, "--dtype", args.dtype, "--seed", str(args.seed),
+            "--batch", str(shape[0]), "--seq", str(shape[1]), "--attention", *attentions, "--out", out,
+            "--name", name, "--check-tol", str(args.check_tol), "--check-group-tol", str(args.check_group_tol),
+            "--child"]
+    if mode == "bench":
+        argv += ["--no-isolate", "--steps", str(args.steps), "--warmup", str(args.warmup),
+                 "--peak-tflops", str(args.peak_tflops)]
+    return argv
+
+
+def isolated(args, shapes, env):
+    """Each shape's check, then each (shape, attention) measurement, in a child process; returns (checks, rows)."""
+    checks, rows = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        if len(args.attention) > 1:
+            for i, shape in enumerate(shapes):
+                log(f"check {shape[0]}x{shape[1]} (child process)")
+                rc, tail = run_child(child_argv(args, "check", shape, args.attention, tmp, f"check{i}"), env)
+                path = os.path.join(tmp, f"check{i}.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        checks += json.load(f)["checks"]
+                else:
+                    checks.append(dict(batch=shape[0], seqlen=shape[1], passed=False, rows=[],
+                                       errors={"child": f"exited with code {rc}: {' / '.join(tail)}"}))
+        for i, shape in enumerate(shapes):
+            for j, attention in enumerate(args.attention):
+                log(f"bench {shape[0]}x{shape[1]} {attention} (child process)")
+                rc, tail = run_child(child_argv(args, "bench", shape, [attention], tmp, f"bench{i}-{j}"), env)
+                path = os.path.join(tmp, f"bench{i}-{j}.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        rows += json.load(f)["rows"]
+                else:
+                    row = dict(attention=attention, batch=shape[0], seqlen=shape[1],
+                               error=f"child exited with code {rc}: {' / '.join(tail)}")
+                    rows.append(row)
+    return checks, rows
+
+
+def in_process(cfg, args, shapes, dtype):
+    """Each shape's check, then its measurements, in this process; returns (checks, rows)."""
+    checks, rows = [], []
+    block = make_block(cfg, dtype, args.seed)
+    for shape in shapes:
+        if len(args.attention) > 1:
+            log(f"check {shape[0]}x{shape[1]}")
+            checks.append(check(cfg, shape, args.attention, dtype, args.check_tol, args.check_group_tol, args.seed))
+        x = block_input(cfg, *shape, dtype, args.seed + 1)
+        for attention in args.attention:
+            row = bench_one(cfg, shape, attention, dtype, args, block, x)
+            rows.append(row)
+            log(f"bench {shape[0]}x{shape[1]} {attention:<9} {describe(row)}")
+    return checks, rows
+
+
+def fmt(x, spec):
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(meta, checks, rows):
+    cfg = meta["config"]
+    lines = [f"# LLaMA block train step: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
+             f"One block of `{meta['config_name']}` (d_model {cfg['d_model']}, {cfg['num_heads']} q / "
+             f"{cfg['num_kv_heads']} kv heads x {cfg['head_dim']}, MLP {cfg['mlp_dim']}), {meta['dtype']} parameters "
+             "and activations, causal. Step = forward + backward (gradients of the parameters and the block input) "
+             f"under jax.jit; median of {meta['steps']} timed steps after compilation and {meta['warmup']} warm-up "
+             "steps.", "",
+             f"Model FLOPs: {meta['flops_formula']}. MFU against {meta['peak_tflops']:g} TFLOP/s. "
+             f"Peak memory: {meta['memory_note']}", ""]
+    if checks:
+        lines += ["## Agreement check", "",
+                  "| B x S | attention | vs | loss rel diff | grad rel diff (all) | worst group | passed |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in checks:
+            for r in c["rows"]:
+                worst = max(r["group_rel"], key=r["group_rel"].get)
+                lines.append(f"| {c['batch']} x {c['seqlen']} | {r['attention']} | {c['reference']} | "
+                             f"{r['loss_rel']:.1e} | {r['grad_rel']:.1e} | {worst} {r['group_rel'][worst]:.1e} | "
+                             f"{'yes' if r['passed'] else 'NO'} |")
+            for name, error in c.get("errors", {}).items():
+                lines.append(f"| {c['batch']} x {c['seqlen']} | {name} | | error: {error} | | | NO |")
+        lines.append("")
+    lines += ["## Throughput", "",
+              "| B x S | attention | ms / step | tokens/s | TFLOP/s | MFU | peak memory (GiB) | XLA plan (GiB) | "
+              "tokens/s vs jax_flash |", "|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["batch"], r["seqlen"]): r for r in rows if r["attention"] == "jax_flash" and not r.get("error")}
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['batch']} x {r['seqlen']} | {r['attention']} | error: {r['error']} | | | | | | |")
+            continue
+        b = base.get((r["batch"], r["seqlen"]))
+        ratio = None if b is None else r["tokens_per_s"] / b["tokens_per_s"]
+        gib = lambda v: None if v is None else v / 2**30
+        lines.append(f"| {r['batch']} x {r['seqlen']} | {r['attention']} | {r['step_ms']:.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {100 * r['mfu']:.3g}% | "
+                     f"{fmt(gib(r['peak_bytes']), '.2f')} | {fmt(gib(r['xla_total_bytes']), '.2f')} | "
+                     f"{fmt(ratio, '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def warn_if_slow(args, on_gpu):
+    if args.config == "llama3-8b" and not on_gpu and not args.dry_run and not args.child:
+        log("note: a llama3-8b block takes minutes per step without a GPU; --config tiny runs the same pipeline on a "
+            "tiny block, --dry-run only lowers the full-size steps")
+
+
+def bench(args, child_env):
+    cfg = CONFIGS[args.config]
+    dtype = jnp.dtype(args.dtype)
+    _, kind, on_gpu = device_info()
+    shapes = [(args.batch, args.seq)] if args.batch else BENCH_SHAPES[args.config]
+    log(f"{kind} | jax {jax.__version__} | one {args.config} block, {dtype.name} | shapes "
+        f"{', '.join(f'{b}x{s}' for b, s in shapes)} | attention {', '.join(args.attention)}")
+    warn_if_slow(args, on_gpu)
+    if args.dry_run:
+        return dry_run(cfg, shapes, args.attention, dtype, args.seed)
+    if args.isolate:
+        checks, rows = isolated(args, shapes, child_env)
+        memory_note = ("device.memory_stats()['peak_bytes_in_use'] of a child process that ran only that "
+                       "measurement (compilation, warm-up and timing).")
+    else:
+        checks, rows = in_process(cfg, args, shapes, dtype)
+        memory_note = ("device.memory_stats()['peak_bytes_in_use'] of this process after the measurement: the peak "
+                       "so far, including the agreement check and earlier measurements.")
+    memory_note += " XLA plan = arguments + outputs + temporaries of the compiled step (compiled.memory_analysis())."
+    date = datetime.date.today().isoformat()
+    meta = dict(device=kind, platform=jax.devices()[0].platform, jax_version=jax.__version__,
+                jax_flash_version=jax_flash.__version__, date=date, dtype=dtype.name, config_name=args.config,
+                config=dataclasses.asdict(cfg), steps=args.steps, warmup=args.warmup, peak_tflops=args.peak_tflops,
+                isolated=args.isolate, memory_note=memory_note,
+                flops_formula="6 * P * B * S + 3 * (4 * B * S^2 * Hq * D / 2), P = weights in the block's matmuls "
+                              f"({cfg.matmul_params():,})",
+                method="median wall clock of the jit-compiled train step, block_until_ready")
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.name or f"llama_block-{kind.replace(' ', '_')}-{date}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, checks=checks, rows=rows), f, indent=1)
+    md = markdown(meta, checks, rows)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    if not args.child:
+        log(md)
+        log(f"wrote {stem}.json, {stem}.md")
+    failed = any(not c["passed"] for c in checks) or any(r.get("error") for r in rows)
+    return 1 if failed else 0
+
+
+def check_mode(args):
+    cfg = CONFIGS[args.config]
+    dtype = jnp.dtype(args.dtype)
+    _, kind, on_gpu = device_info()
+    shapes = [(args.batch, args.seq)] if args.batch else BENCH_SHAPES[args.config]
+    log(f"{kind} | jax {jax.__version__} | one {args.config} block, {dtype.name} | attention "
+        f"{', '.join(args.attention)} | tolerances {args.check_tol:g}, per gradient group {args.check_group_tol:g}")
+    warn_if_slow(args, on_gpu)
+    if args.dry_run:
+        return dry_run(cfg, shapes, args.attention, dtype, args.seed)
+    checks = [check(cfg, shape, args.attention, dtype, args.check_tol, args.check_group_tol, args.seed)
+              for shape in shapes]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, args.name or f"llama_block-check-{kind.replace(' ', '_')}")
+        with open(stem + ".json", "w") as f:
+            json.dump(dict(checks=checks), f, indent=1)
+    passed = all(c["passed"] for c in checks)
+    log("check passed" if passed else "check FAILED")
+    return 0 if passed else 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# command line
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--mode", choices=MODES, default=None,
+                        help="default: bench when the default device is a GPU, train otherwise")
+    parser.add_argument("--attention", nargs="+", choices=tuple(ATTENTION), default=None,
+                        help="train: one choice (default jax_flash); check/bench: those to compare (default all, "
+                             "without cudnn when there is no GPU)")
+    parser.add_argument("--config", choices=tuple(CONFIGS), default=None,
+                        help="model shape: train takes tiny (default); check/bench default to llama3-8b")
+    parser.add_argument("--steps", type=int, default=None, help="train: steps (default 30); bench: timed steps "
+                                                                "(default 10)")
+    parser.add_argument("--batch", type=int, default=None, help="train default 4; check/bench: with --seq, the one "
+                                                                "shape to run (default 2x4096 and 1x8192)")
+    parser.add_argument("--seq", type=int, default=None, help="train default 128; check/bench: see --batch")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="activations (and, for check/bench, parameters; train keeps float32 parameters)")
+    parser.add_argument("--out", default=None, help="bench: results directory (default benchmarks/results); "
+                                                    "check: also write the results as JSON there")
+    parser.add_argument("--name", default=None, help="file stem (default llama_block-<device>-<date>)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="train: Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=3, help="bench: untimed steps after compilation")
+    parser.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS,
+                        help="bench: the device's dense peak for MFU (default: H100 SXM bfloat16)")
+    parser.add_argument("--check-tol", type=float, default=2e-2,
+                        help="check/bench: largest relative difference of the loss, and of all gradients together")
+    parser.add_argument("--check-group-tol", type=float, default=5e-2,
+                        help="check/bench: largest relative difference of each gradient group (the q, k, v, o "
+                             "projections, the MLP matrices, the norms, the input)")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                        help="bench: run each check and measurement in a child process (default) for per-"
+                             "measurement peak memory")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check/bench: lower every train step at full size from abstract shapes, run nothing")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # set by an isolating bench run
+    args = parser.parse_args(argv)
+
+    def error(message):
+        parser.error(message)
+
+    for name in ("steps", "batch", "seq", "warmup"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            error(f"--{name} must be {'>= 0' if name == 'warmup' else 'positive'}, got {value}")
+    if min(args.check_tol, args.check_group_tol, args.peak_tflops, args.lr) <= 0:
+        error("--check-tol, --check-group-tol, --peak-tflops and --lr must be positive")
+    return args, error
+
+
+def finish_args(args, error, on_gpu):
+    """Fills the defaults that depend on the mode and the platform; rejects arguments the mode does not take."""
+    args.mode = args.mode or ("bench" if on_gpu else "train")
+    if args.mode == "train":
+        args.config = args.config or "tiny"
+        if args.config != "tiny":
+            error("--mode train runs the tiny config only")
+        args.attention = args.attention or ["jax_flash"]
+        if len(args.attention) != 1:
+            error("--mode train takes one --attention")
+        args.steps = args.steps or 30
+        args.batch, args.seq = args.batch or 4, args.seq or 128
+        for name in ("dry_run", "out", "name"):
+            if getattr(args, name):
+                error(f"--{name.replace('_', '-')} does not apply to --mode train")
+    else:
+        args.config = args.config or "llama3-8b"
+        if args.attention is None:
+            args.attention = [a for a in ATTENTION if on_gpu or a != "cudnn"]
+        if len(set(args.attention)) != len(args.attention):
+            error("--attention lists a choice twice")
+        if (args.batch is None) != (args.seq is None):
+            error(f"--mode {args.mode} takes --batch and --seq together (or neither, for the default shapes)")
+        if args.mode == "check" and args.steps is not None:
+            error("--steps does not apply to --mode check")
+        args.steps = args.steps or 10
+        if args.mode == "bench":
+            args.out = args.out or RESULTS_DIR
+    if args.mode != "bench" and not args.isolate:
+        error("--no-isolate applies to --mode bench only")
+
+
+def main(argv=None):
+    args, error = parse_args(argv)
+    child_env = dict(os.environ)
+    if args.mode in (None, "bench") and args.isolate and not args.dry_run:
+        # An orchestrating bench process only looks up the device: it must not preallocate the accelerator memory
+        # that its child processes need. The children get the environment as it was.
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    _, _, on_gpu = device_info()
+    finish_args(args, error, on_gpu)
+    if args.mode == "train":
+        return train(args)
+    if args.mode == "check":
+        return check_mode(args)
+    return bench(args, child_env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""jax_flash: fused FlashAttention for JAX, as XLA FFI custom calls with CPU and CUDA kernels.
+
+``jax_flash.dot_product_attention`` is a drop-in for ``jax.nn.dot_product_attention``. The CPU kernels are
+always built; when the CUDA kernels are not built, or no GPU is visible, importing says so once through the
+``jax_flash`` logger (level INFO).
+"""
+
+import importlib.metadata
+import logging
+
+from jax_flash import _ffi
+from jax_flash.attention import dot_product_attention
+from jax_flash.reference import reference_attention
+
+__all__ = ["cuda_available", "dot_product_attention", "reference_attention", "__version__"]
+
+try:
+    __version__ = importlib.metadata.version("jax_flash")
+except importlib.metadata.PackageNotFoundError:
+    __version__ = "0+unknown"
+
+
+def cuda_available():
+    """True when the CUDA kernels are built, registered with JAX, and the CUDA runtime sees a GPU."""
+    return _ffi.CUDA_REGISTERED and _ffi.cuda_device_count() > 0
+
+
+def _report_cuda_status():
+    logger = logging.getLogger(__name__)
+    if not _ffi.CUDA_REGISTERED:
+        logger.info("jax_flash: %s; the CPU kernels are available.", _ffi.CUDA_UNAVAILABLE_REASON)
+    elif _ffi.cuda_device_count() == 0:
+        logger.info("jax_flash: the CUDA kernels are built but no GPU is visible; the CPU kernels are available.")
+
+
+_report_cuda_status()

@@ -1,0 +1,110 @@
+"""Registration of the compiled FFI targets and thin wrappers that call them.
+
+Two nanobind extensions carry the handlers: ``_jax_flash_cpu`` (always built) and ``_jax_flash_cuda`` (absent
+from a CPU-only build). Each exposes ``registrations()``, a dict {target name: capsule} for the targets
+``jax_flash_fwd`` and ``jax_flash_bwd``.
+
+Array arguments have layout [..., seq, heads, head_dim]; the handlers fold every leading dimension into one batch
+dimension, so ``vmap_method="broadcast_all"`` (which prepends the mapped axis to every argument, the int32 length
+arrays included) batches the calls without a loop.
+"""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import _jax_flash_cpu
+
+FWD_TARGET = "jax_flash_fwd"
+BWD_TARGET = "jax_flash_bwd"
+
+for _name, _capsule in _jax_flash_cpu.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+#: Why the CUDA targets are unavailable ("" when they are registered).
+CUDA_UNAVAILABLE_REASON = ""
+
+try:
+    _jax_flash_cuda = importlib.import_module("jax_flash._jax_flash_cuda")
+except ImportError as e:
+    _jax_flash_cuda = None
+    if isinstance(e, ModuleNotFoundError) and e.name == "jax_flash._jax_flash_cuda":
+        CUDA_UNAVAILABLE_REASON = "the CUDA kernels are not built (CPU-only install)"
+    else:
+        CUDA_UNAVAILABLE_REASON = f"the CUDA kernels failed to load: {e}"
+else:
+    try:
+        for _name, _capsule in _jax_flash_cuda.registrations().items():
+            jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+    except Exception as e:  # a jaxlib without CUDA support may refuse the platform
+        CUDA_UNAVAILABLE_REASON = f"registering the CUDA kernels with JAX failed: {e}"
+
+#: True when the CUDA targets are registered with JAX (whether or not a GPU is visible).
+CUDA_REGISTERED = not CUDA_UNAVAILABLE_REASON
+
+
+@functools.cache
+def cuda_device_count():
+    """Number of CUDA devices the CUDA runtime sees; 0 when the CUDA targets are unavailable."""
+    return _jax_flash_cuda.device_count() if CUDA_REGISTERED else 0
+
+
+def _attrs(scale, is_causal, window_left, window_right):
+    return dict(
+        scale=np.float32(scale),
+        is_causal=bool(is_causal),
+        window_left=np.int64(window_left),
+        window_right=np.int64(window_right),
+    )
+
+
+def _row_stats_shape(q_shape):
+    """[..., Sq, Hq, D] -> [..., Hq, Sq]."""
+    return (*q_shape[:-3], q_shape[-2], q_shape[-3])
+
+
+def flash_fwd(q, k, v, q_lens, kv_lens, *, scale, is_causal, window_left, window_right):
+    """Runs the forward target.
+
+    Args:
+      q: [..., Sq, Hq, D]; k, v: [..., Sk, Hkv, D], all of one dtype (bfloat16, float16; float32 on CPU).
+      q_lens, kv_lens: int32 [...] (the leading dims of q): valid query rows / keys per batch element.
+      scale: logit scale. is_causal: top-left aligned causal mask.
+      window_left, window_right: local window bounds, -1 for unbounded.
+
+    Returns:
+      (o, lse): o like q; lse float32 [..., Hq, Sq], the natural-log sum-exp of the scaled logits, +inf for rows
+      that see no key.
+    """
+    call = jax.ffi.ffi_call(
+        FWD_TARGET,
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(_row_stats_shape(q.shape), jnp.float32),
+        ),
+        vmap_method="broadcast_all",
+    )
+    return call(q, k, v, q_lens, kv_lens, **_attrs(scale, is_causal, window_left, window_right))
+
+
+def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, *, scale, is_causal, window_left, window_right):
+    """Runs the backward target: (dq, dk, dv) like (q, k, v), given the forward's o and lse and the cotangent do.
+
+    The attributes must match the forward call's.
+    """
+    call = jax.ffi.ffi_call(
+        BWD_TARGET,
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dq accumulator (workspace)
+            jax.ShapeDtypeStruct(_row_stats_shape(q.shape), jnp.float32),  # rowsum(do * o) (workspace)
+        ),
+        vmap_method="broadcast_all",
+    )
+    dq, dk, dv, _, _ = call(q, k, v, o, lse, do, q_lens, kv_lens, **_attrs(scale, is_causal, window_left, window_right))
+    return dq, dk, dv

@@ -1,0 +1,315 @@
+"""``dot_product_attention``: jax.nn.dot_product_attention's interface on top of the fused jax_flash kernels."""
+
+import dataclasses
+import functools
+import math
+import numbers
+import operator
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import _ffi
+
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_CUDA_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_ACCELERATOR_PLATFORMS = ("cuda", "rocm", "tpu")
+
+# Reasons already warned about (each fallback reason is reported once per process).
+_WARNED: set[str] = set()
+
+
+def _warn_once(reason, message, stacklevel):
+    """Warns `message` unless `reason` was already warned about; `stacklevel` counts from the caller."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static (hashable) parameters of one kernel call."""
+
+    scale: float
+    is_causal: bool
+    window: tuple[int, int] | None  # (left, right), already clamped; None = unbounded
+    kernel_platforms: tuple[str, ...]  # platforms that run the kernel; every other one runs jax.nn's xla path
+
+    def attrs(self):
+        left, right = self.window if self.window is not None else (-1, -1)
+        return dict(scale=self.scale, is_causal=self.is_causal, window_left=left, window_right=right)
+
+
+def _xla_attention(cfg, q, k, v, q_lens, kv_lens):
+    """jax.nn's xla implementation: (output, lse float32 [B, N, T]) for the platforms without a kernel."""
+    out, residual = jax.nn.dot_product_attention(
+        q, k, v, scale=cfg.scale, is_causal=cfg.is_causal, query_seq_lengths=q_lens,
+        key_value_seq_lengths=kv_lens, local_window_size=cfg.window, implementation="xla", return_residual=True)
+    return out, jnp.swapaxes(residual, -1, -2).astype(jnp.float32)
+
+
+def _forward(cfg, q, k, v, q_lens, kv_lens):
+    kernel = functools.partial(_ffi.flash_fwd, **cfg.attrs())
+    return jax.lax.platform_dependent(
+        q, k, v, q_lens, kv_lens,
+        default=functools.partial(_xla_attention, cfg),
+        **{platform: kernel for platform in cfg.kernel_platforms})
+
+
+def _xla_attention_vjp(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
+    del o, lse
+    _, vjp = jax.vjp(lambda q, k, v: _xla_attention(cfg, q, k, v, q_lens, kv_lens)[0], q, k, v)
+    return vjp(do)
+
+
+def _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
+    kernel = functools.partial(_ffi.flash_bwd, **cfg.attrs())
+    return jax.lax.platform_dependent(
+        q, k, v, o, lse, do, q_lens, kv_lens,
+        default=functools.partial(_xla_attention_vjp, cfg),
+        **{platform: kernel for platform in cfg.kernel_platforms})
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_attention(cfg, q, k, v, q_lens, kv_lens):
+    """(o, lse) for q [B, T, N, H], k/v [B, S, K, H], int32 lengths [B]."""
+    return _forward(cfg, q, k, v, q_lens, kv_lens)
+
+
+def _flash_attention_fwd(cfg, q, k, v, q_lens, kv_lens):
+    o, lse = _forward(cfg, q, k, v, q_lens, kv_lens)
+    return (o, lse), (q, k, v, o, lse, q_lens, kv_lens)
+
+
+def _flash_attention_bwd(cfg, residuals, cotangents):
+    q, k, v, o, lse, q_lens, kv_lens = residuals
+    do, _ = cotangents  # lse only leaves through stop_gradient
+    dq, dk, dv = _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens)
+    return dq, dk, dv, None, None
+
+
+_flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
+
+
+@functools.cache
+def _present_accelerators():
+    """Accelerator platforms with a JAX backend in this process."""
+    present = []
+    for platform in _ACCELERATOR_PLATFORMS:
+        try:
+            jax.devices(platform)
+        except RuntimeError:
+            continue
+        present.append(platform)
+    return tuple(present)
+
+
+def _kernel_platforms(dtype):
+    """The platforms that run the kernel for `dtype`; warns once about present backends that will not."""
+    platforms = ["cpu"]
+    if dtype in _CUDA_KERNEL_DTYPES and _ffi.CUDA_REGISTERED:
+        platforms.append("cuda")
+    for platform in _present_accelerators():
+        if platform in platforms:
+            continue
+        if platform != "cuda":
+            why = f"jax_flash has no kernel for {platform}"
+        elif not _ffi.CUDA_REGISTERED:
+            why = _ffi.CUDA_UNAVAILABLE_REASON
+        else:
+            why = f"the CUDA kernels take bfloat16 or float16, got {dtype}"
+        _warn_once(f"platform:{platform}:{why}",
+                   f"jax_flash.dot_product_attention: {why}; on {platform} it runs "
+                   "jax.nn.dot_product_attention(implementation='xla') instead.", stacklevel=3)
+    return tuple(platforms)
+
+
+def _check_lengths(lengths, name, batch):
+    if lengths is None:
+        return None
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
+        raise ValueError(f"{name} must be an int32 array of shape (batch,) = ({batch},), got shape "
+                         f"{lengths.shape} and dtype {lengths.dtype}")
+    return lengths
+
+
+def _check_scale(scale):
+    if scale is None:
+        return None
+    message = f"scale must be a static Python float, got {scale!r}"
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)):
+        raise TypeError(message)
+    try:
+        scale = np.asarray(scale)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(message) from e
+    if scale.ndim != 0 or scale.dtype.kind not in "fiu":
+        raise TypeError(message)
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+def _check_window(local_window_size):
+    """None or (left, right) ints >= 0."""
+    if local_window_size is None:
+        return None
+    sizes = local_window_size if isinstance(local_window_size, (tuple, list)) else (local_window_size,) * 2
+    if len(sizes) != 2:
+        raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got {local_window_size!r}")
+    window = []
+    for size in sizes:
+        if isinstance(size, (bool, np.bool_)):
+            raise TypeError(f"local_window_size must hold ints, got {local_window_size!r}")
+        try:
+            size = operator.index(size)
+        except TypeError as e:
+            raise TypeError(f"local_window_size must be an int or a (left, right) pair of static ints, got "
+                            f"{local_window_size!r}") from e
+        if size < 0:
+            raise ValueError(f"local_window_size must be >= 0, got {local_window_size!r}")
+        window.append(size)
+    return tuple(window)
+
+
+def _validate(query, key, value, is_causal, query_seq_lengths, key_value_seq_lengths):
+    """Checks what every implementation needs; returns the length arrays as arrays."""
+    if query.ndim not in (3, 4):
+        raise ValueError(f"query must have rank 4 (BTNH) or 3 (TNH), got shape {query.shape}")
+    for name, x in (("key", key), ("value", value)):
+        if x.ndim != query.ndim:
+            raise ValueError(f"{name} must have the rank of query ({query.ndim}), got shape {x.shape}")
+        if x.dtype != query.dtype:
+            raise ValueError(f"{name} dtype must match query dtype {query.dtype}, got {x.dtype}")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape must equal key shape {key.shape}, got {value.shape}")
+    if query.shape[:-3] != key.shape[:-3]:
+        raise ValueError(f"key batch size must equal query's: query shape {query.shape}, key shape {key.shape}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key head_dim must equal query head_dim {query.shape[-1]}, got key shape {key.shape}")
+    heads_q, heads_kv = query.shape[-2], key.shape[-2]
+    if heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(f"the number of query heads must be a multiple of the key/value heads, got "
+                         f"{heads_q} query heads and {heads_kv} key/value heads")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    batch = query.shape[0] if query.ndim == 4 else 1
+    return (_check_lengths(query_seq_lengths, "query_seq_lengths", batch),
+            _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch))
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                          implementation=None, return_residual=False):
+    r"""Scaled dot-product attention; a drop-in for :func:`jax.nn.dot_product_attention` run by a fused kernel.
+
+    Computes ``softmax(scale * Q K^T + mask) V`` per head without materialising the attention matrix, on CPU and
+    CUDA GPUs, forward and backward (through :func:`jax.custom_vjp`; jit, grad, vmap and checkpoint compose).
+
+    Shapes (as jax.nn): B batch, T query length, S key/value length, N query heads, K key/value heads (N a
+    multiple of K: grouped-query or, with K = 1, multi-query attention), H head dim.
+
+    Args:
+      query: (B, T, N, H) or (T, N, H).
+      key: (B, S, K, H) or (S, K, H), the dtype of query.
+      value: the shape and dtype of key.
+      bias: optional additive bias broadcastable to (B, N, T, S). The kernel takes no dense bias: the call runs
+        jax.nn's xla implementation instead and warns once.
+      mask: optional boolean mask broadcastable to (B, N, T, S), True = attend. As for ``bias``, runs jax.nn's
+        xla implementation and warns once.
+      scale: static logit scale; default ``1 / sqrt(H)``.
+      is_causal: key j is visible to query i only if j <= i (top-left aligned, as jax.nn).
+      query_seq_lengths: optional int32 (B,): rows at or past the length output 0.
+      key_value_seq_lengths: optional int32 (B,): keys at or past the length are masked.
+      local_window_size: optional int w, meaning (w, w), or (left, right): key j is visible to query i only if
+        i - left <= j <= i + right.
+      implementation: None (default) runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` call
+        jax.nn.dot_product_attention with that implementation.
+      return_residual: also return the log-sum-exp of the masked, scaled logits, shape (B, T, N) or (T, N), in
+        the input dtype, under stop_gradient; -inf for rows that see no key.
+
+    Returns:
+      The attention output with the shape and dtype of ``query``, or ``(output, residual)`` if
+      ``return_residual``.
+
+    Supported by the kernels: bfloat16 and float16 everywhere, float32 on CPU; H a multiple of 8 up to 256. With
+    float32 inputs on a GPU (or on any platform without a kernel) the call runs jax.nn's xla implementation there,
+    and warns once when such a backend is present.
+
+    Semantics differ from jax.nn's xla implementation in one case: a query row below its query length that sees
+    no key (key/value length 0, or a window or causal mask excluding every key) outputs 0 and passes zero
+    gradients, where jax.nn averages every value uniformly. Rows at or past ``query_seq_lengths`` are 0 in both.
+
+    Raises:
+      ValueError: inconsistent shapes or dtypes between query, key and value; a head dim the kernels do not take;
+        length arrays that are not int32 (B,); a negative window or non-finite scale; an unknown implementation.
+      TypeError: an unsupported dtype; a non-bool ``is_causal``; a window or scale that is not a static number.
+    """
+    if implementation in ("xla", "cudnn"):
+        return jax.nn.dot_product_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+            implementation=implementation, return_residual=return_residual)
+    if implementation is not None:
+        raise ValueError(f"implementation must be None, 'xla' or 'cudnn', got {implementation!r}")
+
+    q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    q_lens, kv_lens = _validate(q, k, v, is_causal, query_seq_lengths, key_value_seq_lengths)
+    scale = _check_scale(scale)
+    window = _check_window(local_window_size)
+
+    for name, array in (("bias", bias), ("mask", mask)):
+        if array is not None:
+            _warn_once(name, f"jax_flash.dot_product_attention: the kernels take no dense {name}; running "
+                             "jax.nn.dot_product_attention(implementation='xla') instead", stacklevel=2)
+            return jax.nn.dot_product_attention(
+                q, k, v, bias, mask, scale=scale, is_causal=bool(is_causal), query_seq_lengths=q_lens,
+                key_value_seq_lengths=kv_lens, local_window_size=window, implementation="xla",
+                return_residual=return_residual)
+
+    if q.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"query, key and value must be bfloat16, float16 or float32, got {q.dtype}")
+    head_dim = q.shape[-1]
+    if head_dim > MAX_HEAD_DIM or head_dim % HEAD_DIM_MULTIPLE or head_dim == 0:
+        raise ValueError(f"head_dim (the last dim of query, key and value) must be a positive multiple of "
+                         f"{HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}, got {head_dim}")
+
+    rank3 = q.ndim == 3
+    if rank3:
+        q, k, v = q[None], k[None], v[None]
+    batch, seqlen_q, _, _ = q.shape
+    seqlen_k = k.shape[1]
+
+    if q.size == 0 or k.size == 0:  # nothing to attend to (or nothing asks): every row outputs 0
+        out = jnp.zeros_like(q)
+        lse = jnp.full(q.shape[:-1], -jnp.inf, q.dtype)
+    else:
+        q_lens = jnp.full((batch,), seqlen_q, jnp.int32) if q_lens is None else jnp.clip(q_lens, 0, seqlen_q)
+        kv_lens = jnp.full((batch,), seqlen_k, jnp.int32) if kv_lens is None else jnp.clip(kv_lens, 0, seqlen_k)
+        if window is not None:
+            window = tuple(min(w, seqlen_q + seqlen_k) for w in window)
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        # The kernels take row maxima of the unscaled logits, which assumes scale > 0: fold the sign into q.
+        if scale < 0:
+            q, scale = -q, -scale
+        elif scale == 0:
+            q, scale = jnp.zeros_like(q), 1.0
+        cfg = _Config(scale=scale, is_causal=bool(is_causal), window=window,
+                      kernel_platforms=_kernel_platforms(q.dtype))
+        out, lse = _flash_attention(cfg, q, k, v, q_lens, kv_lens)
+        if return_residual:
+            # The kernels store +inf for rows that see no key; the log of their (zero) mass is -inf.
+            lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
+            lse = jnp.swapaxes(lse, -1, -2).astype(q.dtype)
+
+    if rank3:
+        out, lse = out[0], lse[0]
+    if return_residual:
+        return out, jax.lax.stop_gradient(lse)
+    return out

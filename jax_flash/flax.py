@@ -1,0 +1,352 @@
+"""Flax integration: an ``attention_fn`` for Flax's attention layers and a self-contained NNX ``Attention`` module.
+
+``attention_fn`` plugs the jax_flash kernels into ``flax.nnx.MultiHeadAttention(..., attention_fn=...)`` and
+``flax.linen.MultiHeadDotProductAttention(attention_fn=...)``::
+
+    import functools
+    from flax import linen as nn, nnx
+    from jax_flash.flax import attention_fn, make_attention_fn
+
+    causal = functools.partial(attention_fn, is_causal=True)
+    layer = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=causal)
+    y = layer.apply(params, x)
+
+    layer = nnx.MultiHeadAttention(num_heads=8, in_features=512, decode=False, attention_fn=attention_fn, rngs=rngs)
+    y = layer(x, is_causal=True)  # nnx passes its call's is_causal to attention_fn, overriding a partial's
+    layer = nnx.MultiHeadAttention(num_heads=8, in_features=512, decode=False,
+                                   attention_fn=make_attention_fn(is_causal=True), rngs=rngs)
+    y = layer(x)  # causal whatever is_causal nnx passes
+
+The kernels express causal, sliding-window and sequence-length masking, not arbitrary dense masks. Flax hands
+masks over as traced arrays whose structure is unknown at trace time, so a call with a ``mask`` (or ``bias``) runs
+:func:`jax.nn.dot_product_attention` instead and warns once: pass ``is_causal``, ``local_window_size`` or the
+sequence lengths instead of a mask to stay on the kernel.
+
+``Attention`` is a grouped-query self-attention layer with rotary embeddings whose ``implementation`` can be
+switched between the kernel and jax.nn's implementations on the same parameters.
+
+This module needs ``flax`` (``pip install jax_flash[flax]``); ``import jax_flash`` does not import it.
+"""
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
+
+from jax_flash.attention import dot_product_attention
+
+__all__ = ["Attention", "apply_rope", "attention_fn", "make_attention_fn"]
+
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+# Reasons already warned about (each is reported once per process).
+_WARNED: set[str] = set()
+
+
+def _warn_once(reason, message):
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _check_implementation(implementation):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None (the jax_flash kernel), 'xla' or 'cudnn', got "
+                         f"{implementation!r}")
+    return implementation
+
+
+def _flatten_lengths(lengths, name, batch_shape):
+    """int32 lengths of shape `batch_shape` (also (1,) when there is no batch dim) -> shape (prod(batch_shape),)."""
+    if lengths is None:
+        return None
+    lengths = jnp.asarray(lengths)
+    shape_ok = lengths.shape == batch_shape or (batch_shape == () and lengths.shape == (1,))
+    if lengths.dtype != jnp.int32 or not shape_ok:
+        raise ValueError(f"{name} must be an int32 array of the batch shape {batch_shape}, got shape {lengths.shape} "
+                         f"and dtype {lengths.dtype}")
+    return lengths.reshape(-1)
+
+
+def _to_rank4(x, batch_shape):
+    """A mask or bias broadcastable to [*batch_shape, heads, q, kv] -> [prod(batch_shape), heads|1, q|1, kv|1]."""
+    if x is None:
+        return None
+    rank = len(batch_shape) + 3
+    if x.ndim > rank:
+        raise ValueError(f"mask and bias must be broadcastable to [*batch, heads, q_length, kv_length] with batch "
+                         f"shape {batch_shape}, got shape {x.shape}")
+    x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+    x = jnp.broadcast_to(x, batch_shape + x.shape[len(batch_shape):])
+    return x.reshape((math.prod(batch_shape),) + x.shape[len(batch_shape):])
+
+
+def _options_mask(seqlen_q, seqlen_k, local_window_size, query_seq_lengths, key_value_seq_lengths, batch_shape):
+    """Bool [*batch_shape or 1s, 1, T, S] mask (True = attend) for the window and lengths; None if neither is set."""
+    if local_window_size is None and query_seq_lengths is None and key_value_seq_lengths is None:
+        return None
+    rows = jnp.arange(seqlen_q)[:, None]
+    cols = jnp.arange(seqlen_k)[None, :]
+    mask = jnp.ones((seqlen_q, seqlen_k), bool)
+    if local_window_size is not None:
+        left, right = (local_window_size if isinstance(local_window_size, (tuple, list))
+                       else (local_window_size, local_window_size))
+        mask &= (cols >= rows - left) & (cols <= rows + right)
+    mask = mask.reshape((1,) * len(batch_shape) + (1, seqlen_q, seqlen_k))
+    if key_value_seq_lengths is not None:
+        lens = key_value_seq_lengths.reshape(batch_shape + (1, 1, 1))
+        mask = mask & (jnp.arange(seqlen_k) < lens)
+    if query_seq_lengths is not None:
+        lens = query_seq_lengths.reshape(batch_shape + (1, 1, 1))
+        mask = mask & (jnp.arange(seqlen_q)[:, None] < lens)
+    return mask
+
+
+def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                 dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                 promote_dtype=nnx_dtypes.promote_dtype, is_causal=False, *, local_window_size=None,
+                 query_seq_lengths=None, key_value_seq_lengths=None, implementation=None, **unused):
+    """Dot-product attention through the jax_flash kernels, a drop-in for Flax's ``attention_fn``.
+
+    Takes the arguments that ``flax.nnx.MultiHeadAttention`` and ``flax.linen.MultiHeadDotProductAttention`` pass
+    to their ``attention_fn`` (those of :func:`flax.nnx.dot_product_attention`), plus the kernel's own masking
+    options, which callers fix with :func:`functools.partial` or :func:`make_attention_fn`.
+
+    Runs :func:`jax_flash.dot_product_attention` unless one of these applies:
+
+    * ``mask`` or ``bias`` is given: the kernels take no dense mask and a traced mask cannot be inspected, so this
+      runs :func:`jax.nn.dot_product_attention` (its ``implementation`` is this function's) and warns once. Pass
+      ``is_causal=True``, ``local_window_size`` or sequence lengths instead to stay on the kernel.
+    * dropout is active (``dropout_rate > 0`` and not ``deterministic``): runs
+      :func:`flax.nnx.dot_product_attention` with the same arguments (the options below turned into a mask) and
+      warns once.
+
+    Args:
+      query: [batch..., q_length, num_heads, head_dim]; any number of batch dims, including none.
+      key: [batch..., kv_length, num_kv_heads, head_dim]; num_heads must be a multiple of num_kv_heads.
+      value: the shape of key.
+      bias: optional additive bias broadcastable to [batch..., num_heads, q_length, kv_length] (falls back).
+      mask: optional mask broadcastable to [batch..., num_heads, q_length, kv_length], nonzero = attend (falls
+        back).
+      broadcast_dropout, dropout_rng, dropout_rate, deterministic: as in Flax; dropout only in the fallback.
+      dtype: cast query, key and value to this dtype first; None promotes them to a common dtype.
+      precision: used by the dropout fallback only; the kernels accumulate in float32 whatever it is.
+      module: set by Flax when attention weights are to be sowed. The kernels never form the weights: nothing
+        is sowed (warns once).
+      promote_dtype: ``flax.nnx``-style dtype promotion, called as ``promote_dtype((query, key, value),
+        dtype=dtype)``.
+      is_causal: key j is visible to query i only if j <= i. ``nnx.MultiHeadAttention`` always passes its call's
+        ``is_causal`` (default False), overriding a ``functools.partial``; use ``layer(x, is_causal=True)`` or
+        :func:`make_attention_fn` there.
+      local_window_size: optional int w or (left, right): key j is visible to query i only if
+        i - left <= j <= i + right.
+      query_seq_lengths: optional int32 array of the batch shape: query rows at or past it output 0.
+      key_value_seq_lengths: optional int32 array of the batch shape: keys at or past it are masked.
+      implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
+        :func:`jax.nn.dot_product_attention` with that implementation.
+      **unused: other keywords Flax may pass (``force_fp32_for_softmax``, ...), ignored: softmax always runs in
+        float32 in the kernels.
+
+    Returns:
+      [batch..., q_length, num_heads, head_dim] in the promoted dtype.
+
+    A query row that sees no key (e.g. every key masked by the lengths) outputs 0 in the kernel, where Flax's and
+    jax.nn's implementations average the values uniformly.
+    """
+    del unused
+    _check_implementation(implementation)
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
+        raise ValueError(f"query, key and value must have one rank >= 3 ([batch..., length, heads, head_dim]), got "
+                         f"shapes {query.shape}, {key.shape}, {value.shape}")
+    batch_shape = query.shape[:-3]
+    if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
+        raise ValueError(f"query, key and value batch dims must match, got shapes {query.shape}, {key.shape}, "
+                         f"{value.shape}")
+    q_lens = _flatten_lengths(query_seq_lengths, "query_seq_lengths", batch_shape)
+    kv_lens = _flatten_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch_shape)
+    if module is not None:
+        _warn_once("sow", "jax_flash.flax.attention_fn: the fused kernels never form the attention weights; "
+                          "nothing is sowed.")
+
+    if dropout_rate > 0.0 and not deterministic:
+        _warn_once("dropout", "jax_flash.flax.attention_fn: the kernels have no attention dropout; running "
+                              "flax.nnx.dot_product_attention instead while dropout is active.")
+        options_mask = _options_mask(
+            query.shape[-3], key.shape[-3], local_window_size,
+            None if q_lens is None else q_lens.reshape(batch_shape),
+            None if kv_lens is None else kv_lens.reshape(batch_shape), batch_shape)
+        if options_mask is not None:
+            mask = options_mask if mask is None else jnp.logical_and(mask.astype(bool), options_mask)
+        out = nnx.dot_product_attention(
+            query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
+            precision=precision, is_causal=is_causal)
+        if q_lens is not None:
+            valid = jnp.arange(query.shape[-3]) < q_lens.reshape(batch_shape + (1,))
+            out = jnp.where(valid[..., None, None], out, 0).astype(out.dtype)
+        return out
+
+    out_shape = query.shape
+    flat = lambda x: x.reshape((math.prod(batch_shape),) + x.shape[-3:])
+    query, key, value = flat(query), flat(key), flat(value)
+    if mask is None and bias is None:
+        out = dot_product_attention(
+            query, key, value, is_causal=is_causal, local_window_size=local_window_size,
+            query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, implementation=implementation)
+    else:
+        reason = "a dense mask" if bias is None else "an attention bias"
+        _warn_once(f"dense:{reason}",
+                   f"jax_flash.flax.attention_fn: the kernels cannot take {reason}; running "
+                   f"jax.nn.dot_product_attention instead. To stay on the kernel, express causal, sliding-window "
+                   f"or padding masks as is_causal=True / local_window_size / query_seq_lengths and "
+                   f"key_value_seq_lengths, e.g. functools.partial(jax_flash.flax.attention_fn, is_causal=True).")
+        mask = _to_rank4(mask, batch_shape)
+        out = jax.nn.dot_product_attention(
+            query, key, value, _to_rank4(bias, batch_shape), None if mask is None else mask.astype(bool),
+            is_causal=is_causal, local_window_size=local_window_size, query_seq_lengths=q_lens,
+            key_value_seq_lengths=kv_lens, implementation=implementation)
+    return out.reshape(out_shape)
+
+
+def make_attention_fn(*, is_causal=False, local_window_size=None, implementation=None):
+    """``attention_fn`` with its masking options and implementation fixed.
+
+    Unlike ``functools.partial(attention_fn, is_causal=True)``, ``is_causal=True`` here holds even when the caller
+    passes ``is_causal=False``, as ``flax.nnx.MultiHeadAttention`` always does unless called with
+    ``is_causal=True``. The returned function keeps :func:`attention_fn`'s signature, which
+    ``flax.linen.MultiHeadDotProductAttention`` inspects to decide which keywords to pass.
+    """
+    _check_implementation(implementation)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    fixed = dict(is_causal=bool(is_causal), local_window_size=local_window_size, implementation=implementation)
+
+    @functools.wraps(attention_fn)
+    def fn(*args, **kwargs):
+        kwargs["is_causal"] = fixed["is_causal"] or bool(kwargs.get("is_causal", False))
+        kwargs.setdefault("local_window_size", fixed["local_window_size"])
+        kwargs.setdefault("implementation", fixed["implementation"])
+        return attention_fn(*args, **kwargs)
+
+    return fn
+
+
+def apply_rope(x, positions, theta=10000.0):
+    """Rotary position embedding, LLaMA's half-rotation convention, computed in float32.
+
+    Dimension i < head_dim / 2 of every head is rotated together with dimension i + head_dim / 2 by the angle
+    ``position * theta ** (-2 i / head_dim)``.
+
+    Args:
+      x: [batch, seq, heads, head_dim], head_dim even.
+      positions: integer positions, [seq] or [batch, seq].
+      theta: the base of the rotation frequencies.
+
+    Returns:
+      x rotated, in x's dtype.
+    """
+    if x.ndim != 4 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [batch, seq, heads, head_dim] with an even head_dim, got shape {x.shape}")
+    positions = jnp.asarray(positions)
+    if positions.shape not in ((x.shape[1],), x.shape[:2]):
+        raise ValueError(f"positions must have shape (seq,) = ({x.shape[1]},) or (batch, seq) = {x.shape[:2]}, got "
+                         f"{positions.shape}")
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [(batch,) seq, 1, half]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary embeddings, run by the jax_flash kernels.
+
+    Projections ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` are bias-free :class:`flax.nnx.Linear` layers.
+    ``implementation`` only picks the attention computation, so parameters (and checkpoints) are the same for
+    every choice, and it can be changed on a built module (``layer.implementation = "xla"``) to compare the
+    kernel with jax.nn on the same weights.
+
+    Args:
+      d_model: model (input and output) width.
+      num_heads: query heads.
+      num_kv_heads: key/value heads, dividing num_heads (grouped-query attention); default num_heads.
+      head_dim: per-head width; default d_model // num_heads. The kernels take multiples of 8 up to 256.
+      is_causal: causal self-attention.
+      local_window_size: optional int w or (left, right) sliding window, as in
+        :func:`jax_flash.dot_product_attention`.
+      rope: apply rotary embeddings (:func:`apply_rope`) to queries and keys.
+      rope_theta: the base of the rotary frequencies.
+      implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
+        :func:`jax.nn.dot_product_attention` with that implementation.
+      dtype: computation dtype of the projections and the attention (the kernels take bfloat16 and float16, and
+        float32 on CPU); None promotes inputs and parameters.
+      param_dtype: parameter dtype.
+      kernel_init: initializer of the projection matrices.
+      rngs: random number streams for the initializers.
+    """
+
+    def __init__(self, d_model, num_heads, num_kv_heads=None, head_dim=None, *, is_causal=True,
+                 local_window_size=None, rope=True, rope_theta=10000.0, implementation=None, dtype=jnp.bfloat16,
+                 param_dtype=jnp.float32, kernel_init=nnx.initializers.lecun_normal(), rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, n in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if d_model % num_heads:
+                raise ValueError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads}) unless head_dim "
+                                 "is given")
+            head_dim = d_model // num_heads
+        if not isinstance(head_dim, int) or head_dim < 1 or (rope and head_dim % 2):
+            raise ValueError(f"head_dim must be a positive int, even with rope, got {head_dim!r}")
+        if not isinstance(is_causal, (bool, np.bool_)):
+            raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
+        self.is_causal = bool(is_causal)
+        self.local_window_size = local_window_size
+        self.rope, self.rope_theta = bool(rope), float(rope_theta)
+        self.implementation = _check_implementation(implementation)
+        linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                   kernel_init=kernel_init, rngs=rngs)
+        self.q_proj = linear(d_model, num_heads * head_dim)
+        self.k_proj = linear(d_model, num_kv_heads * head_dim)
+        self.v_proj = linear(d_model, num_kv_heads * head_dim)
+        self.o_proj = linear(num_heads * head_dim, d_model)
+
+    def __call__(self, x, *, positions=None, query_seq_lengths=None, key_value_seq_lengths=None):
+        """Self-attention over x.
+
+        Args:
+          x: [batch, seq, d_model].
+          positions: integer positions for the rotary embeddings, [seq] or [batch, seq]; default 0, 1, ...
+          query_seq_lengths: optional int32 [batch]: rows at or past it output 0 (before ``o_proj``).
+          key_value_seq_lengths: optional int32 [batch]: keys at or past it are masked (right padding).
+
+        Returns:
+          [batch, seq, d_model].
+        """
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be [batch, seq, d_model={self.d_model}], got shape {x.shape}")
+        batch, seqlen, _ = x.shape
+        q = self.q_proj(x).reshape(batch, seqlen, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, seqlen, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, seqlen, self.num_kv_heads, self.head_dim)
+        if self.rope:
+            positions = jnp.arange(seqlen) if positions is None else positions
+            q = apply_rope(q, positions, self.rope_theta)
+            k = apply_rope(k, positions, self.rope_theta)
+        elif positions is not None:
+            raise ValueError("positions are only used with rope=True")
+        out = dot_product_attention(
+            q, k, v, is_causal=self.is_causal, local_window_size=self.local_window_size,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            implementation=_check_implementation(self.implementation))
+        return self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))

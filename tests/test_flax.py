@@ -1,0 +1,451 @@
+"""jax_flash.flax: attention_fn inside Flax's attention layers, the Attention module, and the LLaMA example.
+
+Everything runs on CPU with small shapes. Flax's own attention (same parameters) is the reference for
+``attention_fn``; ``Attention(implementation="xla")`` (jax.nn) is the reference for the kernel path of ``Attention``.
+"""
+
+import functools
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax", reason="the Flax integration needs flax (pip install jax_flash[flax])")
+optax = pytest.importorskip("optax", reason="the Flax integration tests need optax (pip install jax_flash[flax])")
+
+from flax import linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_flash.flax  # noqa: E402
+from jax_flash.flax import Attention, apply_rope, attention_fn, make_attention_fn  # noqa: E402
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+GRAD_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 4e-2}
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "llama_block.py")
+
+
+@pytest.fixture
+def fresh_flax_warnings(monkeypatch):
+    """Forget which fallbacks jax_flash.flax already warned about."""
+    monkeypatch.setattr(jax_flash.flax, "_WARNED", set())
+
+
+def rel_err(x, ref, scale=None):
+    """max |x - ref| / max(max |ref|, scale), in float64."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), scale or 0.0))
+
+
+def assert_trees_close(tree, ref, tol, what=""):
+    """Leafwise rel_err <= tol, relative to at least a tenth of the largest leaf (some gradients, like the key
+    projection's bias, are zero up to rounding)."""
+    leaves, ref_leaves = jax.tree.leaves(tree), jax.tree.leaves(ref)
+    assert jax.tree.structure(tree) == jax.tree.structure(ref), what
+    scale = 0.1 * max(float(np.max(np.abs(np.asarray(r, np.float64)))) for r in ref_leaves)
+    for i, (x, r) in enumerate(zip(leaves, ref_leaves)):
+        assert x.shape == r.shape, f"{what} leaf {i}"
+        err = rel_err(x, r, scale)
+        assert err <= tol, f"{what} leaf {i} {x.shape}: relative error {err:.2e} > {tol:.0e}"
+
+
+def jax_flash_warnings(record):
+    return [w for w in record if "jax_flash" in str(w.message)]
+
+
+def inputs(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention_fn in nnx.MultiHeadAttention
+
+
+def nnx_mha(attention=None, num_kv_heads=None, dtype=jnp.float32, **kwargs):
+    """A small nnx.MultiHeadAttention (head dim 16); the same parameters whatever `attention`."""
+    extra = {} if attention is None else dict(attention_fn=attention)
+    return nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=64, num_kv_heads=num_kv_heads,
+                                  decode=False, dtype=dtype, rngs=nnx.Rngs(0), **extra, **kwargs)
+
+
+def nnx_out_and_grads(model, x, **call_kwargs):
+    cotangent = inputs(x.shape, seed=7)
+
+    def loss(model):
+        out = model(x, **call_kwargs)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_kv_heads", [None, 2], ids=["mha", "gqa"])
+def test_nnx_mha_matches_flax(dtype, num_kv_heads):
+    x = inputs((2, 16, 32), dtype=dtype)
+    out, grads = nnx_out_and_grads(nnx_mha(attention_fn, num_kv_heads, dtype), x)
+    ref, ref_grads = nnx_out_and_grads(nnx_mha(None, num_kv_heads, dtype), x)
+    assert out.dtype == ref.dtype
+    assert rel_err(out, ref) <= TOL[dtype]
+    assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_nnx_mha_causal_matches_flax_causal_mask(dtype):
+    x = inputs((2, 16, 32), dtype=dtype)
+    ref, ref_grads = nnx_out_and_grads(nnx_mha(None, 2, dtype), x, mask=nnx.make_causal_mask(x[..., 0]))
+    # nnx.MultiHeadAttention passes its call's is_causal to attention_fn ...
+    out, grads = nnx_out_and_grads(nnx_mha(attention_fn, 2, dtype), x, is_causal=True)
+    assert rel_err(out, ref) <= TOL[dtype]
+    assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
+    # ... and make_attention_fn(is_causal=True) stays causal although nnx passes is_causal=False.
+    out, grads = nnx_out_and_grads(nnx_mha(make_attention_fn(is_causal=True), 2, dtype), x)
+    assert rel_err(out, ref) <= TOL[dtype]
+    assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention_fn in linen.MultiHeadDotProductAttention
+
+
+def linen_out_and_grads(attention, params, x, dtype, **call_kwargs):
+    kwargs = {} if attention is None else dict(attention_fn=attention)
+    layer = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64, dtype=dtype, **kwargs)
+    cotangent = inputs(x.shape, seed=7)
+
+    def loss(params):
+        out = layer.apply(params, x, **call_kwargs)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_linen_mha_matches_flax(dtype):
+    x = inputs((2, 16, 32), dtype=dtype)
+    params = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64, dtype=dtype).init(jax.random.key(1), x)
+    ref, ref_grads = linen_out_and_grads(None, params, x, dtype)
+    out, grads = linen_out_and_grads(attention_fn, params, x, dtype)
+    assert rel_err(out, ref) <= TOL[dtype]
+    assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
+
+    causal = nn.make_causal_mask(x[..., 0])
+    ref, ref_grads = linen_out_and_grads(None, params, x, dtype, mask=causal)
+    for fn in (functools.partial(attention_fn, is_causal=True), make_attention_fn(is_causal=True)):
+        out, grads = linen_out_and_grads(fn, params, x, dtype)
+        assert rel_err(out, ref) <= TOL[dtype]
+        assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
+
+
+def test_linen_sow_weights_is_ignored(fresh_flax_warnings):
+    x = inputs((2, 16, 32))
+    layer = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64, attention_fn=attention_fn)
+    params = layer.init(jax.random.key(1), x)
+    with pytest.warns(RuntimeWarning, match="nothing is sowed"):
+        out, state = layer.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    ref = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64).apply(params, x)
+    assert rel_err(out, ref) <= TOL[jnp.float32]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention_fn fallbacks and options
+
+
+def qkv(batch_shape=(2,), seqlen=16, heads=4, kv_heads=2, head_dim=16, dtype=jnp.float32):
+    return (inputs((*batch_shape, seqlen, heads, head_dim), 0, dtype),
+            inputs((*batch_shape, seqlen, kv_heads, head_dim), 1, dtype),
+            inputs((*batch_shape, seqlen, kv_heads, head_dim), 2, dtype))
+
+
+def test_mask_falls_back_with_one_warning(fresh_flax_warnings):
+    q, k, v = qkv()
+    valid = jnp.arange(16)[None, :] < jnp.array([[16], [11]])
+    mask = nnx.make_attention_mask(valid, valid)  # [2, 1, 16, 16] float32 padding mask
+    ref = nnx.dot_product_attention(q, k, v, mask=mask)
+    with pytest.warns(RuntimeWarning, match="dense mask.*is_causal=True"):
+        out = attention_fn(q, k, v, mask=mask)
+    assert rel_err(out, ref) <= TOL[jnp.float32]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        again = attention_fn(q, k, v, mask=mask)  # eager: the Python code runs again
+    assert not jax_flash_warnings(record)
+    np.testing.assert_array_equal(again, out)
+
+    # The same padding as lengths runs the kernel (rows past the length: 0 here, but not in Flax).
+    lengths = jnp.array([16, 11], jnp.int32)
+    out = attention_fn(q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    assert rel_err(out * valid[..., None, None], ref * valid[..., None, None]) <= TOL[jnp.float32]
+    assert not np.any(np.asarray(out)[1, 11:])
+
+
+def test_mask_fallback_in_modules(fresh_flax_warnings):
+    x = inputs((2, 16, 32))
+    mask = nnx.make_causal_mask(x[..., 0])
+    with pytest.warns(RuntimeWarning, match="dense mask"):
+        out = nnx_mha(attention_fn)(x, mask=mask)
+    assert rel_err(out, nnx_mha()(x, mask=mask)) <= TOL[jnp.float32]
+
+
+def test_dropout_falls_back_to_flax(fresh_flax_warnings):
+    x = inputs((2, 16, 32))
+    ours, ref = nnx_mha(attention_fn, dropout_rate=0.5), nnx_mha(dropout_rate=0.5)
+    with pytest.warns(RuntimeWarning, match="dropout"):
+        out = ours(x, deterministic=False, rngs=nnx.Rngs(dropout=3))
+    expected = ref(x, deterministic=False, rngs=nnx.Rngs(dropout=3))
+    assert rel_err(out, expected) <= TOL[jnp.float32]
+    assert rel_err(out, ref(x, deterministic=True)) > 0.1  # dropout did happen
+    # Deterministic calls stay on the kernel, without warning.
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = ours(x, deterministic=True)
+    assert not jax_flash_warnings(record)
+    assert rel_err(out, ref(x, deterministic=True)) <= TOL[jnp.float32]
+
+
+def test_dropout_fallback_keeps_the_options(fresh_flax_warnings):
+    q, k, v = qkv()
+    lengths = jnp.array([16, 10], jnp.int32)
+    kwargs = dict(is_causal=True, local_window_size=5, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    with pytest.warns(RuntimeWarning, match="dropout"):
+        out = attention_fn(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(0), **kwargs)
+    ref = jax.nn.dot_product_attention(q, k, v, **kwargs)
+    # Dropout zeroes a random 30% of the weights and rescales the rest: rows stay correlated with the reference.
+    assert np.corrcoef(np.ravel(out), np.ravel(ref))[0, 1] > 0.5
+    assert not np.any(np.asarray(out)[1, 10:])
+    np.testing.assert_allclose(attention_fn(q, k, v, dropout_rate=0.3, deterministic=True, **kwargs), ref,
+                               rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_shape", [(), (2, 1)], ids=["none", "two"])
+def test_batch_dims(batch_shape):
+    q, k, v = qkv(batch_shape)
+    flat = lambda x: x.reshape(-1, *x.shape[-3:])
+    lengths = jnp.arange(math.prod(batch_shape), dtype=jnp.int32).reshape(batch_shape) + 10
+    ref = jax.nn.dot_product_attention(flat(q), flat(k), flat(v), is_causal=True,
+                                       key_value_seq_lengths=lengths.reshape(-1)).reshape(q.shape)
+    out = attention_fn(q, k, v, is_causal=True, key_value_seq_lengths=lengths)
+    assert out.shape == q.shape
+    assert rel_err(out, ref) <= TOL[jnp.float32]
+    mask = jnp.arange(16) < lengths[..., None, None, None]  # [*batch_shape, 1, 1, 16]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = attention_fn(q, k, v, mask=mask, is_causal=True)
+    assert rel_err(out, ref) <= TOL[jnp.float32]
+
+
+def test_window_and_lengths_match_jax_nn():
+    q, k, v = qkv(dtype=jnp.bfloat16)
+    kwargs = dict(is_causal=True, local_window_size=(4, 0), query_seq_lengths=jnp.array([16, 13], jnp.int32),
+                  key_value_seq_lengths=jnp.array([16, 13], jnp.int32))
+    ref = jax.nn.dot_product_attention(q, k, v, **kwargs)
+    assert rel_err(functools.partial(attention_fn, **kwargs)(q, k, v), ref) <= TOL[jnp.bfloat16]
+    assert rel_err(attention_fn(q, k, v, **kwargs, implementation="xla"), ref) == 0
+
+
+def test_dtype_cast():
+    q, k, v = qkv()
+    out = attention_fn(q, k, v, dtype=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    ref = jax.nn.dot_product_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    assert rel_err(out, ref) <= TOL[jnp.bfloat16]
+
+
+def test_attention_fn_rejects_bad_arguments():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="implementation"):
+        attention_fn(q, k, v, implementation="flash")
+    with pytest.raises(ValueError, match="batch shape"):
+        attention_fn(q, k, v, key_value_seq_lengths=jnp.array([3, 4, 5], jnp.int32))
+    with pytest.raises(ValueError, match="batch dims"):
+        attention_fn(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="implementation"):
+        make_attention_fn(implementation="cuda")
+    with pytest.raises(TypeError, match="is_causal"):
+        make_attention_fn(is_causal="yes")
+
+
+def lowered_text(fn, *args):
+    return jax.jit(fn).lower(*args).as_text()
+
+
+def test_attention_fn_runs_the_custom_call():
+    q, k, v = qkv()
+    assert "jax_flash_fwd" in lowered_text(functools.partial(attention_fn, is_causal=True), q, k, v)
+    grad = jax.grad(lambda q, k, v: attention_fn(q, k, v, is_causal=True).sum(), argnums=(0, 1, 2))
+    assert "jax_flash_bwd" in lowered_text(grad, q, k, v)
+    assert "jax_flash_fwd" not in lowered_text(functools.partial(attention_fn, implementation="xla"), q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# apply_rope
+
+
+def test_rope_matches_flax_convention():
+    x = inputs((2, 16, 4, 16))
+    positions = jnp.arange(16) + 5
+    out = apply_rope(x, positions, theta=500.0)
+    if hasattr(nnx, "RoPE"):
+        ref = nnx.RoPE(theta=500.0)(jnp.swapaxes(x, 1, 2), positions.astype(jnp.float32))
+        np.testing.assert_allclose(out, jnp.swapaxes(ref, 1, 2), rtol=1e-5, atol=1e-5)
+    # Dimension 0 pairs with dimension 8 and rotates by the position (frequency theta ** 0 = 1).
+    angle = positions[:, None]
+    np.testing.assert_allclose(out[0, :, :, 0], x[0, :, :, 0] * jnp.cos(angle) - x[0, :, :, 8] * jnp.sin(angle),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(apply_rope(x, jnp.zeros(16, jnp.int32)), x)
+    np.testing.assert_allclose(jnp.linalg.norm(out, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_rope_scores_depend_on_relative_position():
+    q, k = inputs((2, 16, 4, 16), 0), inputs((2, 16, 4, 16), 1)
+    positions = jnp.arange(16)
+    score = lambda m, n: jnp.sum(apply_rope(q, positions + m) * apply_rope(k, positions + n), axis=-1)
+    np.testing.assert_allclose(score(7, 3), score(104, 100), rtol=1e-3, atol=1e-3)
+    assert not np.allclose(score(7, 3), score(7, 5), rtol=1e-2, atol=1e-2)
+    per_batch = apply_rope(q, positions[None] + jnp.array([[3], [9]]))
+    np.testing.assert_allclose(per_batch[1], apply_rope(q, positions + 9)[1], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention
+
+
+def make_attention(implementation=None, dtype=jnp.float32, **kwargs):
+    kwargs = dict(dict(d_model=64, num_heads=4, num_kv_heads=2, head_dim=16), **kwargs)
+    return Attention(**kwargs, implementation=implementation, dtype=dtype, rngs=nnx.Rngs(0))
+
+
+def attention_out_and_grads(model, x, **call_kwargs):
+    cotangent = inputs(x.shape, seed=7)
+
+    def loss(model):
+        out = model(x, **call_kwargs)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return out, grads
+
+
+ATTENTION_CASES = {
+    "causal_gqa": (dict(), dict()),
+    "mqa_noncausal": (dict(num_kv_heads=1, is_causal=False), dict()),
+    "window": (dict(local_window_size=(5, 0)), dict()),
+    "lengths": (dict(), dict(query_seq_lengths=np.array([16, 9], np.int32),
+                             key_value_seq_lengths=np.array([16, 9], np.int32))),
+    "positions": (dict(rope_theta=500.0), dict(positions=np.arange(16)[None] + np.array([[0], [7]]))),
+    "no_rope": (dict(rope=False), dict()),
+}
+
+
+@pytest.mark.parametrize("case,dtype", [(case, jnp.float32) for case in ATTENTION_CASES]
+                         + [(case, jnp.bfloat16) for case in ("causal_gqa", "lengths")])
+def test_attention_kernel_matches_jax_nn(case, dtype):
+    init_kwargs, call_kwargs = ATTENTION_CASES[case]
+    model = make_attention(dtype=dtype, **init_kwargs)
+    x = inputs((2, 16, model.d_model))
+    out, grads = attention_out_and_grads(model, x, **call_kwargs)
+    model.implementation = "xla"
+    ref, ref_grads = attention_out_and_grads(model, x, **call_kwargs)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel_err(out, ref) <= TOL[dtype]
+    assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
+
+
+def test_attention_parameters_do_not_depend_on_implementation():
+    kernel, reference = make_attention(None), make_attention("xla")
+    state, ref_state = nnx.state(kernel, nnx.Param), nnx.state(reference, nnx.Param)
+    assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+    assert {".".join(map(str, path)) for path, _ in nnx.to_flat_state(state)} == {
+        "q_proj.kernel", "k_proj.kernel", "v_proj.kernel", "o_proj.kernel"}
+    assert_trees_close(state, ref_state, 0.0)
+    assert nnx.state(kernel, nnx.Param)["k_proj"]["kernel"].shape == (64, 2 * 16)
+    # A checkpoint of one loads into the other.
+    nnx.update(reference, state)
+    x = inputs((2, 16, 64))
+    assert rel_err(kernel(x), reference(x)) <= TOL[jnp.float32]
+
+
+def test_attention_runs_the_custom_call():
+    model = make_attention(dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(model)
+    x = inputs((2, 16, 64), dtype=jnp.bfloat16)
+    forward = lambda state, x: nnx.merge(graphdef, state)(x)
+    loss = lambda state, x: forward(state, x).astype(jnp.float32).sum()
+    assert "jax_flash_fwd" in lowered_text(forward, state, x)
+    assert "jax_flash_bwd" in lowered_text(jax.grad(loss), state, x)
+    model.implementation = "xla"
+    graphdef, state = nnx.split(model)
+    assert "jax_flash_fwd" not in lowered_text(lambda state, x: nnx.merge(graphdef, state)(x), state, x)
+
+
+def test_attention_under_nnx_jit_and_grad():
+    model = make_attention(dtype=jnp.bfloat16)
+    x = inputs((2, 16, 64), dtype=jnp.bfloat16)
+    loss = lambda model, x: jnp.mean(jnp.square(model(x).astype(jnp.float32)))
+
+    @nnx.jit
+    def loss_and_grads(model, x):
+        return nnx.value_and_grad(loss)(model, x)
+
+    value, grads = loss_and_grads(model, x)
+    eager_value, eager_grads = nnx.value_and_grad(loss)(model, x)
+    assert float(value) == pytest.approx(float(eager_value), rel=1e-2)
+    assert_trees_close(grads, eager_grads, 2e-2)
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+
+
+def test_adam_step_lowers_the_loss():
+    model = make_attention(dtype=jnp.bfloat16)
+    x, y = inputs((4, 16, 64), 0, jnp.bfloat16), inputs((4, 16, 64), 1)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    loss = lambda model: jnp.mean(jnp.square(model(x).astype(jnp.float32) - y))
+
+    def step(model, optimizer):
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    before = float(step(model, optimizer))
+    for _ in range(3):
+        step(model, optimizer)
+    assert float(loss(model)) < before
+
+
+def test_attention_rejects_bad_arguments():
+    rngs = nnx.Rngs(0)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        Attention(64, 4, 3, rngs=rngs)
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        Attention(60, 8, rngs=rngs)
+    with pytest.raises(ValueError, match="even"):
+        Attention(60, 4, head_dim=15, rngs=rngs)
+    with pytest.raises(ValueError, match="implementation"):
+        Attention(64, 4, implementation="flash", rngs=rngs)
+    model = make_attention()
+    with pytest.raises(ValueError, match="d_model"):
+        model(inputs((2, 16, 32)))
+    with pytest.raises(ValueError, match="positions"):
+        model(inputs((2, 16, 64)), positions=jnp.arange(15))
+    model.implementation = "flash"
+    with pytest.raises(ValueError, match="implementation"):
+        model(inputs((2, 16, 64)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# examples/llama_block.py
+
+
+def run_example(*args):
+    proc = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_example_lowers_the_full_size_block():
+    out = run_example("--mode", "bench", "--dry-run", "--attention", "jax_flash")
+    assert out.count("calls jax_flash_fwd + jax_flash_bwd") == 2, out

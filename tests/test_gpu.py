@@ -1,0 +1,196 @@
+"""jax_flash on a CUDA GPU: accuracy against a float64 reference and jax.nn, long sequences against cuDNN, memory.
+
+Skipped unless JAX sees a GPU and jax_flash's CUDA kernels are built. The long-sequence tests are marked ``slow``.
+"""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+
+
+def _gpu_ready():
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        return False
+    return jax_flash.cuda_available()
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and jax_flash's CUDA kernels")]
+
+DTYPES = [jnp.bfloat16, jnp.float16]
+
+# Fields of conftest.Case: head dims 64, 128, 256 and the padded 72 and 200; lengths off the kernels' tile sizes.
+CASES = {
+    "d64_causal_1000": dict(batch=2, seqlen_q=1000, seqlen_k=1000, heads_q=4, heads_kv=4, head_dim=64,
+                            is_causal=True),
+    "d128_gqa4_sq_lt_sk": dict(batch=1, seqlen_q=97, seqlen_k=1531, heads_q=8, heads_kv=2, head_dim=128),
+    "d128_sq_gt_sk_causal": dict(batch=2, seqlen_q=333, seqlen_k=130, heads_q=4, heads_kv=4, head_dim=128,
+                                 is_causal=True),
+    "d256_mqa_causal": dict(batch=1, seqlen_q=513, seqlen_k=513, heads_q=4, heads_kv=1, head_dim=256,
+                            is_causal=True),
+    "d72_window_lengths": dict(batch=2, seqlen_q=517, seqlen_k=517, heads_q=2, heads_kv=2, head_dim=72,
+                               window=(33, 7), q_lens=(517, 300), kv_lens=(401, 517)),
+    "d200_combined": dict(batch=3, seqlen_q=257, seqlen_k=190, heads_q=4, heads_kv=2, head_dim=200,
+                          is_causal=True, window=(40, 0), q_lens=(257, 100, 1), kv_lens=(190, 60, 0)),
+    "d64_window_0_0_empty_rows": dict(batch=1, seqlen_q=300, seqlen_k=129, heads_q=2, heads_kv=2, head_dim=64,
+                                      window=(0, 0)),
+    "d128_decode_row": dict(batch=4, seqlen_q=1, seqlen_k=4097, heads_q=8, heads_kv=1, head_dim=128),
+    "d64_kv_length_zero": dict(batch=2, seqlen_q=65, seqlen_k=65, heads_q=2, heads_kv=2, head_dim=64,
+                               kv_lens=(0, 64)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference(case, dtype, attention_checks):
+    attention_checks.check_against_reference(attention_checks.Case(**case), dtype)
+
+
+def _poison_device_memory(arrays):
+    """Allocates and frees buffers of the sizes of `arrays`, filled with all-ones bits (NaN in every float dtype),
+    so that XLA's allocator hands out poisoned memory next."""
+    sizes = [x.size * x.dtype.itemsize for x in arrays]
+    sizes += [s * 2 for s in sizes]  # float32 workspaces of half-precision arrays
+    poison = [jnp.full((-(-s // 4),), 0xFFFFFFFF, jnp.uint32) for s in sizes]
+    jax.block_until_ready(poison)
+    del poison
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
+def test_every_element_written_over_poisoned_memory(dtype, attention_checks):
+    """Outputs land on NaN-filled memory: every element must be written, finite, and every row checked."""
+    case = attention_checks.Case(batch=2, seqlen_q=777, seqlen_k=1237, heads_q=4, heads_kv=2, head_dim=72,
+                                 is_causal=True, window=(500, 3), q_lens=(700, 777), kv_lens=(1237, 0))
+    q, k, v, do = attention_checks.make_inputs(case, dtype, seed=3)
+    _poison_device_memory([q, k, v, do])
+    out, dq, dk, dv = attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **case.kwargs())
+    for x in (out, dq, dk, dv):
+        assert np.isfinite(x).all()
+    assert not out[0, 700:].any() and not dq[0, 700:].any()  # rows past the query length
+    assert not out[1].any() and not dq[1].any()  # no keys at all
+    assert not dk[1].any() and not dv[1].any()
+    _poison_device_memory([q, k, v, do])
+    attention_checks.check_against_reference(case, dtype, seed=3)
+
+
+def test_vmap_and_jit(attention_checks):
+    case = attention_checks.Case(batch=2, seqlen_q=129, seqlen_k=257, heads_q=4, heads_kv=2, head_dim=64)
+    q, k, v, _ = attention_checks.make_inputs(case, jnp.bfloat16)
+    qs = jnp.stack([q, -q, 0.5 * q])
+    attend = functools.partial(jax_flash.dot_product_attention, is_causal=True)
+    out = jax.jit(jax.vmap(attend, in_axes=(0, None, None)))(qs, k, v)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(out[i], np.float32), np.asarray(attend(qs[i], k, v), np.float32),
+                                   rtol=1e-2, atol=1e-2)
+
+
+def test_float32_falls_back_to_xla_and_warns(attention_checks, fresh_warnings):
+    case = attention_checks.Case(batch=1, seqlen_q=65, seqlen_k=65, heads_q=2, heads_kv=2, head_dim=64)
+    q, k, v, _ = attention_checks.make_inputs(case, jnp.float32)
+    with pytest.warns(RuntimeWarning, match="CUDA kernels take bfloat16 or float16"):
+        out = jax.jit(jax_flash.dot_product_attention)(q, k, v)
+    np.testing.assert_allclose(out, jax.nn.dot_product_attention(q, k, v, implementation="xla"), rtol=1e-5,
+                               atol=1e-5)
+    assert "jax_flash_fwd" not in jax.jit(jax_flash.dot_product_attention).lower(q, k, v).as_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax_flash.dot_product_attention(q, k, v)
+
+
+def test_gpu_hlo_calls_the_kernel():
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+    grad = jax.grad(lambda q, k, v: jnp.sum(jax_flash.dot_product_attention(q, k, v).astype(jnp.float32)),
+                    argnums=(0, 1, 2))
+    text = jax.jit(grad).lower(q, q, q).as_text()
+    assert "@jax_flash_fwd" in text and "@jax_flash_bwd" in text
+
+
+# Long sequences.
+
+
+def _jit_fwd_bwd(attention, **kwargs):
+    """A jitted (q, k, v, do) -> (out, dq, dk, dv) of `attention`, results left on the device."""
+
+    @jax.jit
+    def run(q, k, v, do):
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kwargs), q, k, v)
+        return (out, *vjp(do))
+
+    return run
+
+
+def _reference_by_head(q, k, v, do, is_causal, heads_per_chunk=2):
+    """float32 reference (out, dq, dk, dv), computed a few heads at a time to bound the S x S logits' memory."""
+    run = _jit_fwd_bwd(jax_flash.reference_attention, is_causal=is_causal)
+    chunks = []
+    for h in range(0, q.shape[2], heads_per_chunk):
+        chunk = [x[:, :, h:h + heads_per_chunk].astype(jnp.float32) for x in (q, k, v, do)]
+        chunks.append(jax.block_until_ready(run(*chunk)))
+    return [jnp.concatenate(parts, axis=2) for parts in zip(*chunks)]
+
+
+def _errors(x, ref):
+    """(relative L2 error, max abs error) of x against ref, in float32 on the device."""
+    diff = x.astype(jnp.float32) - ref
+    return float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref)), float(jnp.max(jnp.abs(diff)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_16k_tokens_against_cudnn(is_causal):
+    """B=1, S=16384, 16 heads, D=128, bf16: jax_flash's error vs a float32 reference <= 3x cuDNN's."""
+    shape = (1, 16384, 16, 128)
+    keys = jax.random.split(jax.random.key(7), 4)
+    q, k, v, do = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys)
+    ours = _jit_fwd_bwd(jax_flash.dot_product_attention, is_causal=is_causal)(q, k, v, do)
+    cudnn = _jit_fwd_bwd(jax.nn.dot_product_attention, is_causal=is_causal, implementation="cudnn")(q, k, v, do)
+    ref = _reference_by_head(q, k, v, do, is_causal)
+    for name, x, c, r in zip(("output", "dq", "dk", "dv"), ours, cudnn, ref):
+        assert bool(jnp.all(jnp.isfinite(x))), f"{name}: non-finite values"
+        (rel, worst), (rel_cudnn, worst_cudnn) = _errors(x, r), _errors(c, r)
+        assert rel <= 3 * rel_cudnn + 1e-6, f"{name}: relative error {rel:.3g} vs cuDNN {rel_cudnn:.3g}"
+        floor = float(jnp.finfo(jnp.bfloat16).eps * jnp.max(jnp.abs(r)))
+        assert worst <= 3 * worst_cudnn + floor, f"{name}: max error {worst:.3g} vs cuDNN {worst_cudnn:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_128k_tokens_causal_runs_in_linear_memory(head_dim):
+    """B=1, S=131072, one head: forward+backward fit in O(S) memory, are finite, and sampled rows are right."""
+    seqlen = 131072
+    shape = (1, seqlen, 1, head_dim)
+    attend = functools.partial(jax_flash.dot_product_attention, is_causal=True)
+
+    def fwd_bwd(q, k, v, do):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return (out, *vjp(do))
+
+    # Linear: a few float32 arrays of the query's size (the kernels' dq accumulator) and no S x S buffer.
+    linear_bound = 8 * seqlen * head_dim * 4
+    spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    for name, fn, args in (("forward", attend, (spec,) * 3), ("forward+backward", fwd_bwd, (spec,) * 4)):
+        temp = jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+        assert temp <= linear_bound and temp < seqlen * seqlen // 16, f"{name}: {temp} bytes of temporaries"
+
+    keys = jax.random.split(jax.random.key(11), 4)
+    q, k, v, do = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys)
+    out, dq, dk, dv = jax.jit(fwd_bwd)(q, k, v, do)
+    for x in (out, dq, dk, dv):
+        assert bool(jnp.all(jnp.isfinite(x)))
+
+    # Rows at the start, the end and in between, each against every key it sees, in float32.
+    rows = jnp.concatenate([jnp.arange(64), jnp.arange(seqlen - 64, seqlen), jnp.arange(1000, seqlen, 9973)])
+    q32, k32, v32 = (x[0, :, 0].astype(jnp.float32) for x in (q, k, v))
+    logits = jnp.matmul(q32[rows], k32.T, precision=jax.lax.Precision.HIGHEST) / np.sqrt(head_dim)
+    logits = jnp.where(jnp.arange(seqlen)[None, :] <= rows[:, None], logits, -jnp.inf)
+    expected = jnp.matmul(jax.nn.softmax(logits, axis=-1), v32, precision=jax.lax.Precision.HIGHEST)
+    got = out[0, rows, 0].astype(jnp.float32)
+    np.testing.assert_allclose(got, expected, atol=2e-2, rtol=2e-2)
