@@ -84,7 +84,8 @@ def attention_fn(impl, causal):
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
-SAMPLE_SECONDS = 2e-3  # back-to-back calls per sample: enough to cover this much device time
+SAMPLE_SECONDS = 2e-3  # back-to-back calls per sample: enough to cover this much device time,
+MIN_REPS = 4           # and never fewer than this, so no call waits on the host between dispatches
 
 
 def time_fn(fn, args, warmup, iters, min_time):
@@ -97,7 +98,7 @@ def time_fn(fn, args, warmup, iters, min_time):
         jax.block_until_ready(fn(*args))
         latencies.append(time.perf_counter() - t0)
     latency = statistics.median(latencies)
-    reps = max(1, min(50, int(SAMPLE_SECONDS / latency)))
+    reps = max(MIN_REPS, min(50, int(SAMPLE_SECONDS / latency)))
     times = []
     start = time.perf_counter()
     while len(times) < iters or (time.perf_counter() - start < min_time and len(times) < 10 * iters):
