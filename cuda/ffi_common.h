@@ -135,8 +135,8 @@ inline std::vector<int64_t> RowStatDims(ffi::AnyBuffer::Dimensions qd) {
   return out;
 }
 
-inline ffi::Error CheckForwardResults(ffi::AnyBuffer q, const ffi::Result<ffi::AnyBuffer>& o,
-                                      const ffi::Result<ffi::Buffer<ffi::F32>>& lse) {
+inline ffi::Error CheckForwardResults(ffi::AnyBuffer q, ffi::Result<ffi::AnyBuffer>& o,
+                                      ffi::Result<ffi::Buffer<ffi::F32>>& lse) {
   if (auto e = ExpectShape(*o, q.dimensions(), "output"); e.failure()) return e;
   if (o->element_type() != q.element_type()) return Invalid("output dtype must match query dtype");
   auto stat = RowStatDims(q.dimensions());
@@ -146,10 +146,10 @@ inline ffi::Error CheckForwardResults(ffi::AnyBuffer q, const ffi::Result<ffi::A
 // Validates the backward-only buffers and fills the remaining fields of `p` (after FillCommonParams).
 inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer o,
                                      ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
-                                     const ffi::Result<ffi::AnyBuffer>& dq, const ffi::Result<ffi::AnyBuffer>& dk,
-                                     const ffi::Result<ffi::AnyBuffer>& dv,
-                                     const ffi::Result<ffi::Buffer<ffi::F32>>& dq_accum,
-                                     const ffi::Result<ffi::Buffer<ffi::F32>>& dsum, FlashParams* p) {
+                                     ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dk,
+                                     ffi::Result<ffi::AnyBuffer>& dv,
+                                     ffi::Result<ffi::Buffer<ffi::F32>>& dq_accum,
+                                     ffi::Result<ffi::Buffer<ffi::F32>>& dsum, FlashParams* p) {
   auto stat = RowStatDims(q.dimensions());
   ffi::AnyBuffer::Dimensions stat_dims(stat.data(), stat.size());
   if (auto e = ExpectShape(o, q.dimensions(), "output"); e.failure()) return e;
