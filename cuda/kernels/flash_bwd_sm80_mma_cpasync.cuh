@@ -76,7 +76,7 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem,
 }
 
 template <typename T, typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm80_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) flash_bwd_sm80_kernel(const FlashParams p) {
   constexpr int kD = Traits::kHeadDim;
   constexpr int kBM = Traits::kBlockM;
   constexpr int kBN = Traits::kBlockN;

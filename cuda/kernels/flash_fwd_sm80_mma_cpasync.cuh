@@ -32,7 +32,7 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
 }
 
 template <typename T, typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads) flash_fwd_sm80_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) flash_fwd_sm80_kernel(const FlashParams p) {
   constexpr int kD = Traits::kHeadDim;
   constexpr int kBM = Traits::kBlockM;
   constexpr int kBN = Traits::kBlockN;

@@ -23,6 +23,7 @@ struct FwdTraitsSm80<64> {
   static constexpr int kWarpMTiles = 2;   // 32 rows per warp, 128 per CTA
   static constexpr int kBlockN = 64;      // S (64) + O (64) accumulators; 48 KB of smem
   static constexpr bool kQInRegs = true;  // 32 registers of Q fragments
+  static constexpr int kMinBlocksPerSm = 2;
 };
 
 template <>
@@ -32,6 +33,7 @@ struct FwdTraitsSm80<128> {
   static constexpr int kWarpMTiles = 2;    // 32 rows per warp, 128 per CTA: O accumulator is 128 registers
   static constexpr int kBlockN = 64;       // S is 64 registers; 96 KB smem -> 2 CTAs per SM on sm_90
   static constexpr bool kQInRegs = false;  // no room for 64 more registers: Q fragments re-read from smem
+  static constexpr int kMinBlocksPerSm = 1;
 };
 
 template <>
@@ -41,6 +43,7 @@ struct FwdTraitsSm80<256> {
   static constexpr int kWarpMTiles = 1;    // O accumulator alone is 128 registers
   static constexpr int kBlockN = 32;       // keeps Q (64 KB) + two K/V stages (64 KB) at 128 KB of smem
   static constexpr bool kQInRegs = false;
+  static constexpr int kMinBlocksPerSm = 1;
 };
 
 template <typename Base>
@@ -65,6 +68,7 @@ struct BwdTraitsSm80<64> {
   static constexpr int kWarps = 4;      // 64 keys per CTA; 56 KB of smem, so several CTAs overlap their phases
   static constexpr int kSplitD = 1;
   static constexpr int kBlockM = 64;
+  static constexpr int kMinBlocksPerSm = 3;  // dK+dV are 64 registers: cap at 170 so 12 warps share an SM
 };
 
 template <>
@@ -75,6 +79,7 @@ struct BwdTraitsSm80<128> {
   static constexpr int kSplitD = 1;
   static constexpr int kBlockM = 32;    // S^T and dP^T tiles of 16 registers each leave room for the compiler to
                                         // run loads ahead of the MMAs (64 spilled; NOTES.md)
+  static constexpr int kMinBlocksPerSm = 1;
 };
 
 template <>
@@ -84,6 +89,7 @@ struct BwdTraitsSm80<256> {
   static constexpr int kSplitD = 2;     // dK+dV of 16 keys x 256 would need 256 registers: split over two warps,
                                         // each recomputing the (cheap to hold) 16 x kBlockM score tile
   static constexpr int kBlockM = 64;
+  static constexpr int kMinBlocksPerSm = 1;
 };
 
 template <typename Base>
