@@ -149,6 +149,7 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
       key_value_seq_lengths: optional int32 array of the batch shape: keys at or past it are masked.
       implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
         :func:`jax.nn.dot_product_attention` with that implementation.
+      use_kernel: False is shorthand for ``implementation="xla"``, jax.nn's reference path, for A/B checks.
       **unused: other keywords Flax may pass (``force_fp32_for_softmax``, ...), ignored: softmax always runs in
         float32 in the kernels.
 
@@ -284,6 +285,7 @@ class Attention(nnx.Module):
       rope_theta: the base of the rotary frequencies.
       implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
         :func:`jax.nn.dot_product_attention` with that implementation.
+      use_kernel: False is shorthand for ``implementation="xla"``, jax.nn's reference path, for A/B checks.
       dtype: computation dtype of the projections and the attention (the kernels take bfloat16 and float16, and
         float32 on CPU); None promotes inputs and parameters.
       param_dtype: parameter dtype.
@@ -292,8 +294,8 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d_model, num_heads, num_kv_heads=None, head_dim=None, *, is_causal=True,
-                 local_window_size=None, rope=True, rope_theta=10000.0, implementation=None, dtype=jnp.bfloat16,
-                 param_dtype=jnp.float32, kernel_init=nnx.initializers.lecun_normal(), rngs):
+                 local_window_size=None, rope=True, rope_theta=10000.0, implementation=None, use_kernel=True,
+                 dtype=jnp.bfloat16, param_dtype=jnp.float32, kernel_init=nnx.initializers.lecun_normal(), rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, n in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(n, int) or n < 1:
@@ -313,6 +315,11 @@ class Attention(nnx.Module):
         self.is_causal = bool(is_causal)
         self.local_window_size = local_window_size
         self.rope, self.rope_theta = bool(rope), float(rope_theta)
+        if not use_kernel:
+            if implementation is not None:
+                raise ValueError(f"use_kernel=False selects implementation='xla'; got implementation="
+                                 f"{implementation!r} as well")
+            implementation = "xla"
         self.implementation = _check_implementation(implementation)
         linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                    kernel_init=kernel_init, rngs=rngs)

@@ -416,6 +416,14 @@ def test_adam_step_lowers_the_loss():
     assert float(loss(model)) < before
 
 
+def test_use_kernel_false_is_the_xla_reference():
+    rngs = nnx.Rngs(0)
+    assert Attention(64, 4, 2, use_kernel=False, rngs=rngs).implementation == "xla"
+    assert Attention(64, 4, 2, rngs=rngs).implementation is None
+    with pytest.raises(ValueError, match="use_kernel=False"):
+        Attention(64, 4, 2, use_kernel=False, implementation="cudnn", rngs=rngs)
+
+
 def test_attention_rejects_bad_arguments():
     rngs = nnx.Rngs(0)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
