@@ -1,8 +1,9 @@
 """jax_flash: fused FlashAttention for JAX, as XLA FFI custom calls with CPU and CUDA kernels.
 
 ``jax_flash.dot_product_attention`` is a drop-in for ``jax.nn.dot_product_attention``. The CPU kernels are
-always built; when the CUDA kernels are not built, or no GPU is visible, importing says so once through the
-``jax_flash`` logger (level INFO).
+always built. A CPU-only install (CUDA kernels not built) says so at import through the ``jax_flash`` logger at
+level WARNING (printed to stderr unless logging is configured otherwise); CUDA kernels that are built while no GPU
+is visible are reported at level INFO.
 """
 
 import importlib.metadata
@@ -28,7 +29,7 @@ def cuda_available():
 def _report_cuda_status():
     logger = logging.getLogger(__name__)
     if not _ffi.CUDA_REGISTERED:
-        logger.info("jax_flash: %s; the CPU kernels are available.", _ffi.CUDA_UNAVAILABLE_REASON)
+        logger.warning("jax_flash: %s; only the CPU kernels are available.", _ffi.CUDA_UNAVAILABLE_REASON)
     elif _ffi.cuda_device_count() == 0:
         logger.info("jax_flash: the CUDA kernels are built but no GPU is visible; the CPU kernels are available.")
 

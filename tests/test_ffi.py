@@ -121,3 +121,12 @@ def test_export_for_several_platforms_runs_on_cpu():
     text = exported.mlir_module()
     assert "@jax_flash_fwd" in text
     np.testing.assert_array_equal(exported.call(*args), attend(*args))
+
+
+def test_cpu_only_install_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(_ffi, "CUDA_REGISTERED", False)
+    monkeypatch.setattr(_ffi, "CUDA_UNAVAILABLE_REASON", "the CUDA kernels are not built (CPU-only install)")
+    with caplog.at_level("WARNING", logger="jax_flash"):
+        jax_flash._report_cuda_status()
+    assert "CPU-only install" in caplog.text and "only the CPU kernels" in caplog.text
+    assert not jax_flash.cuda_available()
