@@ -73,7 +73,8 @@ def nnx_mha(attention=None, num_kv_heads=None, dtype=jnp.float32, **kwargs):
                                   decode=False, dtype=dtype, rngs=nnx.Rngs(0), **extra, **kwargs)
 
 
-def nnx_out_and_grads(model, x, **call_kwargs):
+def out_and_grads(model, x, **call_kwargs):
+    """Output of an nnx module and the gradients of <output, fixed random cotangent> w.r.t. its parameters."""
     cotangent = inputs(x.shape, seed=7)
 
     def loss(model):
@@ -88,8 +89,8 @@ def nnx_out_and_grads(model, x, **call_kwargs):
 @pytest.mark.parametrize("num_kv_heads", [None, 2], ids=["mha", "gqa"])
 def test_nnx_mha_matches_flax(dtype, num_kv_heads):
     x = inputs((2, 16, 32), dtype=dtype)
-    out, grads = nnx_out_and_grads(nnx_mha(attention_fn, num_kv_heads, dtype), x)
-    ref, ref_grads = nnx_out_and_grads(nnx_mha(None, num_kv_heads, dtype), x)
+    out, grads = out_and_grads(nnx_mha(attention_fn, num_kv_heads, dtype), x)
+    ref, ref_grads = out_and_grads(nnx_mha(None, num_kv_heads, dtype), x)
     assert out.dtype == ref.dtype
     assert rel_err(out, ref) <= TOL[dtype]
     assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
@@ -98,13 +99,13 @@ def test_nnx_mha_matches_flax(dtype, num_kv_heads):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_nnx_mha_causal_matches_flax_causal_mask(dtype):
     x = inputs((2, 16, 32), dtype=dtype)
-    ref, ref_grads = nnx_out_and_grads(nnx_mha(None, 2, dtype), x, mask=nnx.make_causal_mask(x[..., 0]))
+    ref, ref_grads = out_and_grads(nnx_mha(None, 2, dtype), x, mask=nnx.make_causal_mask(x[..., 0]))
     # nnx.MultiHeadAttention passes its call's is_causal to attention_fn ...
-    out, grads = nnx_out_and_grads(nnx_mha(attention_fn, 2, dtype), x, is_causal=True)
+    out, grads = out_and_grads(nnx_mha(attention_fn, 2, dtype), x, is_causal=True)
     assert rel_err(out, ref) <= TOL[dtype]
     assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
     # ... and make_attention_fn(is_causal=True) stays causal although nnx passes is_causal=False.
-    out, grads = nnx_out_and_grads(nnx_mha(make_attention_fn(is_causal=True), 2, dtype), x)
+    out, grads = out_and_grads(nnx_mha(make_attention_fn(is_causal=True), 2, dtype), x)
     assert rel_err(out, ref) <= TOL[dtype]
     assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
 
@@ -320,17 +321,6 @@ def make_attention(implementation=None, dtype=jnp.float32, **kwargs):
     return Attention(**kwargs, implementation=implementation, dtype=dtype, rngs=nnx.Rngs(0))
 
 
-def attention_out_and_grads(model, x, **call_kwargs):
-    cotangent = inputs(x.shape, seed=7)
-
-    def loss(model):
-        out = model(x, **call_kwargs)
-        return jnp.sum(out.astype(jnp.float32) * cotangent), out
-
-    (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
-    return out, grads
-
-
 ATTENTION_CASES = {
     "causal_gqa": (dict(), dict()),
     "mqa_noncausal": (dict(num_kv_heads=1, is_causal=False), dict()),
@@ -348,9 +338,9 @@ def test_attention_kernel_matches_jax_nn(case, dtype):
     init_kwargs, call_kwargs = ATTENTION_CASES[case]
     model = make_attention(dtype=dtype, **init_kwargs)
     x = inputs((2, 16, model.d_model))
-    out, grads = attention_out_and_grads(model, x, **call_kwargs)
+    out, grads = out_and_grads(model, x, **call_kwargs)
     model.implementation = "xla"
-    ref, ref_grads = attention_out_and_grads(model, x, **call_kwargs)
+    ref, ref_grads = out_and_grads(model, x, **call_kwargs)
     assert out.dtype == dtype and out.shape == x.shape
     assert rel_err(out, ref) <= TOL[dtype]
     assert_trees_close(grads, ref_grads, GRAD_TOL[dtype], "param grads")
