@@ -515,14 +515,22 @@ def warn_if_slow(args, on_gpu):
             "tiny block, --dry-run only lowers the full-size steps")
 
 
-def bench(args, child_env):
+def block_setup(args, describe):
+    """The block config, dtype, device kind and shapes of a check/bench run; logs a header ending in
+    describe(shapes) and warns when the run would be slow."""
     cfg = CONFIGS[args.config]
     dtype = jnp.dtype(args.dtype)
     _, kind, on_gpu = device_info()
     shapes = [(args.batch, args.seq)] if args.batch else BENCH_SHAPES[args.config]
-    log(f"{kind} | jax {jax.__version__} | one {args.config} block, {dtype.name} | shapes "
-        f"{', '.join(f'{b}x{s}' for b, s in shapes)} | attention {', '.join(args.attention)}")
+    log(f"{kind} | jax {jax.__version__} | one {args.config} block, {dtype.name} | {describe(shapes)}")
     warn_if_slow(args, on_gpu)
+    return cfg, dtype, kind, shapes
+
+
+def bench(args, child_env):
+    cfg, dtype, kind, shapes = block_setup(
+        args, lambda shapes: f"shapes {', '.join(f'{b}x{s}' for b, s in shapes)} | attention "
+                             f"{', '.join(args.attention)}")
     if args.dry_run:
         return dry_run(cfg, shapes, args.attention, dtype, args.seed)
     if args.isolate:
@@ -557,13 +565,9 @@ def bench(args, child_env):
 
 
 def check_mode(args):
-    cfg = CONFIGS[args.config]
-    dtype = jnp.dtype(args.dtype)
-    _, kind, on_gpu = device_info()
-    shapes = [(args.batch, args.seq)] if args.batch else BENCH_SHAPES[args.config]
-    log(f"{kind} | jax {jax.__version__} | one {args.config} block, {dtype.name} | attention "
-        f"{', '.join(args.attention)} | tolerances {args.check_tol:g}, per gradient group {args.check_group_tol:g}")
-    warn_if_slow(args, on_gpu)
+    cfg, dtype, _, shapes = block_setup(
+        args, lambda shapes: f"attention {', '.join(args.attention)} | tolerances {args.check_tol:g}, per "
+                             f"gradient group {args.check_group_tol:g}")
     if args.dry_run:
         return dry_run(cfg, shapes, args.attention, dtype, args.seed)
     checks = [check(cfg, shape, args.attention, dtype, args.check_tol, args.check_group_tol, args.seed)
