@@ -30,7 +30,6 @@ This module needs ``flax`` (``pip install jax_flash[flax]``); ``import jax_flash
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,20 +37,18 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
+from jax_flash import attention as attention_module
 from jax_flash.attention import dot_product_attention
 
 __all__ = ["Attention", "apply_rope", "attention_fn", "make_attention_fn"]
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
-# Reasons already warned about (each is reported once per process).
-_WARNED: set[str] = set()
 
 
 def _warn_once(reason, message):
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    """One warning per reason and process, shared with jax_flash.attention's fallback warnings."""
+    attention_module._warn_once(f"flax:{reason}", message, stacklevel=3)
 
 
 def _check_implementation(implementation):

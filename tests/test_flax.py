@@ -33,7 +33,7 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "e
 @pytest.fixture
 def fresh_flax_warnings(monkeypatch):
     """Forget which fallbacks jax_flash.flax already warned about."""
-    monkeypatch.setattr(jax_flash.flax, "_WARNED", set())
+    monkeypatch.setattr(jax_flash.attention, "_WARNED", set())
 
 
 def rel_err(x, ref, scale=None):
