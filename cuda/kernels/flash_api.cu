@@ -1,8 +1,17 @@
 // Kernel selection: compute capability, dtype, head-dim class.
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "flash_api.h"
 #include "flash_launch_sm80.cuh"
+
+#if defined(JAX_FLASH_HAVE_SM90A)
+namespace jax_flash::cuda::sm90 {
+template <typename T, int kD>
+cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream);
+}  // namespace jax_flash::cuda::sm90
+#endif
 
 namespace jax_flash::cuda {
 namespace {
@@ -36,6 +45,46 @@ cudaError_t forward_sm80(const FlashParams& p, cudaStream_t s) {
   }
 }
 
+// JAX_FLASH_FORCE_SM80=1 makes Hopper run the sm_80-class kernels (for comparisons and tests of both paths).
+bool force_sm80() {
+  static const bool force = [] {
+    const char* v = std::getenv("JAX_FLASH_FORCE_SM80");
+    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+  }();
+  return force;
+}
+
+// The sm_90a kernels run on compute capability 9.0 exactly (sm_90a code runs nowhere else). TMA needs 16-byte
+// aligned base addresses (XLA's buffers are) and at least one key.
+bool use_sm90(const FlashParams& p) {
+#if defined(JAX_FLASH_HAVE_SM90A)
+  const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  return current_cc() == 90 && !force_sm80() && p.seqlen_k > 0 && aligned(p.q) && aligned(p.k) && aligned(p.v);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+#if defined(JAX_FLASH_HAVE_SM90A)
+template <typename T>
+cudaError_t forward_sm90(const FlashParams& p, cudaStream_t s) {
+  switch (head_dim_class(p.head_dim)) {
+    case 64: return sm90::launch_fwd_sm90<T, 64>(p, s);
+    case 128: return sm90::launch_fwd_sm90<T, 128>(p, s);
+    default: return sm90::launch_fwd_sm90<T, 256>(p, s);
+  }
+}
+#endif
+
+template <typename T>
+cudaError_t forward(const FlashParams& p, cudaStream_t s) {
+#if defined(JAX_FLASH_HAVE_SM90A)
+  if (use_sm90(p)) return forward_sm90<T>(p, s);
+#endif
+  return forward_sm80<T>(p, s);
+}
+
 template <typename T>
 cudaError_t backward_sm80(const FlashParams& p, cudaStream_t s) {
   switch (head_dim_class(p.head_dim)) {
@@ -60,7 +109,7 @@ const char* UnsupportedReason(const FlashParams& p) {
 
 cudaError_t RunFlashForward(const FlashParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return cudaSuccess;
-  return p.dtype == DType::kBF16 ? forward_sm80<__nv_bfloat16>(p, stream) : forward_sm80<__half>(p, stream);
+  return p.dtype == DType::kBF16 ? forward<__nv_bfloat16>(p, stream) : forward<__half>(p, stream);
 }
 
 cudaError_t RunFlashBackward(const FlashParams& p, cudaStream_t stream) {

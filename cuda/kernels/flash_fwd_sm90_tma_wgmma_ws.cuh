@@ -1,0 +1,260 @@
+// Forward FlashAttention kernel for sm_90a: TMA loads into an mbarrier-guarded shared-memory ring, wgmma for
+// S = Q K^T (both operands from shared memory) and O += P V (P from registers), online softmax with exp2 and the
+// log2(e)-folded scale, warp specialisation (a producer warpgroup issues the loads; consumer warpgroups compute).
+//
+// Grid: (query blocks, query heads, batch), heaviest (last) query blocks first. Each consumer warpgroup owns 64
+// query rows; per thread (warp w of the warpgroup, lane = 4 g + t) rows 16 w + g and 16 w + g + 8, columns
+// 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
+//
+// Tensor maps view q/o as [batch][heads_q][seqlen_q][head_dim] boxes of (kColBlock x rows) and k/v likewise with
+// heads_kv; out-of-range rows and columns load as zeros (and are masked), so no length needs to divide a tile.
+#pragma once
+
+#include <cmath>
+
+#include "../flash_params.h"
+#include "../mask.h"
+#include "kernel_traits_sm80.h"  // kWarpSize
+#include "kernel_traits_sm90.h"
+#include "utils_sm80.cuh"  // ElemTraits, quad reductions
+#include "utils_sm90.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace jax_flash::cuda::sm90 {
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
+                          const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
+#if defined(JAX_FLASH_SM90A)
+  constexpr int kD = Traits::kHeadDim;
+  constexpr int kBM = Traits::kBlockM;
+  constexpr int kBN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kSTiles = kBN / 8;   // 8-wide column tiles of S
+  constexpr int kOTiles = kD / 8;    // 8-wide column tiles of O
+  using ET = ElemTraits<T>;
+  using Storage = typename Traits::SharedStorage;
+
+  extern __shared__ unsigned char smem_raw[];
+  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int hk = h / p.group_size();
+  const int tid = threadIdx.x;
+
+  const int q_len = imin(imax(p.q_lens[b], 0), p.seqlen_q);
+  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
+  const AttentionMask mask(p.causal, p.window_left, p.window_right, q_len, kv_len);
+
+  const int m0 = m_block * kBM;
+  const int rows_valid = imin(kBM, p.seqlen_q - m0);
+  const int64_t q_stride = p.q_row_stride();
+  T* gO = static_cast<T*>(p.o) + b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
+  float* gLse = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+
+  int key_begin, key_end;
+  mask.key_range(m0, m0 + rows_valid, &key_begin, &key_end);
+  const int n_begin = imax(key_begin, 0) / kBN;
+  const int n_end = key_end > key_begin ? (imin(key_end, p.seqlen_k) + kBN - 1) / kBN : n_begin;
+  const int n_tiles = n_end - n_begin;
+
+  if (n_tiles <= 0) {  // no row of this block sees a key: zeros and lse = +inf
+    for (int c = tid; c < rows_valid * (p.head_dim / 8); c += Traits::kThreads) {
+      const int row = c / (p.head_dim / 8);
+      const int col = (c % (p.head_dim / 8)) * 8;
+      *reinterpret_cast<uint4*>(gO + row * q_stride + col) = make_uint4(0, 0, 0, 0);
+    }
+    for (int r = tid; r < rows_valid; r += Traits::kThreads) gLse[r] = INFINITY;
+    return;
+  }
+
+  constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
+  if (tid == 0) {
+    mbar_init(&smem.q_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&smem.k_full[s], 1);
+      mbar_init(&smem.v_full[s], 1);
+      mbar_init(&smem.k_empty[s], kConsumerWarps);  // one arrival per consumer warp
+      mbar_init(&smem.v_empty[s], kConsumerWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = tid / kWarpgroupThreads;
+  if (warpgroup == 0) {
+    // ---- producer: one thread issues every load ------------------------------------------------------------
+    setmaxnreg_dec<kProducerRegs>();
+    if (tid == 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      mbar_arrive_expect_tx(&smem.q_full, Traits::kQBytes);
+#pragma unroll
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        tma_load_4d(smem.q + cb * kBM * kColBlock, &tm_q, &smem.q_full, cb * kColBlock, m0, h, b);
+      }
+      for (int i = 0; i < n_tiles; ++i) {
+        const int s = i % kStages;
+        const int n0 = (n_begin + i) * kBN;
+        if (i >= kStages) mbar_wait(&smem.k_empty[s], ((i / kStages) - 1) & 1);
+        mbar_arrive_expect_tx(&smem.k_full[s], Traits::kKVBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(smem.k[s] + cb * kBN * kColBlock, &tm_k, &smem.k_full[s], cb * kColBlock, n0, hk, b);
+        }
+        if (i >= kStages) mbar_wait(&smem.v_empty[s], ((i / kStages) - 1) & 1);
+        mbar_arrive_expect_tx(&smem.v_full[s], Traits::kKVBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(smem.v[s] + cb * kBN * kColBlock, &tm_v, &smem.v_full[s], cb * kColBlock, n0, hk, b);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers -----------------------------------------------------------------------------------------------
+  setmaxnreg_inc<kConsumerRegs>();
+  const int cw = warpgroup - 1;                 // consumer warpgroup: query rows [64 cw, 64 cw + 64) of the block
+  const int warp = (tid / kWarpSize) % 4;       // warp inside the warpgroup
+  const int lane = tid % kWarpSize;
+  const bool lane0 = lane == 0;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int warp_row0 = cw * kWgmmaM + warp * 16;  // first of this warp's 16 rows inside the block
+
+  float acc_o[kOTiles * 4];  // O: 64 rows x kD, accumulator layout
+  float row_max[2] = {-INFINITY, -INFINITY};  // running max of the raw logits of rows g, g + 8
+  float row_sum[2] = {0.f, 0.f};              // per-lane partial sums; reduced over the quad at the end
+#pragma unroll
+  for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] = 0.f;
+
+  // Q slice of this warpgroup: column block cb starts at q + cb * kBM * 64, its rows at 128-byte pitch.
+  const uint32_t q_base = smem_addr(smem.q) + cw * kWgmmaM * kSwizzleBytes;
+  constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
+  constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
+  constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;  // 16-element K slices per 128-byte row
+
+  mbar_wait(&smem.q_full, 0);
+
+  for (int i = 0; i < n_tiles; ++i) {
+    const int s = i % kStages;
+    const uint32_t parity = (i / kStages) & 1;
+    const int n0 = (n_begin + i) * kBN;
+
+    // S = Q K^T (64 x kBN per warpgroup), both from shared memory.
+    float acc_s[kSTiles * 4];
+    mbar_wait(&smem.k_full[s], parity);
+    const uint32_t k_base = smem_addr(smem.k[s]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
+      const uint32_t k_off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));  // inside the 128-byte row
+      const uint64_t desc_q =
+          make_desc_sw128(q_base + (kk / kKStepsPerColBlock) * kQColBlockBytes + k_off, kKMajorLeadingBytes);
+      const uint64_t desc_k =
+          make_desc_sw128(k_base + (kk / kKStepsPerColBlock) * kKVColBlockBytes + k_off, kKMajorLeadingBytes);
+      Wgmma<kBN, T, 0>::ss(acc_s, desc_q, desc_k, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_s);
+    if (lane0) mbar_arrive(&smem.k_empty[s]);
+
+    // Mask (only warps whose 16 rows do not see the whole tile), then online softmax.
+    const int tile_row0 = m0 + warp_row0;
+    if (!mask.tile_fully_visible(tile_row0, tile_row0 + 16, n0, n0 + kBN, p.seqlen_q)) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int lo = mask.lo(tile_row0 + g + 8 * r);
+        const int hi = mask.hi(tile_row0 + g + 8 * r);
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = n0 + j * 8 + 2 * t + e;
+            if (col < lo || col >= hi) acc_s[4 * j + 2 * r + e] = -INFINITY;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+      mx = quad_max(mx);
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+      const float correction = exp2f(row_max[r] * p.scale_log2 - max_scaled);
+      row_max[r] = mx;
+      row_sum[r] *= correction;
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+        acc_o[4 * j + 2 * r] *= correction;
+        acc_o[4 * j + 2 * r + 1] *= correction;
+      }
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = exp2f(acc_s[4 * j + 2 * r + e] * p.scale_log2 - max_scaled);
+          acc_s[4 * j + 2 * r + e] = pe;
+          row_sum[r] += pe;
+        }
+      }
+    }
+
+    // P as wgmma A fragments: 16 keys per step = S column tiles 2 kk and 2 kk + 1.
+    uint32_t a_p[kBN / kWgmmaK][4];
+#pragma unroll
+    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+      a_p[kk][0] = ET::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+      a_p[kk][1] = ET::pack(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+      a_p[kk][2] = ET::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+      a_p[kk][3] = ET::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+    }
+
+    // O += P V: V read N-major (dims contiguous); 64-dim column blocks kKVColBlockBytes apart.
+    mbar_wait(&smem.v_full[s], parity);
+    const uint32_t v_base = smem_addr(smem.v[s]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+      const uint64_t desc_v = make_desc_sw128(v_base + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes);
+      Wgmma<kD, T, 1>::rs(acc_o, a_p[kk], desc_v, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_o);
+    if (lane0) mbar_arrive(&smem.v_empty[s]);
+  }
+
+  // Epilogue: normalise, write O (rows < seqlen_q, columns < head_dim) and the natural-log LSE.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int row = warp_row0 + g + 8 * r;
+    if (row < rows_valid) {
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) =
+              ET::pack(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
+        }
+      }
+      if (t == 0) gLse[row] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : INFINITY;
+    }
+  }
+#else
+  __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0
+#endif
+}
+
+}  // namespace jax_flash::cuda::sm90

@@ -1,0 +1,148 @@
+// PTX wrappers for the sm_90a kernels: mbarriers, TMA (cp.async.bulk.tensor), wgmma fences and shared-memory
+// matrix descriptors, register reallocation (setmaxnreg) and named barriers. Device code only. The helpers emit
+// sm_90a instructions, so kernels that call them guard their bodies with JAX_FLASH_SM90A (the translation units
+// are also compiled for sm_80, where those bodies compile to a trap).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jax_flash::cuda::sm90 {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAX_FLASH_SM90A 1
+#endif
+
+inline constexpr int kWarpgroupThreads = 128;
+inline constexpr int kSwizzleBytes = 128;   // TMA SWIZZLE_128B: rows of 128 bytes, 16-byte chunks XOR (row % 8)
+inline constexpr int kSwizzleAtomBytes = 8 * kSwizzleBytes;  // 8 rows: one swizzle period (1024-byte aligned)
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarriers ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+// Makes barrier initialisation visible to the async proxy (TMA) before any thread uses the barrier.
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Arrives and tells the barrier to also wait for `bytes` of TMA transactions.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Blocks until the barrier's phase with parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// ---- TMA ------------------------------------------------------------------------------------------------------
+// Loads the box at coordinates (c0, c1, c2, c3) of a 4-d tensor map into shared memory; completion is counted on
+// `bar` in bytes. Out-of-bounds elements are zero-filled.
+__device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(smem_addr(smem)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Stores a shared-memory box to the tensor at (c0, c1, c2, c3); out-of-bounds elements are not written.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(smem)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until the committed TMA stores have finished reading shared memory.
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
+// Waits until the committed TMA stores are complete (written to global memory).
+__device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Orders this thread's ordinary shared-memory writes before later async-proxy (TMA, wgmma) reads.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- wgmma ----------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across a wgmma wait (the registers are written
+// asynchronously).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor for a tile written by TMA with SWIZZLE_128B (rows of 128 bytes; 8-row groups
+// 1024 bytes apart, the stride offset). K-major operands (Q, K): the 16-element K slice starts at `start_addr`
+// (tile base + 32 bytes per slice inside the row); the leading offset is unused (kKMajorLeadingBytes).
+// N-major B (V): the leading offset is the distance between 64-element column blocks.
+inline constexpr uint32_t kKMajorLeadingBytes = 16;
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t start_addr, uint32_t leading_bytes) {
+  constexpr uint64_t kLayoutSw128 = 1;
+  uint64_t desc = 0;
+  desc |= uint64_t((start_addr & 0x3FFFF) >> 4);
+  desc |= uint64_t((leading_bytes >> 4) & 0x3FFF) << 16;
+  desc |= uint64_t((kSwizzleAtomBytes >> 4) & 0x3FFF) << 32;  // stride: next 8-row group
+  desc |= kLayoutSw128 << 62;
+  return desc;
+}
+
+// ---- warp-specialisation helpers ------------------------------------------------------------------------------
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// Barrier among `threads` threads (a multiple of 32) on hardware barrier `id` (0 is __syncthreads').
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace jax_flash::cuda::sm90
