@@ -55,7 +55,9 @@ def assert_trees_close(tree, ref, tol, what=""):
 
 
 def jax_flash_warnings(record):
-    return [w for w in record if "jax_flash" in str(w.message)]
+    """jax_flash's fallback warnings in `record`, less the float32 notice: these tests run in float32, which on a
+    GPU takes jax.nn's xla path with its own one-time warning, whatever the test is about."""
+    return [w for w in record if "jax_flash" in str(w.message) and "got float32" not in str(w.message)]
 
 
 def inputs(shape, seed=0, dtype=jnp.float32):
