@@ -10,6 +10,8 @@
 namespace jax_flash::cuda::sm90 {
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream);
+template <typename T, int kD>
+cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream);
 }  // namespace jax_flash::cuda::sm90
 #endif
 
@@ -59,7 +61,8 @@ bool force_sm80() {
 bool use_sm90(const FlashParams& p) {
 #if defined(JAX_FLASH_HAVE_SM90A)
   const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
-  return current_cc() == 90 && !force_sm80() && p.seqlen_k > 0 && aligned(p.q) && aligned(p.k) && aligned(p.v);
+  return current_cc() == 90 && !force_sm80() && p.seqlen_k > 0 && aligned(p.q) && aligned(p.k) && aligned(p.v) &&
+         aligned(p.dout);
 #else
   (void)p;
   return false;
@@ -94,6 +97,22 @@ cudaError_t backward_sm80(const FlashParams& p, cudaStream_t s) {
   }
 }
 
+// Hopper backward: head-dim classes 64 and 128; class 256 runs the sm_80-class backward (its dK + dV accumulators
+// alone would need 256 registers per thread in this kernel's layout).
+template <typename T>
+cudaError_t backward(const FlashParams& p, cudaStream_t s) {
+#if defined(JAX_FLASH_HAVE_SM90A)
+  if (use_sm90(p)) {
+    switch (head_dim_class(p.head_dim)) {
+      case 64: return sm90::launch_bwd_sm90<T, 64>(p, s);
+      case 128: return sm90::launch_bwd_sm90<T, 128>(p, s);
+      default: break;
+    }
+  }
+#endif
+  return backward_sm80<T>(p, s);
+}
+
 }  // namespace
 
 const char* UnsupportedReason(const FlashParams& p) {
@@ -119,7 +138,7 @@ cudaError_t RunFlashBackward(const FlashParams& p, cudaStream_t stream) {
     if (cudaError_t e = cudaMemsetAsync(p.dk, 0, bytes, stream); e != cudaSuccess) return e;
     return cudaMemsetAsync(p.dv, 0, bytes, stream);
   }
-  return p.dtype == DType::kBF16 ? backward_sm80<__nv_bfloat16>(p, stream) : backward_sm80<__half>(p, stream);
+  return p.dtype == DType::kBF16 ? backward<__nv_bfloat16>(p, stream) : backward<__half>(p, stream);
 }
 
 }  // namespace jax_flash::cuda

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warpgroup = tid / kWarpgroupThreads;
   if (warpgroup == 0) {
     // ---- producer: one thread issues every load ------------------------------------------------------------
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<Traits::kProducerRegs>();
     if (tid == 0) {
       prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_k);
@@ -119,7 +119,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   // ---- consumers -----------------------------------------------------------------------------------------------
-  setmaxnreg_inc<kConsumerRegs>();
+  // Per key tile i the warpgroup issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, then runs the softmax
+  // of S_i while the PV product is still on the tensor cores (intra-warpgroup overlap). With kPingPong the two
+  // consumer warpgroups also take turns issuing their products, so one's softmax overlaps the other's GEMMs.
+  setmaxnreg_inc<Traits::kConsumerRegs>();
   const int cw = warpgroup - 1;                 // consumer warpgroup: query rows [64 cw, 64 cw + 64) of the block
   const int warp = (tid / kWarpSize) % 4;       // warp inside the warpgroup
   const int lane = tid % kWarpSize;
@@ -128,7 +131,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int t = lane % 4;
   const int warp_row0 = cw * kWgmmaM + warp * 16;  // first of this warp's 16 rows inside the block
 
-  float acc_o[kOTiles * 4];  // O: 64 rows x kD, accumulator layout
+  float acc_o[kOTiles * 4];    // O: 64 rows x kD, accumulator layout
+  float acc_s[kSTiles * 4];    // S of the current key tile, then its exp2 values
+  uint32_t a_p[kBN / kWgmmaK][4];  // P of the previous tile as wgmma A fragments (16 keys per step)
   float row_max[2] = {-INFINITY, -INFINITY};  // running max of the raw logits of rows g, g + 8
   float row_sum[2] = {0.f, 0.f};              // per-lane partial sums; reduced over the quad at the end
 #pragma unroll
@@ -140,18 +145,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;  // 16-element K slices per 128-byte row
 
-  mbar_wait(&smem.q_full, 0);
+  // Ping-pong: warpgroup cw waits on barrier kPingPongBarrier + cw before issuing, then releases the other.
+  constexpr bool kPingPong = Traits::kPingPong && Traits::kConsumerWarpgroups == 2;
+  const int my_turn = kPingPongBarrier + cw;
+  const int their_turn = kPingPongBarrier + (cw ^ 1);
+  constexpr int kPairThreads = 2 * kWarpgroupThreads;
+  int steps_left = n_tiles + 1;  // issue steps: S_0, then (S_i, PV_{i-1}) for i >= 1, then PV_{n-1}
+  auto begin_issue = [&] {
+    if constexpr (kPingPong) named_barrier_sync(my_turn, kPairThreads);
+  };
+  auto end_issue = [&] {
+    --steps_left;
+    // Warpgroup 1 lets warpgroup 0 go first (below) and so skips its very last release to stay balanced.
+    if constexpr (kPingPong) {
+      if (cw == 0 || steps_left > 0) named_barrier_arrive(their_turn, kPairThreads);
+    }
+  };
+  if constexpr (kPingPong) {
+    if (cw == 1) named_barrier_arrive(their_turn, kPairThreads);
+  }
 
-  for (int i = 0; i < n_tiles; ++i) {
-    const int s = i % kStages;
-    const uint32_t parity = (i / kStages) & 1;
-    const int n0 = (n_begin + i) * kBN;
-
-    // S = Q K^T (64 x kBN per warpgroup), both from shared memory.
-    float acc_s[kSTiles * 4];
-    mbar_wait(&smem.k_full[s], parity);
-    const uint32_t k_base = smem_addr(smem.k[s]);
-    wgmma_fence();
+  auto issue_s = [&](int i) {  // S_i = Q K_i^T (64 x kBN), both operands in shared memory
+    const uint32_t k_base = smem_addr(smem.k[i % kStages]);
 #pragma unroll
     for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
       const uint32_t k_off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));  // inside the 128-byte row
@@ -162,11 +177,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Wgmma<kBN, T, 0>::ss(acc_s, desc_q, desc_k, kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(acc_s);
-    if (lane0) mbar_arrive(&smem.k_empty[s]);
+  };
+  auto issue_pv = [&](int i) {  // O += P V_i; V read N-major, 64-dim column blocks kKVColBlockBytes apart
+    const uint32_t v_base = smem_addr(smem.v[i % kStages]);
+#pragma unroll
+    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+      const uint64_t desc_v = make_desc_sw128(v_base + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes);
+      Wgmma<kD, T, 1>::rs(acc_o, a_p[kk], desc_v, 1);
+    }
+    wgmma_commit();
+  };
 
-    // Mask (only warps whose 16 rows do not see the whole tile), then online softmax.
+  // Masks S_i (only warps whose 16 rows do not see the whole tile), then the online-softmax update: S_i becomes
+  // exp2 values, the running max and sum move on; returns the factors that rescale O for rows g and g + 8.
+  auto softmax = [&](int i, float (&correction)[2]) {
+    const int n0 = (n_begin + i) * kBN;
     const int tile_row0 = m0 + warp_row0;
     if (!mask.tile_fully_visible(tile_row0, tile_row0 + 16, n0, n0 + kBN, p.seqlen_q)) {
 #pragma unroll
@@ -190,48 +215,85 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int j = 0; j < kSTiles; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
       mx = quad_max(mx);
       const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      const float correction = exp2f(row_max[r] * p.scale_log2 - max_scaled);
+      correction[r] = exp2f(row_max[r] * p.scale_log2 - max_scaled);
       row_max[r] = mx;
-      row_sum[r] *= correction;
-#pragma unroll
-      for (int j = 0; j < kOTiles; ++j) {
-        acc_o[4 * j + 2 * r] *= correction;
-        acc_o[4 * j + 2 * r + 1] *= correction;
-      }
+      float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float pe = exp2f(acc_s[4 * j + 2 * r + e] * p.scale_log2 - max_scaled);
           acc_s[4 * j + 2 * r + e] = pe;
-          row_sum[r] += pe;
+          sum += pe;
         }
       }
+      row_sum[r] = row_sum[r] * correction[r] + sum;
     }
-
-    // P as wgmma A fragments: 16 keys per step = S column tiles 2 kk and 2 kk + 1.
-    uint32_t a_p[kBN / kWgmmaK][4];
+  };
+  auto rescale_o = [&](const float (&correction)[2]) {
+#pragma unroll
+    for (int j = 0; j < kOTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= correction[e / 2];
+    }
+  };
+  auto convert_p = [&] {  // 16 keys per step = S column tiles 2 kk and 2 kk + 1
 #pragma unroll
     for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
-      a_p[kk][0] = ET::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
-      a_p[kk][1] = ET::pack(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
-      a_p[kk][2] = ET::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
-      a_p[kk][3] = ET::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+#pragma unroll
+      for (int q4 = 0; q4 < 4; ++q4) a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
     }
+  };
 
-    // O += P V: V read N-major (dims contiguous); 64-dim column blocks kKVColBlockBytes apart.
-    mbar_wait(&smem.v_full[s], parity);
-    const uint32_t v_base = smem_addr(smem.v[s]);
+  mbar_wait(&smem.q_full, 0);
+
+  // Tile 0: S_0 alone.
+  float correction[2];
+  mbar_wait(&smem.k_full[0], 0);
+  begin_issue();
+  wgmma_fence();
+  issue_s(0);
+  end_issue();
+  wgmma_wait<0>();
+  fence_regs(acc_s);
+  if (lane0) mbar_arrive(&smem.k_empty[0]);
+  softmax(0, correction);
+  convert_p();
+
+  for (int i = 1; i < n_tiles; ++i) {
+    const int s = i % kStages;
+    const int sp = (i - 1) % kStages;
+    mbar_wait(&smem.k_full[s], (i / kStages) & 1);
+    mbar_wait(&smem.v_full[sp], ((i - 1) / kStages) & 1);
+    begin_issue();
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
-      const uint64_t desc_v = make_desc_sw128(v_base + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes);
-      Wgmma<kD, T, 1>::rs(acc_o, a_p[kk], desc_v, 1);
-    }
-    wgmma_commit();
+    issue_s(i);
+    issue_pv(i - 1);
+    end_issue();
+    wgmma_wait<1>();  // S_i done; PV_{i-1} may still run
+    fence_regs(acc_s);
+    if (lane0) mbar_arrive(&smem.k_empty[s]);
+    softmax(i, correction);
+    wgmma_wait<0>();  // PV_{i-1} done: O and P's registers are free
+    fence_regs(acc_o);
+    fence_regs(a_p);
+    if (lane0) mbar_arrive(&smem.v_empty[sp]);
+    rescale_o(correction);
+    convert_p();
+  }
+
+  // Last PV.
+  {
+    const int sp = (n_tiles - 1) % kStages;
+    mbar_wait(&smem.v_full[sp], ((n_tiles - 1) / kStages) & 1);
+    begin_issue();
+    wgmma_fence();
+    issue_pv(n_tiles - 1);
+    end_issue();
     wgmma_wait<0>();
     fence_regs(acc_o);
-    if (lane0) mbar_arrive(&smem.v_empty[s]);
+    fence_regs(a_p);
+    if (lane0) mbar_arrive(&smem.v_empty[sp]);
   }
 
   // Epilogue: normalise, write O (rows < seqlen_q, columns < head_dim) and the natural-log LSE.

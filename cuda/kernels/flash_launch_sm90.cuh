@@ -5,6 +5,9 @@
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
+#include <tuple>
+
+#include "flash_bwd_sm90_tma_wgmma_ws.cuh"
 #include "flash_fwd_sm90_tma_wgmma_ws.cuh"
 #include "flash_launch_sm80.cuh"  // ensure_smem_limit, ceil_div
 
@@ -68,8 +71,42 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// dq_accum = 0, dsum = rowsum(dO * O) (sm_80-class kernel), the sm_90a main kernel, dq = scale * dq_accum.
+template <typename T, int kD>
+cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
+  using Traits = BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>;
+  const int64_t q_elems = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim;
+  if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), stream); e != cudaSuccess) return e;
+  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
+  flash_bwd_preprocess_kernel<T><<<ceil_div(rows * kWarpSize, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+
+  constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits>;
+  if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+  CUtensorMap tm_q, tm_k, tm_v, tm_do;
+  for (auto [map, ptr, seqlen, heads, box] :
+       {std::tuple{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
+        std::tuple{&tm_do, static_cast<const void*>(p.dout), p.seqlen_q, p.heads_q, Traits::kBlockM},
+        std::tuple{&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+        std::tuple{&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}}) {
+    if (cudaError_t e = make_bthd_tensor_map<T>(map, ptr, p.batch, seqlen, heads, p.head_dim, box); e != cudaSuccess) {
+      return e;
+    }
+  }
+  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+
+  flash_bwd_convert_dq_kernel<T><<<ceil_div(q_elems / 2, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 }  // namespace jax_flash::cuda::sm90
 
 // Explicit instantiation for one (dtype, head-dim class).
 #define JAX_FLASH_INSTANTIATE_SM90(T, D) \
   template cudaError_t jax_flash::cuda::sm90::launch_fwd_sm90<T, D>(const FlashParams&, cudaStream_t);
+
+// The backward has a Hopper kernel for these head-dim classes (others run the sm_80-class backward).
+#define JAX_FLASH_INSTANTIATE_SM90_BWD(T, D) \
+  template cudaError_t jax_flash::cuda::sm90::launch_bwd_sm90<T, D>(const FlashParams&, cudaStream_t);

@@ -13,8 +13,8 @@ namespace jax_flash::cuda::sm90 {
 inline constexpr int kWgmmaM = 64;       // rows of one wgmma (a warpgroup's query rows)
 inline constexpr int kWgmmaK = 16;       // reduction depth of one 16-bit wgmma
 inline constexpr int kColBlock = 64;     // 16-bit elements per 128-byte swizzled row: TMA box width
-inline constexpr int kProducerRegs = 24;   // setmaxnreg budget of the producer warpgroup
-inline constexpr int kConsumerRegs = 240;  // ... and of each consumer warpgroup (2 x 128 x 240 + 128 x 24 <= 64K)
+inline constexpr int kPingPongBarrier = 1;  // named barriers 1, 2: consumer warpgroups take turns issuing (0 is
+                                            // __syncthreads')
 
 template <int kHeadDim_>
 struct FwdTraitsSm90;
@@ -25,6 +25,7 @@ struct FwdTraitsSm90<64> {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kBlockN = 128;  // S accumulator 64 registers; small K/V tiles (16 KB) allow a deep ring
   static constexpr int kStages = 3;
+  static constexpr bool kPingPong = true;  // softmax of one warpgroup under the other's GEMMs
 };
 
 template <>
@@ -33,6 +34,7 @@ struct FwdTraitsSm90<128> {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kBlockN = 128;  // S and O accumulators 64 registers each
   static constexpr int kStages = 2;    // Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB
+  static constexpr bool kPingPong = true;
 };
 
 template <>
@@ -41,6 +43,7 @@ struct FwdTraitsSm90<256> {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kBlockN = 64;   // O accumulator alone is 128 registers; Q 64 KB + 2 x 64 KB of K/V
   static constexpr int kStages = 2;
+  static constexpr bool kPingPong = true;
 };
 
 template <typename T, typename Base>
@@ -48,6 +51,9 @@ struct FwdKernelTraitsSm90 : Base {
   static constexpr int kBlockM = Base::kConsumerWarpgroups * kWgmmaM;
   static constexpr int kThreads = (Base::kConsumerWarpgroups + 1) * 128;
   static constexpr int kColBlocks = Base::kHeadDim / kColBlock;  // TMA boxes per tile row
+  // setmaxnreg budgets: 2 x 128 x 240 + 128 x 24 <= 64K registers; the consumers need all 240 at d128.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
 
   // Every tile starts on a 1024-byte boundary (the 128-byte swizzle repeats every 8 rows).
   struct alignas(1024) SharedStorage {
@@ -63,6 +69,58 @@ struct FwdKernelTraitsSm90 : Base {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the dynamic base
   static constexpr uint32_t kQBytes = kBlockM * Base::kHeadDim * sizeof(T);
   static constexpr uint32_t kKVBytes = Base::kBlockN * Base::kHeadDim * sizeof(T);  // one K (or V) tile
+};
+
+// Backward CTA (key/value stationary): one producer warpgroup (TMA for K, V once and a ring of Q/dO tiles) and two
+// consumer warpgroups of 64 keys each. Per query tile of kBlockM rows a consumer warpgroup computes S^T and dP^T
+// (64 keys x kBlockM, wgmma from shared memory), P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q (A from
+// registers), writes dS^T to shared memory, and after a barrier between the two computes half of the dQ columns
+// of dQ = dS K over all 128 keys, added to the float32 accumulator with vector reductions.
+template <int kHeadDim_>
+struct BwdTraitsSm90;
+
+template <>
+struct BwdTraitsSm90<64> {
+  static constexpr int kHeadDim = 64;
+  static constexpr int kBlockM = 64;  // K 16 KB + V 16 KB + 2 x (Q 8 KB + dO 8 KB) + 2 x dS^T 16 KB = 96 KB
+  static constexpr int kStages = 2;
+};
+
+template <>
+struct BwdTraitsSm90<128> {
+  static constexpr int kHeadDim = 128;
+  static constexpr int kBlockM = 64;  // S^T/dP^T 32 registers each; dK + dV accumulators 128
+  static constexpr int kStages = 2;   // K 32 KB + V 32 KB + 2 x (Q 16 KB + dO 16 KB) + 2 x dS^T 16 KB = 160 KB
+};
+
+template <typename T, typename Base>
+struct BwdKernelTraitsSm90 : Base {
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kBlockN = kConsumerWarpgroups * kWgmmaM;  // keys per CTA
+  static constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
+  static constexpr int kColBlocks = Base::kHeadDim / kColBlock;
+  static constexpr int kDqCols = Base::kHeadDim / kConsumerWarpgroups;  // dQ columns per consumer warpgroup
+  // setmaxnreg budgets: the producer's statistics warp spills at 24 registers; 2 x 128 x 232 + 128 x 40 <= 64K.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(Base::kBlockM == kColBlock, "dS^T rows are one 128-byte swizzled row of kBlockM queries");
+
+  struct alignas(1024) SharedStorage {
+    alignas(1024) T k[kBlockN * Base::kHeadDim];                          // [kColBlocks][kBlockN][64]
+    alignas(1024) T v[kBlockN * Base::kHeadDim];                          // [kColBlocks][kBlockN][64]
+    alignas(1024) T q[Base::kStages][Base::kBlockM * Base::kHeadDim];     // [stage][kColBlocks][kBlockM][64]
+    alignas(1024) T dout[Base::kStages][Base::kBlockM * Base::kHeadDim];  // [stage][kColBlocks][kBlockM][64]
+    alignas(1024) T ds[2][kBlockN * Base::kBlockM];                       // [parity][key][kBlockM], swizzled
+    float lse_log2[Base::kStages][Base::kBlockM];  // lse * log2(e) of the stage's query rows (0 past seqlen_q)
+    float dsum[Base::kStages][Base::kBlockM];
+    uint64_t kv_full;
+    uint64_t qdo_full[Base::kStages];   // Q and dO tiles landed (TMA)
+    uint64_t stat_full[Base::kStages];  // lse and dsum written (one producer warp)
+    uint64_t qdo_empty[Base::kStages];  // consumers are done with the stage
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static constexpr uint32_t kKVBytes = 2 * kBlockN * Base::kHeadDim * sizeof(T);    // K and V
+  static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T);  // Q and dO tiles
 };
 
 }  // namespace jax_flash::cuda::sm90

@@ -106,10 +106,19 @@ __device__ __forceinline__ void wgmma_wait() {
 
 // Keeps the compiler from moving accumulator reads/writes across a wgmma wait (the registers are written
 // asynchronously).
+// Also keeps registers that an in-flight wgmma reads (A fragments) alive, and unchanged, until after the wait.
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int M, int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&a)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+  }
 }
 
 // Shared-memory matrix descriptor for a tile written by TMA with SWIZZLE_128B (rows of 128 bytes; 8-row groups

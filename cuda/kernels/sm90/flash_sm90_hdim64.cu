@@ -4,4 +4,6 @@
 namespace jax_flash {
 JAX_FLASH_INSTANTIATE_SM90(__nv_bfloat16, 64)
 JAX_FLASH_INSTANTIATE_SM90(__half, 64)
+JAX_FLASH_INSTANTIATE_SM90_BWD(__nv_bfloat16, 64)
+JAX_FLASH_INSTANTIATE_SM90_BWD(__half, 64)
 }  // namespace jax_flash

@@ -1,0 +1,309 @@
+// Backward FlashAttention kernel for sm_90a, key/value stationary (see BwdTraitsSm90 for the CTA's roles).
+// The dsum preprocess and the dQ conversion are the sm_80-class kernels (flash_bwd_sm80_mma_cpasync.cuh); this
+// kernel replaces the main one. Per thread of a consumer warpgroup (warp w, lane = 4 g + t): keys 16 w + g and
+// 16 w + g + 8 of the warpgroup's 64, queries 8 j + 2 t (+1) of every 8-wide column tile j of S^T and dP^T.
+#pragma once
+
+#include <cmath>
+
+#include "../flash_params.h"
+#include "../mask.h"
+#include "flash_bwd_sm80_mma_cpasync.cuh"  // atomic_add_f32x2, kLog2eF
+#include "kernel_traits_sm80.h"            // kWarpSize
+#include "kernel_traits_sm90.h"
+#include "utils_sm80.cuh"
+#include "utils_sm90.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace jax_flash::cuda::sm90 {
+
+inline constexpr int kConsumerBarrier = 1;  // named barrier of the two consumer warpgroups (dS^T complete)
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_bwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
+                          const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                          const __grid_constant__ CUtensorMap tm_do) {
+#if defined(JAX_FLASH_SM90A)
+  constexpr int kD = Traits::kHeadDim;
+  constexpr int kBM = Traits::kBlockM;
+  constexpr int kBN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kSTiles = kBM / 8;      // 8-wide column tiles of S^T (queries)
+  constexpr int kDTiles = kD / 8;       // 8-wide column tiles of dK, dV
+  constexpr int kDqTiles = Traits::kDqCols / 8;
+  using ET = ElemTraits<T>;
+  using Storage = typename Traits::SharedStorage;
+
+  extern __shared__ unsigned char smem_raw[];
+  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int n_block = blockIdx.x;
+  const int hk = blockIdx.y;
+  const int b = blockIdx.z;
+  const int group = p.group_size();
+  const int tid = threadIdx.x;
+
+  const int q_len = imin(imax(p.q_lens[b], 0), p.seqlen_q);
+  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
+  const AttentionMask mask(p.causal, p.window_left, p.window_right, q_len, kv_len);
+
+  const int n0 = n_block * kBN;
+  const int keys_valid = imin(kBN, p.seqlen_k - n0);
+  const int64_t q_stride = p.q_row_stride();
+  const int64_t kv_stride = p.kv_row_stride();
+  const int64_t kv_off = b * p.kv_batch_stride() + n0 * kv_stride + int64_t(hk) * p.head_dim;
+  T* gdK = static_cast<T*>(p.dk) + kv_off;
+  T* gdV = static_cast<T*>(p.dv) + kv_off;
+
+  int row_begin, row_end;
+  mask.row_range(n0, n0 + kBN, &row_begin, &row_end);
+  row_end = imin(row_end, p.seqlen_q);
+  const int m_first = imax(row_begin, 0) / kBM;
+  const int m_count = row_end > row_begin ? (row_end + kBM - 1) / kBM - m_first : 0;
+  const int iters = m_count * group;
+
+  if (iters == 0) {  // no query sees these keys: zero gradients
+    for (int c = tid; c < keys_valid * (p.head_dim / 8); c += Traits::kThreads) {
+      const int row = c / (p.head_dim / 8);
+      const int col = (c % (p.head_dim / 8)) * 8;
+      *reinterpret_cast<uint4*>(gdK + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(gdV + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+
+  constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
+  if (tid == 0) {
+    mbar_init(&smem.kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&smem.qdo_full[s], 1);
+      mbar_init(&smem.stat_full[s], kWarpSize);
+      mbar_init(&smem.qdo_empty[s], kConsumerWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = tid / kWarpgroupThreads;
+  if (warpgroup == 0) {
+    // ---- producer: thread 0 issues the TMA loads, warp 1 stages the row statistics -------------------------
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (tid / kWarpSize == 1) {
+      const int lane = tid % kWarpSize;
+      for (int it = 0; it < iters; ++it) {
+        const int s = it % kStages;
+        const int h = hk * group + it / m_count;
+        const int m0 = (m_first + it % m_count) * kBM;
+        const int64_t stat_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+        if (it >= kStages) mbar_wait(&smem.qdo_empty[s], ((it / kStages) - 1) & 1);
+        for (int r = lane; r < kBM; r += kWarpSize) {
+          const bool ok = m0 + r < p.seqlen_q;  // rows past seqlen_q: their Q and dO load as zeros
+          smem.lse_log2[s][r] = ok ? p.lse[stat_off + m0 + r] * kLog2eF : 0.f;
+          smem.dsum[s][r] = ok ? p.dsum[stat_off + m0 + r] : 0.f;
+        }
+        mbar_arrive(&smem.stat_full[s]);
+      }
+    } else if (tid == 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      prefetch_tensor_map(&tm_do);
+      mbar_arrive_expect_tx(&smem.kv_full, Traits::kKVBytes);
+#pragma unroll
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        tma_load_4d(smem.k + cb * kBN * kColBlock, &tm_k, &smem.kv_full, cb * kColBlock, n0, hk, b);
+        tma_load_4d(smem.v + cb * kBN * kColBlock, &tm_v, &smem.kv_full, cb * kColBlock, n0, hk, b);
+      }
+      for (int it = 0; it < iters; ++it) {
+        const int s = it % kStages;
+        const int h = hk * group + it / m_count;
+        const int m0 = (m_first + it % m_count) * kBM;
+        if (it >= kStages) mbar_wait(&smem.qdo_empty[s], ((it / kStages) - 1) & 1);
+        mbar_arrive_expect_tx(&smem.qdo_full[s], Traits::kQdOBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, &smem.qdo_full[s], cb * kColBlock, m0, h, b);
+          tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, &smem.qdo_full[s], cb * kColBlock, m0, h, b);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers -----------------------------------------------------------------------------------------------
+  setmaxnreg_inc<Traits::kConsumerRegs>();
+  const int cw = warpgroup - 1;            // keys [64 cw, 64 cw + 64) of the block
+  const int warp = (tid / kWarpSize) % 4;
+  const int lane = tid % kWarpSize;
+  const bool lane0 = lane == 0;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int key_row0 = cw * kWgmmaM + warp * 16;  // first of this warp's 16 keys inside the block
+
+  float acc_dk[kDTiles * 4];
+  float acc_dv[kDTiles * 4];
+#pragma unroll
+  for (int i = 0; i < kDTiles * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+  constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
+  constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
+  constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;
+  const uint32_t k_rows = smem_addr(smem.k) + cw * kWgmmaM * kSwizzleBytes;  // this warpgroup's 64 keys
+  const uint32_t v_rows = smem_addr(smem.v) + cw * kWgmmaM * kSwizzleBytes;
+  // dS^T stores: row key_row0 + g (+8), 16-byte chunk c XOR (row % 8), 4-byte word t.
+  const int ds_row = key_row0 + g;
+
+  mbar_wait(&smem.kv_full, 0);
+
+  for (int it = 0; it < iters; ++it) {
+    const int s = it % kStages;
+    const int h = hk * group + it / m_count;
+    const int m0 = (m_first + it % m_count) * kBM;
+
+    // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory.
+    float acc_s[kSTiles * 4];
+    float acc_dp[kSTiles * 4];
+    mbar_wait(&smem.qdo_full[s], (it / kStages) & 1);
+    const uint32_t q_tile = smem_addr(smem.q[s]);
+    const uint32_t do_tile = smem_addr(smem.dout[s]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
+      const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
+      const uint32_t cb = kk / kKStepsPerColBlock;
+      Wgmma<kBM, T, 0>::ss(acc_s, make_desc_sw128(k_rows + cb * kKVColBlockBytes + off, kKMajorLeadingBytes),
+                           make_desc_sw128(q_tile + cb * kQColBlockBytes + off, kKMajorLeadingBytes), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
+      const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
+      const uint32_t cb = kk / kKStepsPerColBlock;
+      Wgmma<kBM, T, 0>::ss(acc_dp, make_desc_sw128(v_rows + cb * kKVColBlockBytes + off, kKMajorLeadingBytes),
+                           make_desc_sw128(do_tile + cb * kQColBlockBytes + off, kKMajorLeadingBytes), kk > 0);
+    }
+    wgmma_commit();
+    mbar_wait(&smem.stat_full[s], (it / kStages) & 1);
+    const float* lse_log2 = smem.lse_log2[s];
+    const float* dsum = smem.dsum[s];
+    wgmma_wait<0>();
+    fence_regs(acc_s);
+    fence_regs(acc_dp);
+
+    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; dS^T = P^T * (dP^T - dsum).
+    const bool need_mask =
+        !mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + 16, p.seqlen_q);
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m_local = 8 * j + 2 * t + (e & 1);
+        const int key = n0 + key_row0 + g + 8 * (e >> 1);
+        float pe = exp2f(acc_s[4 * j + e] * p.scale_log2 - lse_log2[m_local]);
+        if (need_mask && !mask.visible(m0 + m_local, key)) pe = 0.f;
+        acc_s[4 * j + e] = pe;
+        acc_dp[4 * j + e] = pe * (acc_dp[4 * j + e] - dsum[m_local]);
+      }
+    }
+    // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
+    uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
+#pragma unroll
+    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+#pragma unroll
+      for (int q4 = 0; q4 < 4; ++q4) {
+        a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
+        a_ds[kk][q4] = ET::pack(acc_dp[8 * kk + 2 * q4], acc_dp[8 * kk + 2 * q4 + 1]);
+      }
+    }
+
+    // dS^T -> shared memory (rows of kBM queries = one 128-byte swizzled row) for dQ; fragment q4 holds key
+    // row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
+    const uint32_t ds_tile = smem_addr(smem.ds[it & 1]);
+#pragma unroll
+    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+#pragma unroll
+      for (int q4 = 0; q4 < 4; ++q4) {
+        const int row = ds_row + 8 * (q4 & 1);
+        const int chunk = 2 * kk + (q4 >> 1);
+        st_shared_u32(ds_tile + row * kSwizzleBytes + ((chunk ^ (row % 8)) * 16) + 4 * t, a_ds[kk][q4]);
+      }
+    }
+    fence_proxy_async_smem();
+
+    // dV += P^T dO and dK += dS^T Q: B read N-major (dims contiguous), 64-dim blocks kQColBlockBytes apart.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+      Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], make_desc_sw128(do_tile + kk * kWgmmaK * kSwizzleBytes, kQColBlockBytes),
+                          1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+      Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], make_desc_sw128(q_tile + kk * kWgmmaK * kSwizzleBytes, kQColBlockBytes),
+                          1);
+    }
+    wgmma_commit();
+
+    // dQ (kBM x kDqCols of this warpgroup) = dS K over all kBN keys once both warpgroups wrote dS^T:
+    // A = dS read M-major from dS^T, B = K read N-major (columns [cw * kDqCols, +kDqCols)).
+    named_barrier_sync(kConsumerBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
+    float acc_dq[kDqTiles * 4];
+    constexpr int kDqCols = Traits::kDqCols;  // first column cw * kDqCols: its 64-wide block, then bytes into the row
+    const uint32_t k_cols = smem_addr(smem.k) + (cw * kDqCols / kColBlock) * kKVColBlockBytes +
+                            (cw * kDqCols % kColBlock) * sizeof(T);
+#pragma unroll
+    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+      Wgmma<Traits::kDqCols, T, 1>::template ss<1>(
+          acc_dq, make_desc_sw128(ds_tile + kk * kWgmmaK * kSwizzleBytes, kBN * kSwizzleBytes),
+          make_desc_sw128(k_cols + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_dv);
+    fence_regs(acc_dk);
+    fence_regs(acc_dq);
+    fence_regs(a_p);
+    fence_regs(a_ds);
+    __syncwarp();  // every lane's reads of the stage (lse, dsum) happen before lane 0 releases it
+    if (lane0) mbar_arrive(&smem.qdo_empty[s]);
+
+    float* gdQ = p.dq_accum + b * p.q_batch_stride() + int64_t(h) * p.head_dim;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = m0 + warp * 16 + g + 8 * r;
+      if (row < p.seqlen_q) {
+#pragma unroll
+        for (int j = 0; j < kDqTiles; ++j) {
+          const int col = cw * Traits::kDqCols + j * 8 + 2 * t;
+          if (col < p.head_dim) {
+            atomic_add_f32x2(gdQ + row * q_stride + col, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+          }
+        }
+      }
+    }
+  }
+
+  // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, columns < head_dim.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = key_row0 + g + 8 * r;
+    if (row < keys_valid) {
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) =
+              ET::pack(acc_dk[4 * j + 2 * r] * p.scale, acc_dk[4 * j + 2 * r + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) =
+              ET::pack(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]);
+        }
+      }
+    }
+  }
+#else
+  __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0
+#endif
+}
+
+}  // namespace jax_flash::cuda::sm90
