@@ -6,8 +6,9 @@
 // query rows; per thread (warp w of the warpgroup, lane = 4 g + t) rows 16 w + g and 16 w + g + 8, columns
 // 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
 //
-// Tensor maps view q/o as [batch][heads_q][seqlen_q][head_dim] boxes of (kColBlock x rows) and k/v likewise with
-// heads_kv; out-of-range rows and columns load as zeros (and are masked), so no length needs to divide a tile.
+// TMA tensor maps view q as (head_dim, seqlen_q, heads_q, batch) in boxes of kColBlock columns x tile rows, and k, v
+// likewise with heads_kv; out-of-range rows and columns load as zeros (and are masked), so no length needs to
+// divide a tile. O and LSE are stored from registers.
 #pragma once
 
 #include <cmath>
