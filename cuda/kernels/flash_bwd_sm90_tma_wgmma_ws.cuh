@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const bool lane0 = lane == 0;
   const int g = lane / 4;
   const int t = lane % 4;
-  const int key_row0 = cw * kWgmmaM + warp * 16;  // first of this warp's 16 keys inside the block
+  const int key_row0 = cw * kWgmmaM + warp * kWarpRows;  // first of this warp's 16 keys inside the block
 
   float acc_dk[kDTiles * 4];
   float acc_dv[kDTiles * 4];
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; dS^T = P^T * (dP^T - dsum).
     const bool need_mask =
-        !mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + 16, p.seqlen_q);
+        !mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + kWarpRows, p.seqlen_q);
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int q4 = 0; q4 < 4; ++q4) {
         const int row = ds_row + 8 * (q4 & 1);
         const int chunk = 2 * kk + (q4 >> 1);
-        st_shared_u32(ds_tile + row * kSwizzleBytes + ((chunk ^ (row % 8)) * 16) + 4 * t, a_ds[kk][q4]);
+        st_shared_u32(ds_tile + swizzled_chunk_offset(row, chunk) + 4 * t, a_ds[kk][q4]);
       }
     }
     fence_proxy_async_smem();
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float* gdQ = p.dq_accum + b * p.q_batch_stride() + int64_t(h) * p.head_dim;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = m0 + warp * 16 + g + 8 * r;
+      const int row = m0 + warp * kWarpRows + g + 8 * r;
       if (row < p.seqlen_q) {
 #pragma unroll
         for (int j = 0; j < kDqTiles; ++j) {

@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const bool lane0 = lane == 0;
   const int g = lane / 4;
   const int t = lane % 4;
-  const int warp_row0 = cw * kWgmmaM + warp * 16;  // first of this warp's 16 rows inside the block
+  const int warp_row0 = cw * kWgmmaM + warp * kWarpRows;  // first of this warp's 16 rows inside the block
 
   float acc_o[kOTiles * 4];    // O: 64 rows x kD, accumulator layout
   float acc_s[kSTiles * 4];    // S of the current key tile, then its exp2 values
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto softmax = [&](int i, float (&correction)[2]) {
     const int n0 = (n_begin + i) * kBN;
     const int tile_row0 = m0 + warp_row0;
-    if (!mask.tile_fully_visible(tile_row0, tile_row0 + 16, n0, n0 + kBN, p.seqlen_q)) {
+    if (!mask.tile_fully_visible(tile_row0, tile_row0 + kWarpRows, n0, n0 + kBN, p.seqlen_q)) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int lo = mask.lo(tile_row0 + g + 8 * r);

@@ -17,7 +17,15 @@ namespace jax_flash::cuda::sm90 {
 
 inline constexpr int kWarpgroupThreads = 128;
 inline constexpr int kSwizzleBytes = 128;   // TMA SWIZZLE_128B: rows of 128 bytes, 16-byte chunks XOR (row % 8)
-inline constexpr int kSwizzleAtomBytes = 8 * kSwizzleBytes;  // 8 rows: one swizzle period (1024-byte aligned)
+inline constexpr int kSwizzleRows = 8;      // rows in one swizzle period
+inline constexpr int kSwizzleChunkBytes = 16;  // the unit the swizzle permutes
+inline constexpr int kSwizzleAtomBytes = kSwizzleRows * kSwizzleBytes;  // one swizzle period (1024-byte aligned)
+inline constexpr int kWarpRows = 16;          // accumulator rows of one warp in a 64-row wgmma
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled tile (TMA SWIZZLE_128B layout).
+__device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int chunk) {
+  return row * kSwizzleBytes + ((chunk ^ (row % kSwizzleRows)) * kSwizzleChunkBytes);
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
