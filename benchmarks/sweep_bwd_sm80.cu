@@ -66,18 +66,11 @@ struct BwdVariant {
 
   // launch_bwd_sm80 with this variant's traits; main_begin/main_end bracket the main kernel.
   static void launch(const FlashParams& p, cudaStream_t s, cudaEvent_t main_begin, cudaEvent_t main_end) {
-    const int64_t q_elems = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim;
-    const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
-    CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), s));
-    flash_bwd_preprocess_kernel<Elem><<<ceil_div(rows * kWarpSize, kPreprocessThreads), kPreprocessThreads, 0, s>>>(p);
-    CUDA_CHECK(cudaGetLastError());
-    CUDA_CHECK(cudaEventRecord(main_begin, s));
-    const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
-    kKernel<<<grid, Traits::kThreads, kSmemBytes, s>>>(p);
-    CUDA_CHECK(cudaGetLastError());
-    CUDA_CHECK(cudaEventRecord(main_end, s));
-    flash_bwd_convert_dq_kernel<Elem><<<ceil_div(q_elems / 2, kPreprocessThreads), kPreprocessThreads, 0, s>>>(p);
-    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(launch_bwd_sequence<Elem>(p, s, [&]() -> cudaError_t {
+      if (cudaError_t e = cudaEventRecord(main_begin, s); e != cudaSuccess) return e;
+      if (cudaError_t e = launch_bwd_sm80_main<Elem, Traits>(p, s); e != cudaSuccess) return e;
+      return cudaEventRecord(main_end, s);
+    }));
   }
 };
 

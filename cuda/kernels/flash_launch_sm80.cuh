@@ -35,10 +35,10 @@ cudaError_t launch_fwd_sm80(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T, int kD>
-cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream) {
-  using Traits = BwdKernelTraits<BwdTraitsSm80<kD>>;
-  constexpr int kSmemBytes = Traits::kSmemBytes;
+// The backward sequence every main backward kernel shares: dq_accum = 0, dsum = rowsum(dO * O), the main kernel
+// (launch_main(), which returns its launch error; skipped without keys), dq = scale * dq_accum.
+template <typename T, typename LaunchMain>
+cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
   const int64_t q_elems = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim;
   if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), stream); e != cudaSuccess) return e;
   if (q_elems > 0) {
@@ -47,17 +47,29 @@ cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream) {
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (p.seqlen_k > 0) {
-    constexpr auto kernel = flash_bwd_sm80_kernel<T, Traits>;
-    if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
-    const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
-    kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    if (cudaError_t e = launch_main(); e != cudaSuccess) return e;
   }
   if (q_elems > 0) {
     flash_bwd_convert_dq_kernel<T><<<ceil_div(q_elems / 2, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
   return cudaSuccess;
+}
+
+// The sm_80-class main backward kernel with the given traits (the tile sweep passes its own).
+template <typename T, typename Traits>
+cudaError_t launch_bwd_sm80_main(const FlashParams& p, cudaStream_t stream) {
+  constexpr auto kernel = flash_bwd_sm80_kernel<T, Traits>;
+  if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int kD>
+cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream) {
+  using Traits = BwdKernelTraits<BwdTraitsSm80<kD>>;
+  return launch_bwd_sequence<T>(p, stream, [&] { return launch_bwd_sm80_main<T, Traits>(p, stream); });
 }
 
 }  // namespace jax_flash::cuda

@@ -5,7 +5,7 @@
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
-#include <tuple>
+#include <initializer_list>
 
 #include "flash_bwd_sm90_tma_wgmma_ws.cuh"
 #include "flash_fwd_sm90_tma_wgmma_ws.cuh"
@@ -48,21 +48,34 @@ cudaError_t make_bthd_tensor_map(CUtensorMap* map, const void* base, int batch, 
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// Tensor maps for several [batch][seqlen][heads][head_dim] tensors: {map, base, seqlen, heads, box rows} each.
+struct TensorMapSpec {
+  CUtensorMap* map;
+  const void* base;
+  int seqlen;
+  int heads;
+  int box_rows;
+};
+template <typename T>
+cudaError_t make_bthd_tensor_maps(const FlashParams& p, std::initializer_list<TensorMapSpec> specs) {
+  for (const TensorMapSpec& s : specs) {
+    if (cudaError_t e = make_bthd_tensor_map<T>(s.map, s.base, p.batch, s.seqlen, s.heads, p.head_dim, s.box_rows);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  return cudaSuccess;
+}
+
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, FwdTraitsSm90<kD>>;
   constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v;
-  if (cudaError_t e = make_bthd_tensor_map<T>(&tm_q, p.q, p.batch, p.seqlen_q, p.heads_q, p.head_dim, Traits::kBlockM);
-      e != cudaSuccess) {
-    return e;
-  }
-  if (cudaError_t e = make_bthd_tensor_map<T>(&tm_k, p.k, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, Traits::kBlockN);
-      e != cudaSuccess) {
-    return e;
-  }
-  if (cudaError_t e = make_bthd_tensor_map<T>(&tm_v, p.v, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, Traits::kBlockN);
+  if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
+                                                   {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
       e != cudaSuccess) {
     return e;
   }
@@ -71,34 +84,25 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// dq_accum = 0, dsum = rowsum(dO * O) (sm_80-class kernel), the sm_90a main kernel, dq = scale * dq_accum.
+// The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel.
 template <typename T, int kD>
 cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>;
-  const int64_t q_elems = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim;
-  if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), stream); e != cudaSuccess) return e;
-  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
-  flash_bwd_preprocess_kernel<T><<<ceil_div(rows * kWarpSize, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-
-  constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits>;
-  if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  CUtensorMap tm_q, tm_k, tm_v, tm_do;
-  for (auto [map, ptr, seqlen, heads, box] :
-       {std::tuple{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
-        std::tuple{&tm_do, static_cast<const void*>(p.dout), p.seqlen_q, p.heads_q, Traits::kBlockM},
-        std::tuple{&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-        std::tuple{&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}}) {
-    if (cudaError_t e = make_bthd_tensor_map<T>(map, ptr, p.batch, seqlen, heads, p.head_dim, box); e != cudaSuccess) {
+  return launch_bwd_sequence<T>(p, stream, [&]() -> cudaError_t {
+    constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits>;
+    if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+    CUtensorMap tm_q, tm_k, tm_v, tm_do;
+    if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
+                                                     {&tm_do, p.dout, p.seqlen_q, p.heads_q, Traits::kBlockM},
+                                                     {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+                                                     {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
+        e != cudaSuccess) {
       return e;
     }
-  }
-  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-
-  flash_bwd_convert_dq_kernel<T><<<ceil_div(q_elems / 2, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+    const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace jax_flash::cuda::sm90
