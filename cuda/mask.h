@@ -98,4 +98,11 @@ struct AttentionMask {
   }
 };
 
+// The mask of batch element b: lengths clamped to [0, seqlen].
+JF_HD AttentionMask mask_for_batch(const FlashParams& p, int b) {
+  const int q_len = imin(imax(p.q_lens[b], 0), p.seqlen_q);
+  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
+  return AttentionMask(p.causal, p.window_left, p.window_right, q_len, kv_len);
+}
+
 }  // namespace jax_flash

@@ -241,12 +241,6 @@ inline void StoreZeros(int rows, int cols, T* __restrict dst, int64_t ldd) {
 // ----------------------------------------------------------------------------------------------------------------
 // Masks, scratch tiles, threading.
 
-inline AttentionMask MaskFor(const FlashParams& p, int b) {
-  const int q_len = std::min(std::max(p.q_lens[b], 0), p.seqlen_q);
-  const int kv_len = std::min(std::max(p.kv_lens[b], 0), p.seqlen_k);
-  return AttentionMask(p.causal, p.window_left, p.window_right, q_len, kv_len);
-}
-
 // Visible keys of tile row i (query row q0 + i) as tile columns [*jlo, *jhi) within [0, nk). Rows i >= nq (padding)
 // see nothing; with `full` (the tile is entirely visible) every row sees all nk keys.
 inline void RowSpan(const AttentionMask& mask, bool full, int q0, int i, int nq, int k0, int nk, int* jlo,
@@ -603,7 +597,7 @@ void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
   const int q0 = qb * kFwdBlockQ;
   const int nq = std::min(kFwdBlockQ, p.seqlen_q - q0);
   const int nqp = RoundUp(nq, kMR);
-  const AttentionMask mask = MaskFor(p, b);
+  const AttentionMask mask = mask_for_batch(p, b);
 
   const int64_t q_rs = p.q_row_stride(), kv_rs = p.kv_row_stride();
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
@@ -734,7 +728,7 @@ void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdScratch& 
   const int64_t kv_off = b * p.kv_batch_stride() + int64_t(k0) * kv_rs + int64_t(kvh) * D;
   T* dk = static_cast<T*>(p.dk) + kv_off;
   T* dv = static_cast<T*>(p.dv) + kv_off;
-  const AttentionMask mask = MaskFor(p, b);
+  const AttentionMask mask = mask_for_batch(p, b);
 
   int r0, r1;
   mask.row_range(k0, k0 + nk, &r0, &r1);
@@ -820,7 +814,7 @@ void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   const int q0 = qb * kBwdBlockQ;
   const int nq = std::min(kBwdBlockQ, p.seqlen_q - q0);
   const int nqp = RoundUp(nq, kMR);
-  const AttentionMask mask = MaskFor(p, b);
+  const AttentionMask mask = mask_for_batch(p, b);
   const int64_t q_off = b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
   float* __restrict dqa = w.dq.data();
   std::fill(dqa, dqa + size_t(nqp) * ldd, 0.0f);

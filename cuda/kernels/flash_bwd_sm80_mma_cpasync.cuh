@@ -14,6 +14,7 @@
 #include "../flash_params.h"
 #include "../mask.h"
 #include "flash_fwd_sm80_mma_cpasync.cuh"
+#include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"
 #include "utils_sm80.cuh"
 
@@ -107,9 +108,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   const int warp_n = warp % Traits::kWarpsN;  // which 16 keys
   const int warp_d = warp / Traits::kWarpsN;  // which dK/dV column slice
 
-  const int q_len = imin(imax(p.q_lens[b], 0), p.seqlen_q);
-  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
-  const AttentionMask mask(p.causal, p.window_left, p.window_right, q_len, kv_len);
+  const AttentionMask mask = mask_for_batch(p, b);
 
   const int n0 = n_block * kBN;
   const int keys_valid = imin(kBN, p.seqlen_k - n0);
@@ -119,13 +118,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   T* gdK = static_cast<T*>(p.dk) + kv_off;
   T* gdV = static_cast<T*>(p.dv) + kv_off;
 
-  int row_begin, row_end;
-  mask.row_range(n0, n0 + kBN, &row_begin, &row_end);
-  row_end = imin(row_end, p.seqlen_q);
-  const int m_first = imax(row_begin, 0) / kBM;
-  const int m_count = row_end > row_begin ? (row_end + kBM - 1) / kBM - m_first : 0;
+  int m_first, m_count;
+  query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
   const int iters = m_count * group;
-
   if (iters == 0) {  // no query sees these keys: zero gradients
     for (int c = tid; c < keys_valid * (p.head_dim / kElemsPerChunk); c += kThreads) {
       const int row = c / (p.head_dim / kElemsPerChunk);

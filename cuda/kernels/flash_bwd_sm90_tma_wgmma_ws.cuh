@@ -9,6 +9,7 @@
 #include "../flash_params.h"
 #include "../mask.h"
 #include "flash_bwd_sm80_mma_cpasync.cuh"  // atomic_add_f32x2, kLog2eF
+#include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"            // kWarpSize
 #include "kernel_traits_sm90.h"
 #include "utils_sm80.cuh"
@@ -44,9 +45,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int group = p.group_size();
   const int tid = threadIdx.x;
 
-  const int q_len = imin(imax(p.q_lens[b], 0), p.seqlen_q);
-  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
-  const AttentionMask mask(p.causal, p.window_left, p.window_right, q_len, kv_len);
+  const AttentionMask mask = mask_for_batch(p, b);
 
   const int n0 = n_block * kBN;
   const int keys_valid = imin(kBN, p.seqlen_k - n0);
@@ -56,13 +55,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   T* gdK = static_cast<T*>(p.dk) + kv_off;
   T* gdV = static_cast<T*>(p.dv) + kv_off;
 
-  int row_begin, row_end;
-  mask.row_range(n0, n0 + kBN, &row_begin, &row_end);
-  row_end = imin(row_end, p.seqlen_q);
-  const int m_first = imax(row_begin, 0) / kBM;
-  const int m_count = row_end > row_begin ? (row_end + kBM - 1) / kBM - m_first : 0;
+  int m_first, m_count;
+  query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
   const int iters = m_count * group;
-
   if (iters == 0) {  // no query sees these keys: zero gradients
     for (int c = tid; c < keys_valid * (p.head_dim / 8); c += Traits::kThreads) {
       const int row = c / (p.head_dim / 8);
@@ -168,21 +163,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     mbar_wait(&smem.qdo_full[s], (it / kStages) & 1);
     const uint32_t q_tile = smem_addr(smem.q[s]);
     const uint32_t do_tile = smem_addr(smem.dout[s]);
+    // acc (64 x kBM) = A B^T over the head dim: A = 64 rows of K or V, B = the Q or dO tile.
+    auto issue_rows_times_tile = [&](float (&acc)[kSTiles * 4], uint32_t a_rows, uint32_t b_tile) {
+#pragma unroll
+      for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
+        const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
+        const uint32_t cb = kk / kKStepsPerColBlock;
+        Wgmma<kBM, T, 0>::ss(acc, make_desc_sw128(a_rows + cb * kKVColBlockBytes + off, kKMajorLeadingBytes),
+                             make_desc_sw128(b_tile + cb * kQColBlockBytes + off, kKMajorLeadingBytes), kk > 0);
+      }
+    };
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
-      const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
-      const uint32_t cb = kk / kKStepsPerColBlock;
-      Wgmma<kBM, T, 0>::ss(acc_s, make_desc_sw128(k_rows + cb * kKVColBlockBytes + off, kKMajorLeadingBytes),
-                           make_desc_sw128(q_tile + cb * kQColBlockBytes + off, kKMajorLeadingBytes), kk > 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
-      const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
-      const uint32_t cb = kk / kKStepsPerColBlock;
-      Wgmma<kBM, T, 0>::ss(acc_dp, make_desc_sw128(v_rows + cb * kKVColBlockBytes + off, kKMajorLeadingBytes),
-                           make_desc_sw128(do_tile + cb * kQColBlockBytes + off, kKMajorLeadingBytes), kk > 0);
-    }
+    issue_rows_times_tile(acc_s, k_rows, q_tile);
+    issue_rows_times_tile(acc_dp, v_rows, do_tile);
     wgmma_commit();
     mbar_wait(&smem.stat_full[s], (it / kStages) & 1);
     const float* lse_log2 = smem.lse_log2[s];

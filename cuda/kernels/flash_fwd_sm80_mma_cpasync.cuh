@@ -9,6 +9,7 @@
 
 #include "../flash_params.h"
 #include "../mask.h"
+#include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"
 #include "utils_sm80.cuh"
 
@@ -57,9 +58,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   const int g = lane / 4;
   const int t = lane % 4;
 
-  const int q_len = imin(imax(p.q_lens[b], 0), p.seqlen_q);
-  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
-  const AttentionMask mask(p.causal, p.window_left, p.window_right, q_len, kv_len);
+  const AttentionMask mask = mask_for_batch(p, b);
 
   const int m0 = m_block * kBM;
   const int rows_valid = imin(kBM, p.seqlen_q - m0);
@@ -71,11 +70,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   T* gO = static_cast<T*>(p.o) + b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
   float* gLse = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
 
-  int key_begin, key_end;
-  mask.key_range(m0, m0 + rows_valid, &key_begin, &key_end);
-  const int n_begin = imax(key_begin, 0) / kBN;
-  const int n_end = key_end > key_begin ? (imin(key_end, p.seqlen_k) + kBN - 1) / kBN : n_begin;
-
+  int n_begin, n_end;
+  key_tiles_for_rows<kBN>(mask, p, m0, rows_valid, &n_begin, &n_end);
   if (n_end <= n_begin) {  // no row of this block sees a key: zeros and lse = +inf
     for (int c = tid; c < rows_valid * (p.head_dim / kElemsPerChunk); c += kThreads) {
       const int row = c / (p.head_dim / kElemsPerChunk);
