@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build (or install a carried wheel), run the whole test suite on the GPU, compute-sanitizer on small shapes, and
 # a short benchmark; write everything under $OUT (default ./gpu_check_out) and print a summary last.
-#   bash benchmarks/gpu_check.sh [quick|full|tests|bench]
+#   bash benchmarks/gpu_check.sh [quick|full|tests|bench|dev]
+# quick: all tests + sanitizers + a short benchmark; full: the same with the whole benchmark matrix; tests, bench:
+# one half; dev (kernel work): tests/test_gpu.py without the slow tests, sanitizers and the short benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-quick}
@@ -34,12 +36,16 @@ status=0
 # 2. Tests (plain pytest so the source tree does not shadow the installed package).
 if [ "$MODE" != bench ]; then
   t0=$SECONDS
-  pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  if [ "$MODE" = dev ]; then
+    pytest -q -x -p no:cacheprovider tests/test_gpu.py -m "not slow" 2>&1 | tee "$OUT/pytest.log" | tail -25
+  else
+    pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  fi
   rc=${PIPESTATUS[0]}
   note "pytest: rc=$rc $(tail -1 "$OUT/pytest.log") ($((SECONDS - t0)) s)"
   [ $rc -eq 0 ] || status=1
   # On Hopper the forward runs the sm_90a kernel; check the sm_80-class kernels there too.
-  if [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ]; then
+  if [ "$MODE" != dev ] && [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ]; then
     t0=$SECONDS
     JAX_FLASH_FORCE_SM80=1 pytest -q -x -p no:cacheprovider tests/test_gpu.py -m "not slow" 2>&1 |
       tee "$OUT/pytest-sm80.log" | tail -5

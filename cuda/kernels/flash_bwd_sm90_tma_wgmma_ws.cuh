@@ -1,4 +1,4 @@
-// Backward FlashAttention kernel for sm_90a, key/value stationary (see BwdTraitsSm90 for the CTA's roles).
+// Backward FlashAttention kernel for sm_90a, key/value stationary (see BwdKernelTraitsSm90 for the CTA's roles).
 // The dsum preprocess and the dQ conversion are the sm_80-class kernels (flash_bwd_sm80_mma_cpasync.cuh); this
 // kernel replaces the main one. Per thread of a consumer warpgroup (warp w, lane = 4 g + t): keys 16 w + g and
 // 16 w + g + 8 of the warpgroup's 64, queries 8 j + 2 t (+1) of every 8-wide column tile j of S^T and dP^T.
@@ -8,7 +8,7 @@
 
 #include "../flash_params.h"
 #include "../mask.h"
-#include "flash_bwd_sm80_mma_cpasync.cuh"  // atomic_add_f32x2, kLog2eF
+#include "flash_bwd_sm80_mma_cpasync.cuh"  // kLog2eF
 #include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"            // kWarpSize
 #include "kernel_traits_sm90.h"
@@ -18,13 +18,18 @@
 
 namespace jax_flash::cuda::sm90 {
 
-inline constexpr int kConsumerBarrier = 1;  // named barrier of the two consumer warpgroups (dS^T complete)
+// Named barriers of the backward CTA (0 is __syncthreads'); the per-warpgroup ones take id + warpgroup index.
+inline constexpr int kDsBarrier = 1;       // both consumer warpgroups wrote dS^T (256 threads)
+inline constexpr int kStatsBarrier = 2;    // a consumer warpgroup staged its row statistics (128 threads)
+inline constexpr int kDqFullBarrier = 4;   // a consumer warpgroup's dQ tile is in shared memory (128 + writer warp)
+inline constexpr int kDqEmptyBarrier = 6;  // the writer has read that tile (128 + writer warp)
+inline constexpr int kDqWriterWarp = 1;    // producer warp that issues the dQ reductions
 
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                          const __grid_constant__ CUtensorMap tm_do) {
+                          const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dq) {
 #if defined(JAX_FLASH_SM90A)
   constexpr int kD = Traits::kHeadDim;
   constexpr int kBM = Traits::kBlockM;
@@ -32,7 +37,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kStages = Traits::kStages;
   constexpr int kSTiles = kBM / 8;      // 8-wide column tiles of S^T (queries)
   constexpr int kDTiles = kD / 8;       // 8-wide column tiles of dK, dV
-  constexpr int kDqTiles = Traits::kDqCols / 8;
+  constexpr int kDqCols = Traits::kDqCols;
+  constexpr int kDqTiles = kDqCols / 8;
+  constexpr int kDqWgThreads = kWarpgroupThreads + kWarpSize;  // a consumer warpgroup and the dQ writer warp
+  static_assert(Traits::kDqBoxCols * sizeof(float) == kSwizzleBytes, "a dQ box row is one swizzled row");
   using ET = ElemTraits<T>;
   using Storage = typename Traits::SharedStorage;
 
@@ -49,7 +57,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int n0 = n_block * kBN;
   const int keys_valid = imin(kBN, p.seqlen_k - n0);
-  const int64_t q_stride = p.q_row_stride();
   const int64_t kv_stride = p.kv_row_stride();
   const int64_t kv_off = b * p.kv_batch_stride() + n0 * kv_stride + int64_t(hk) * p.head_dim;
   T* gdK = static_cast<T*>(p.dk) + kv_off;
@@ -67,6 +74,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     return;
   }
+  // Iteration it works on query head h and query tile m0.
+  auto head_of = [&](int it) { return hk * group + it / m_count; };
+  auto row0_of = [&](int it) { return (m_first + it % m_count) * kBM; };
 
   constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
   if (tid == 0) {
@@ -74,7 +84,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&smem.qdo_full[s], 1);
-      mbar_init(&smem.stat_full[s], kWarpSize);
       mbar_init(&smem.qdo_empty[s], kConsumerWarps);
     }
     mbar_init_fence();
@@ -83,28 +92,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int warpgroup = tid / kWarpgroupThreads;
   if (warpgroup == 0) {
-    // ---- producer: thread 0 issues the TMA loads, warp 1 stages the row statistics -------------------------
+    // ---- producer: thread 0 issues the TMA loads, the writer warp the dQ reductions -------------------------
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (tid / kWarpSize == 1) {
-      const int lane = tid % kWarpSize;
+    if (tid / kWarpSize == kDqWriterWarp) {
+      const bool lane0 = tid % kWarpSize == 0;
+#pragma unroll
+      for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
       for (int it = 0; it < iters; ++it) {
-        const int s = it % kStages;
-        const int h = hk * group + it / m_count;
-        const int m0 = (m_first + it % m_count) * kBM;
-        const int64_t stat_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
-        if (it >= kStages) mbar_wait(&smem.qdo_empty[s], ((it / kStages) - 1) & 1);
-        for (int r = lane; r < kBM; r += kWarpSize) {
-          const bool ok = m0 + r < p.seqlen_q;  // rows past seqlen_q: their Q and dO load as zeros
-          smem.lse_log2[s][r] = ok ? p.lse[stat_off + m0 + r] * kLog2eF : 0.f;
-          smem.dsum[s][r] = ok ? p.dsum[stat_off + m0 + r] : 0.f;
+#pragma unroll
+        for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
+          named_barrier_sync(kDqFullBarrier + wg, kDqWgThreads);
+          if (lane0) {
+#pragma unroll
+            for (int box = 0; box < Traits::kDqBoxes; ++box) {
+              tma_reduce_add_4d(&tm_dq, smem.dq[wg] + box * kBM * Traits::kDqBoxCols,
+                                wg * kDqCols + box * Traits::kDqBoxCols, row0_of(it), head_of(it), b);
+            }
+            bulk_commit_group();
+          }
         }
-        mbar_arrive(&smem.stat_full[s]);
+        if (lane0) bulk_wait_group_read<0>();
+        __syncwarp();
+        if (it + 1 < iters) {
+#pragma unroll
+          for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
+            named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
+          }
+        }
       }
+      if (lane0) bulk_wait_group<0>();  // the reductions are complete before the CTA exits
     } else if (tid == 0) {
       prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
       prefetch_tensor_map(&tm_do);
+      prefetch_tensor_map(&tm_dq);
       mbar_arrive_expect_tx(&smem.kv_full, Traits::kKVBytes);
 #pragma unroll
       for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
@@ -113,8 +135,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       for (int it = 0; it < iters; ++it) {
         const int s = it % kStages;
-        const int h = hk * group + it / m_count;
-        const int m0 = (m_first + it % m_count) * kBM;
+        const int h = head_of(it);
+        const int m0 = row0_of(it);
         if (it >= kStages) mbar_wait(&smem.qdo_empty[s], ((it / kStages) - 1) & 1);
         mbar_arrive_expect_tx(&smem.qdo_full[s], Traits::kQdOBytes);
 #pragma unroll
@@ -130,7 +152,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---- consumers -----------------------------------------------------------------------------------------------
   setmaxnreg_inc<Traits::kConsumerRegs>();
   const int cw = warpgroup - 1;            // keys [64 cw, 64 cw + 64) of the block
-  const int warp = (tid / kWarpSize) % 4;
+  const int wg_tid = tid % kWarpgroupThreads;
+  const int warp = wg_tid / kWarpSize;
   const int lane = tid % kWarpSize;
   const bool lane0 = lane == 0;
   const int g = lane / 4;
@@ -147,17 +170,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;
   const uint32_t k_rows = smem_addr(smem.k) + cw * kWgmmaM * kSwizzleBytes;  // this warpgroup's 64 keys
   const uint32_t v_rows = smem_addr(smem.v) + cw * kWgmmaM * kSwizzleBytes;
+  // dQ = dS K, B = K read N-major: columns [cw * kDqCols, +kDqCols), their 64-wide block, then bytes into the row.
+  const uint32_t k_cols = smem_addr(smem.k) + (cw * kDqCols / kColBlock) * kKVColBlockBytes +
+                          (cw * kDqCols % kColBlock) * sizeof(T);
   // dS^T stores: row key_row0 + g (+8), 16-byte chunk c XOR (row % 8), 4-byte word t.
   const int ds_row = key_row0 + g;
+  const uint32_t dq_tile = smem_addr(smem.dq[cw]);
 
   mbar_wait(&smem.kv_full, 0);
 
   for (int it = 0; it < iters; ++it) {
     const int s = it % kStages;
-    const int h = hk * group + it / m_count;
-    const int m0 = (m_first + it % m_count) * kBM;
+    const int m0 = row0_of(it);
 
-    // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory.
+    // Row statistics of the tile, one value per thread: lse * log2(e) of row wg_tid, then dsum of row wg_tid - kBM.
+    // Rows past seqlen_q (their Q and dO load as zeros) get 0, which makes dS^T and the dV term 0.
+    const int stat_row = m0 + wg_tid % kBM;
+    const int64_t stat_idx = (int64_t(b) * p.heads_q + head_of(it)) * p.seqlen_q + stat_row;
+    float stat = 0.f;
+    if (stat_row < p.seqlen_q) stat = wg_tid < kBM ? p.lse[stat_idx] * kLog2eF : p.dsum[stat_idx];
+
+    // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory; two groups
+    // so the exponentials of S^T run under the dP^T GEMM.
     float acc_s[kSTiles * 4];
     float acc_dp[kSTiles * 4];
     mbar_wait(&smem.qdo_full[s], (it / kStages) & 1);
@@ -172,19 +206,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Wgmma<kBM, T, 0>::ss(acc, make_desc_sw128(a_rows + cb * kKVColBlockBytes + off, kKMajorLeadingBytes),
                              make_desc_sw128(b_tile + cb * kQColBlockBytes + off, kKMajorLeadingBytes), kk > 0);
       }
+      wgmma_commit();
     };
     wgmma_fence();
     issue_rows_times_tile(acc_s, k_rows, q_tile);
     issue_rows_times_tile(acc_dp, v_rows, do_tile);
-    wgmma_commit();
-    mbar_wait(&smem.stat_full[s], (it / kStages) & 1);
-    const float* lse_log2 = smem.lse_log2[s];
-    const float* dsum = smem.dsum[s];
-    wgmma_wait<0>();
-    fence_regs(acc_s);
-    fence_regs(acc_dp);
 
-    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; dS^T = P^T * (dP^T - dsum).
+    float* stats = smem.stats[cw][it & 1];
+    stats[wg_tid] = stat;
+    named_barrier_sync(kStatsBarrier + cw, kWarpgroupThreads);
+    const float* lse_log2 = stats;
+    const float* dsum = stats + kBM;
+
+    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked.
+    wgmma_wait<1>();
+    fence_regs(acc_s);
     const bool need_mask =
         !mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + kWarpRows, p.seqlen_q);
 #pragma unroll
@@ -196,8 +232,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         float pe = exp2f(acc_s[4 * j + e] * p.scale_log2 - lse_log2[m_local]);
         if (need_mask && !mask.visible(m0 + m_local, key)) pe = 0.f;
         acc_s[4 * j + e] = pe;
-        acc_dp[4 * j + e] = pe * (acc_dp[4 * j + e] - dsum[m_local]);
       }
+    }
+    // dS^T = P^T * (dP^T - dsum).
+    wgmma_wait<0>();
+    fence_regs(acc_dp);
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - dsum[8 * j + 2 * t + (e & 1)]);
     }
     // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
     uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
@@ -209,6 +252,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         a_ds[kk][q4] = ET::pack(acc_dp[8 * kk + 2 * q4], acc_dp[8 * kk + 2 * q4 + 1]);
       }
     }
+
+    // dV += P^T dO (B read N-major: dims contiguous, 64-dim blocks kQColBlockBytes apart) runs while dS^T is
+    // stored and the warpgroups meet.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+      Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], make_desc_sw128(do_tile + kk * kWgmmaK * kSwizzleBytes, kQColBlockBytes),
+                          1);
+    }
+    wgmma_commit();
 
     // dS^T -> shared memory (rows of kBM queries = one 128-byte swizzled row) for dQ; fragment q4 holds key
     // row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
@@ -223,14 +276,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     fence_proxy_async_smem();
+    named_barrier_sync(kDsBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
 
-    // dV += P^T dO and dK += dS^T Q: B read N-major (dims contiguous), 64-dim blocks kQColBlockBytes apart.
+    // dQ (kBM x kDqCols of this warpgroup) = dS K over all kBN keys: A = dS read M-major from dS^T, B = K read
+    // N-major. Then dK += dS^T Q (B = Q read N-major).
+    float acc_dq[kDqTiles * 4];
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-      Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], make_desc_sw128(do_tile + kk * kWgmmaK * kSwizzleBytes, kQColBlockBytes),
-                          1);
+    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+      Wgmma<kDqCols, T, 1>::template ss<1>(
+          acc_dq, make_desc_sw128(ds_tile + kk * kWgmmaK * kSwizzleBytes, kBN * kSwizzleBytes),
+          make_desc_sw128(k_cols + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes), kk > 0);
     }
+    wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
       Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], make_desc_sw128(q_tile + kk * kWgmmaK * kSwizzleBytes, kQColBlockBytes),
@@ -238,43 +296,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     wgmma_commit();
 
-    // dQ (kBM x kDqCols of this warpgroup) = dS K over all kBN keys once both warpgroups wrote dS^T:
-    // A = dS read M-major from dS^T, B = K read N-major (columns [cw * kDqCols, +kDqCols)).
-    named_barrier_sync(kConsumerBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
-    float acc_dq[kDqTiles * 4];
-    constexpr int kDqCols = Traits::kDqCols;  // first column cw * kDqCols: its 64-wide block, then bytes into the row
-    const uint32_t k_cols = smem_addr(smem.k) + (cw * kDqCols / kColBlock) * kKVColBlockBytes +
-                            (cw * kDqCols % kColBlock) * sizeof(T);
-#pragma unroll
-    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
-      Wgmma<Traits::kDqCols, T, 1>::template ss<1>(
-          acc_dq, make_desc_sw128(ds_tile + kk * kWgmmaK * kSwizzleBytes, kBN * kSwizzleBytes),
-          make_desc_sw128(k_cols + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes), kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+    // dQ -> shared memory (float32, [box][kBM rows][32 columns], 128-byte swizzled) while dK runs; the writer warp
+    // adds it to the accumulator.
+    wgmma_wait<1>();
     fence_regs(acc_dv);
-    fence_regs(acc_dk);
-    fence_regs(acc_dq);
     fence_regs(a_p);
-    fence_regs(a_ds);
-    __syncwarp();  // every lane's reads of the stage (lse, dsum) happen before lane 0 releases it
-    if (lane0) mbar_arrive(&smem.qdo_empty[s]);
-
-    float* gdQ = p.dq_accum + b * p.q_batch_stride() + int64_t(h) * p.head_dim;
+    fence_regs(acc_dq);
+    named_barrier_sync(kDqEmptyBarrier + cw, kDqWgThreads);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = m0 + warp * kWarpRows + g + 8 * r;
-      if (row < p.seqlen_q) {
+    for (int j = 0; j < kDqTiles; ++j) {
+      const int box = j * 8 / Traits::kDqBoxCols;
+      const int chunk = (j * 8 % Traits::kDqBoxCols) / 4 + t / 2;  // 16-byte chunk of columns 8 j + 2 t, +1
 #pragma unroll
-        for (int j = 0; j < kDqTiles; ++j) {
-          const int col = cw * Traits::kDqCols + j * 8 + 2 * t;
-          if (col < p.head_dim) {
-            atomic_add_f32x2(gdQ + row * q_stride + col, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
-          }
-        }
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp * kWarpRows + g + 8 * r;
+        st_shared_f32x2(dq_tile + box * kBM * kSwizzleBytes + swizzled_chunk_offset(row, chunk) + (t % 2) * 8,
+                        acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
       }
     }
+    fence_proxy_async_smem();
+    named_barrier_arrive(kDqFullBarrier + cw, kDqWgThreads);
+
+    wgmma_wait<0>();
+    fence_regs(acc_dk);
+    fence_regs(a_ds);
+    __syncwarp();  // every lane's wgmma reads of the stage are done before lane 0 releases it
+    if (lane0) mbar_arrive(&smem.qdo_empty[s]);
   }
 
   // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, columns < head_dim.

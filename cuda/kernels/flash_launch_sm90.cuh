@@ -28,24 +28,30 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// A [batch][seqlen][heads][head_dim] tensor seen as 4-d (head_dim, seqlen, heads, batch), boxes of
-// kColBlock columns x box_rows rows of one (head, batch), 128-byte swizzled in shared memory.
-template <typename T>
-cudaError_t make_bthd_tensor_map(CUtensorMap* map, const void* base, int batch, int seqlen, int heads, int head_dim,
-                                 int box_rows) {
+// A [batch][seqlen][heads][head_dim] tensor seen as 4-d (head_dim, seqlen, heads, batch), boxes of box_cols
+// columns x box_rows rows of one (head, batch), 128-byte swizzled in shared memory (box_cols * elem_bytes = 128).
+inline cudaError_t encode_bthd_tensor_map(CUtensorMap* map, CUtensorMapDataType dtype, int elem_bytes,
+                                          const void* base, int batch, int seqlen, int heads, int head_dim,
+                                          int box_cols, int box_rows) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const CUtensorMapDataType dtype =
-      std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const cuuint64_t elem = sizeof(T);
+  const cuuint64_t elem = cuuint64_t(elem_bytes);
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
   const cuuint64_t strides[3] = {elem * heads * head_dim, elem * head_dim, elem * seqlen * heads * head_dim};
-  const cuuint32_t box[4] = {cuuint32_t(kColBlock), cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t box[4] = {cuuint32_t(box_cols), cuuint32_t(box_rows), 1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = encode(map, dtype, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t make_bthd_tensor_map(CUtensorMap* map, const void* base, int batch, int seqlen, int heads, int head_dim,
+                                 int box_rows) {
+  const CUtensorMapDataType dtype =
+      std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode_bthd_tensor_map(map, dtype, sizeof(T), base, batch, seqlen, heads, head_dim, kColBlock, box_rows);
 }
 
 // Tensor maps for several [batch][seqlen][heads][head_dim] tensors: {map, base, seqlen, heads, box rows} each.
@@ -99,8 +105,16 @@ cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
         e != cudaSuccess) {
       return e;
     }
+    // The float32 dQ accumulator (dq_accum has q's layout), reduced into in boxes of kDqBoxCols x kBlockM.
+    CUtensorMap tm_dq;
+    if (cudaError_t e = encode_bthd_tensor_map(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sizeof(float), p.dq_accum,
+                                               p.batch, p.seqlen_q, p.heads_q, p.head_dim, Traits::kDqBoxCols,
+                                               Traits::kBlockM);
+        e != cudaSuccess) {
+      return e;
+    }
     const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
-    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq);
     return cudaGetLastError();
   });
 }

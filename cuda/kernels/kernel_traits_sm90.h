@@ -71,26 +71,28 @@ struct FwdKernelTraitsSm90 : Base {
   static constexpr uint32_t kKVBytes = Base::kBlockN * Base::kHeadDim * sizeof(T);  // one K (or V) tile
 };
 
-// Backward CTA (key/value stationary): one producer warpgroup (TMA for K, V once and a ring of Q/dO tiles) and two
-// consumer warpgroups of 64 keys each. Per query tile of kBlockM rows a consumer warpgroup computes S^T and dP^T
-// (64 keys x kBlockM, wgmma from shared memory), P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q (A from
-// registers), writes dS^T to shared memory, and after a barrier between the two computes half of the dQ columns
-// of dQ = dS K over all 128 keys, added to the float32 accumulator with vector reductions.
+// Backward CTA (key/value stationary): one producer warpgroup and two consumer warpgroups of 64 keys each.
+// Producer: one thread issues the TMA loads (K, V once; a ring of Q/dO tiles), one warp (the dQ writer) adds each
+// consumer warpgroup's dQ tile from shared memory into the float32 accumulator with TMA reductions.
+// Per query tile of kBlockM rows a consumer warpgroup computes S^T and dP^T (64 keys x kBlockM, wgmma from shared
+// memory), P^T (under the dP^T GEMM) and dS^T in registers, issues dV += P^T dO (A from registers), writes dS^T to
+// shared memory, and after a barrier between the two warpgroups issues dQ = dS K over all 128 keys (its half of the
+// dQ columns) and dK += dS^T Q; dQ goes to shared memory for the writer while dK runs.
 template <int kHeadDim_>
 struct BwdTraitsSm90;
 
 template <>
 struct BwdTraitsSm90<64> {
   static constexpr int kHeadDim = 64;
-  static constexpr int kBlockM = 64;  // K 16 KB + V 16 KB + 2 x (Q 8 KB + dO 8 KB) + 2 x dS^T 16 KB = 96 KB
+  static constexpr int kBlockM = 64;  // K 16 KB + V 16 KB + 2 x (Q 8 KB + dO 8 KB) + 2 x dS^T 16 KB + dQ 16 KB
   static constexpr int kStages = 2;
 };
 
 template <>
 struct BwdTraitsSm90<128> {
   static constexpr int kHeadDim = 128;
-  static constexpr int kBlockM = 64;  // S^T/dP^T 32 registers each; dK + dV accumulators 128
-  static constexpr int kStages = 2;   // K 32 KB + V 32 KB + 2 x (Q 16 KB + dO 16 KB) + 2 x dS^T 16 KB = 160 KB
+  static constexpr int kBlockM = 64;  // S^T/dP^T 32 registers each; dK + dV accumulators 128; dQ 32
+  static constexpr int kStages = 2;   // K 32 + V 32 + 2 x (Q 16 + dO 16) + 2 x dS^T 16 + dQ 32 KB = 192 KB
 };
 
 template <typename T, typename Base>
@@ -100,10 +102,13 @@ struct BwdKernelTraitsSm90 : Base {
   static constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
   static constexpr int kColBlocks = Base::kHeadDim / kColBlock;
   static constexpr int kDqCols = Base::kHeadDim / kConsumerWarpgroups;  // dQ columns per consumer warpgroup
-  // setmaxnreg budgets: the producer's statistics warp spills at 24 registers; 2 x 128 x 232 + 128 x 40 <= 64K.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  static constexpr int kDqBoxCols = 32;  // float32 columns in one 128-byte swizzled row: one TMA reduction box
+  static constexpr int kDqBoxes = kDqCols / kDqBoxCols;
+  // setmaxnreg budgets: 2 x 128 x 240 + 128 x 24 <= 64K registers.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
   static_assert(Base::kBlockM == kColBlock, "dS^T rows are one 128-byte swizzled row of kBlockM queries");
+  static_assert(kDqCols % kDqBoxCols == 0, "dQ columns of a warpgroup are whole reduction boxes");
 
   struct alignas(1024) SharedStorage {
     alignas(1024) T k[kBlockN * Base::kHeadDim];                          // [kColBlocks][kBlockN][64]
@@ -111,11 +116,10 @@ struct BwdKernelTraitsSm90 : Base {
     alignas(1024) T q[Base::kStages][Base::kBlockM * Base::kHeadDim];     // [stage][kColBlocks][kBlockM][64]
     alignas(1024) T dout[Base::kStages][Base::kBlockM * Base::kHeadDim];  // [stage][kColBlocks][kBlockM][64]
     alignas(1024) T ds[2][kBlockN * Base::kBlockM];                       // [parity][key][kBlockM], swizzled
-    float lse_log2[Base::kStages][Base::kBlockM];  // lse * log2(e) of the stage's query rows (0 past seqlen_q)
-    float dsum[Base::kStages][Base::kBlockM];
+    alignas(1024) float dq[kConsumerWarpgroups][Base::kBlockM * kDqCols];  // [wg][kDqBoxes][kBlockM][32], swizzled
+    float stats[kConsumerWarpgroups][2][2 * Base::kBlockM];  // [wg][parity]: lse * log2(e) of the rows, then dsum
     uint64_t kv_full;
     uint64_t qdo_full[Base::kStages];   // Q and dO tiles landed (TMA)
-    uint64_t stat_full[Base::kStages];  // lse and dsum written (one producer warp)
     uint64_t qdo_empty[Base::kStages];  // consumers are done with the stage
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
