@@ -65,6 +65,12 @@ struct AttentionMask {
     return row_valid(i) ? imin(imin(causal.hi(i), window.hi(i)), length.hi(i)) : 0;
   }
   JF_HD bool visible(int i, int j) const { return j >= lo(i) && j < hi(i); }
+  // Rows that see key j, the transpose of visible(): row i >= 0 sees j iff *row_lo <= i < *row_hi.
+  JF_HD void rows_seeing_key(int j, int* row_lo, int* row_hi) const {
+    *row_lo = imax(causal.enabled ? j : 0, window.right >= 0 ? j - window.right : 0);
+    *row_hi = imin(length.q_len, window.left >= 0 ? j + window.left + 1 : INT_MAX);
+    if (j < 0 || j >= length.kv_len) *row_hi = *row_lo;
+  }
 
   // Keys that any row of [row_begin, row_end) can see: [*key_begin, *key_end) (empty if end <= begin).
   JF_HD void key_range(int row_begin, int row_end, int* key_begin, int* key_end) const {

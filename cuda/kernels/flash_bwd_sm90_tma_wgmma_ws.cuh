@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // ---- consumers -----------------------------------------------------------------------------------------------
   setmaxnreg_inc<Traits::kConsumerRegs>();
-  const int cw = warpgroup - 1;            // keys [64 cw, 64 cw + 64) of the block
+  const int cw = warp_uniform(warpgroup - 1);  // keys [64 cw, 64 cw + 64) of the block
   const int wg_tid = tid % kWarpgroupThreads;
   const int warp = wg_tid / kWarpSize;
   const int lane = tid % kWarpSize;
@@ -165,23 +165,43 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kDTiles * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
+  // Shared-memory descriptors, built once and advanced by compile-time offsets (k-steps) and stage strides.
+  // K-major operands step 32 bytes inside a 128-byte row per k-step and one column block (kKVColBlockBytes, kQColBlockBytes) per 64 elements;
+  // N-major ones step 16 rows (kWgmmaK * kSwizzleBytes) per k-step, their 64-wide blocks the leading offset apart.
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
+  constexpr uint32_t kQdOStageBytes = sizeof(smem.q[0]);
+  constexpr uint32_t kDsBufferBytes = sizeof(smem.ds[0]);
+  constexpr uint32_t kNMajorStep = kWgmmaK * kSwizzleBytes;
   constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;
+  static_assert(sizeof(smem.dout[0]) == kQdOStageBytes, "Q and dO stages have one size");
   const uint32_t k_rows = smem_addr(smem.k) + cw * kWgmmaM * kSwizzleBytes;  // this warpgroup's 64 keys
   const uint32_t v_rows = smem_addr(smem.v) + cw * kWgmmaM * kSwizzleBytes;
   // dQ = dS K, B = K read N-major: columns [cw * kDqCols, +kDqCols), their 64-wide block, then bytes into the row.
   const uint32_t k_cols = smem_addr(smem.k) + (cw * kDqCols / kColBlock) * kKVColBlockBytes +
                           (cw * kDqCols % kColBlock) * sizeof(T);
+  const uint64_t desc_k_rows = make_desc_sw128(k_rows, kKMajorLeadingBytes);          // A of S^T
+  const uint64_t desc_v_rows = make_desc_sw128(v_rows, kKMajorLeadingBytes);          // A of dP^T
+  const uint64_t desc_k_cols = make_desc_sw128(k_cols, kKVColBlockBytes);             // B of dQ
+  const uint64_t desc_q_k = make_desc_sw128(smem_addr(smem.q[0]), kKMajorLeadingBytes);      // B of S^T
+  const uint64_t desc_do_k = make_desc_sw128(smem_addr(smem.dout[0]), kKMajorLeadingBytes);  // B of dP^T
+  const uint64_t desc_q_n = make_desc_sw128(smem_addr(smem.q[0]), kQColBlockBytes);          // B of dK
+  const uint64_t desc_do_n = make_desc_sw128(smem_addr(smem.dout[0]), kQColBlockBytes);      // B of dV
+  const uint64_t desc_ds = make_desc_sw128(smem_addr(smem.ds[0]), kBN * kSwizzleBytes);      // A of dQ (M-major)
   // dS^T stores: row key_row0 + g (+8), 16-byte chunk c XOR (row % 8), 4-byte word t.
   const int ds_row = key_row0 + g;
   const uint32_t dq_tile = smem_addr(smem.dq[cw]);
+  // Rows (queries) that see this thread's two keys.
+  int key_row_lo[2], key_row_hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) mask.rows_seeing_key(n0 + key_row0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
 
   mbar_wait(&smem.kv_full, 0);
 
   for (int it = 0; it < iters; ++it) {
     const int s = it % kStages;
     const int m0 = row0_of(it);
+    const uint32_t stage_off = s * kQdOStageBytes;
 
     // Row statistics of the tile, one value per thread: lse * log2(e) of row wg_tid, then dsum of row wg_tid - kBM.
     // Rows past seqlen_q (their Q and dO load as zeros) get 0, which makes dS^T and the dV term 0.
@@ -195,43 +215,52 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float acc_s[kSTiles * 4];
     float acc_dp[kSTiles * 4];
     mbar_wait(&smem.qdo_full[s], (it / kStages) & 1);
-    const uint32_t q_tile = smem_addr(smem.q[s]);
-    const uint32_t do_tile = smem_addr(smem.dout[s]);
     // acc (64 x kBM) = A B^T over the head dim: A = 64 rows of K or V, B = the Q or dO tile.
-    auto issue_rows_times_tile = [&](float (&acc)[kSTiles * 4], uint32_t a_rows, uint32_t b_tile) {
+    auto issue_rows_times_tile = [&](float (&acc)[kSTiles * 4], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
       for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
         const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
         const uint32_t cb = kk / kKStepsPerColBlock;
-        Wgmma<kBM, T, 0>::ss(acc, make_desc_sw128(a_rows + cb * kKVColBlockBytes + off, kKMajorLeadingBytes),
-                             make_desc_sw128(b_tile + cb * kQColBlockBytes + off, kKMajorLeadingBytes), kk > 0);
+        Wgmma<kBM, T, 0>::ss(acc, desc_advance(a_desc, cb * kKVColBlockBytes + off),
+                             desc_advance(b_desc, cb * kQColBlockBytes + off), kk > 0);
       }
       wgmma_commit();
     };
     wgmma_fence();
-    issue_rows_times_tile(acc_s, k_rows, q_tile);
-    issue_rows_times_tile(acc_dp, v_rows, do_tile);
+    issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
+    issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
 
     float* stats = smem.stats[cw][it & 1];
     stats[wg_tid] = stat;
     named_barrier_sync(kStatsBarrier + cw, kWarpgroupThreads);
-    const float* lse_log2 = stats;
-    const float* dsum = stats + kBM;
+    // This thread's queries 8 j + 2 t, +1: lse * log2(e) and dsum as pairs.
+    float2 lse_log2[kSTiles], dsum[kSTiles];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+      lse_log2[j] = *reinterpret_cast<const float2*>(stats + 8 * j + 2 * t);
+      dsum[j] = *reinterpret_cast<const float2*>(stats + kBM + 8 * j + 2 * t);
+    }
 
-    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked.
+    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; element e of column tile j is key g + 8 (e / 2),
+    // query 8 j + 2 t + e % 2.
     wgmma_wait<1>();
     fence_regs(acc_s);
-    const bool need_mask =
-        !mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + kWarpRows, p.seqlen_q);
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int m_local = 8 * j + 2 * t + (e & 1);
-        const int key = n0 + key_row0 + g + 8 * (e >> 1);
-        float pe = exp2f(acc_s[4 * j + e] * p.scale_log2 - lse_log2[m_local]);
-        if (need_mask && !mask.visible(m0 + m_local, key)) pe = 0.f;
-        acc_s[4 * j + e] = pe;
+        acc_s[4 * j + e] = exp2f(acc_s[4 * j + e] * p.scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x));
+      }
+    }
+    if (!mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + kWarpRows, p.seqlen_q)) {
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = m0 + 8 * j + 2 * t + (e & 1);
+          const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
+          acc_s[4 * j + e] = seen ? acc_s[4 * j + e] : 0.f;
+        }
       }
     }
     // dS^T = P^T * (dP^T - dsum).
@@ -240,7 +269,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - dsum[8 * j + 2 * t + (e & 1)]);
+      for (int e = 0; e < 4; ++e) {
+        acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
+      }
     }
     // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
     uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
@@ -253,13 +284,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
-    // dV += P^T dO (B read N-major: dims contiguous, 64-dim blocks kQColBlockBytes apart) runs while dS^T is
-    // stored and the warpgroups meet.
+    // dV += P^T dO (B read N-major) runs while dS^T is stored and the warpgroups meet.
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-      Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], make_desc_sw128(do_tile + kk * kWgmmaK * kSwizzleBytes, kQColBlockBytes),
-                          1);
+      Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
     }
     wgmma_commit();
 
@@ -281,18 +310,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // dQ (kBM x kDqCols of this warpgroup) = dS K over all kBN keys: A = dS read M-major from dS^T, B = K read
     // N-major. Then dK += dS^T Q (B = Q read N-major).
     float acc_dq[kDqTiles * 4];
+    const uint64_t desc_ds_cur = desc_advance(desc_ds, (it & 1) * kDsBufferBytes);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
-      Wgmma<kDqCols, T, 1>::template ss<1>(
-          acc_dq, make_desc_sw128(ds_tile + kk * kWgmmaK * kSwizzleBytes, kBN * kSwizzleBytes),
-          make_desc_sw128(k_cols + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes), kk > 0);
+      Wgmma<kDqCols, T, 1>::template ss<1>(acc_dq, desc_advance(desc_ds_cur, kk * kNMajorStep),
+                                           desc_advance(desc_k_cols, kk * kNMajorStep), kk > 0);
     }
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-      Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], make_desc_sw128(q_tile + kk * kWgmmaK * kSwizzleBytes, kQColBlockBytes),
-                          1);
+      Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], desc_advance(desc_q_n, stage_off + kk * kNMajorStep), 1);
     }
     wgmma_commit();
 

@@ -151,6 +151,10 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t start_addr, uint32_
   return desc;
 }
 
+// Moves a descriptor's start address by `bytes` (bits 0-13 in 16-byte units; tiles lie inside shared memory, so
+// the field cannot overflow). Descriptors are built once per operand and advanced by compile-time offsets.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // ---- warp-specialisation helpers ------------------------------------------------------------------------------
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
@@ -160,6 +164,10 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
+
+// Lane 0's value: the compiler then treats it as warp-uniform and keeps what derives from it (warpgroup index,
+// descriptors) in uniform registers.
+__device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffff, v, 0); }
 
 // Barrier among `threads` threads (a multiple of 32) on hardware barrier `id` (0 is __syncthreads').
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
