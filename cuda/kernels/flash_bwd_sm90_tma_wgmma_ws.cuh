@@ -188,27 +188,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint64_t desc_q_n = make_desc_sw128(smem_addr(smem.q[0]), kQColBlockBytes);          // B of dK
   const uint64_t desc_do_n = make_desc_sw128(smem_addr(smem.dout[0]), kQColBlockBytes);      // B of dV
   const uint64_t desc_ds = make_desc_sw128(smem_addr(smem.ds[0]), kBN * kSwizzleBytes);      // A of dQ (M-major)
-  // dS^T stores: row key_row0 + g (+8), 16-byte chunk c XOR (row % 8), 4-byte word t.
-  const int ds_row = key_row0 + g;
-  const uint32_t dq_tile = smem_addr(smem.dq[cw]);
-  // Rows (queries) that see this thread's two keys.
-  int key_row_lo[2], key_row_hi[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) mask.rows_seeing_key(n0 + key_row0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
+  // dS^T stores: rows key_row0 + g (+8), 16-byte chunk c XOR g (the row modulo 8), 4-byte word t.
+  const uint32_t ds_thread = (key_row0 + g) * kSwizzleBytes + 4 * t;
+  // dQ stores: rows 16 warp + g (+8) of each box, chunk c XOR g, 8-byte pair t % 2.
+  const uint32_t dq_thread = smem_addr(smem.dq[cw]) + (warp * kWarpRows + g) * kSwizzleBytes + (t % 2) * 8;
+  static_assert(kWarpRows % kSwizzleRows == 0 && kSwizzleRows == 8, "row g + 8 r of a warp's slice is g modulo 8");
+  // Row statistics of query tile `it`, one value per thread: lse of row wg_tid, then dsum of row wg_tid - kBM.
+  // Rows past seqlen_q (their Q and dO load as zeros) get 0, which makes dS^T and the dV term 0. Loaded one
+  // iteration ahead so the global-memory latency hides under the previous iteration.
+  auto load_stat = [&](int it) {
+    const int row = row0_of(it) + wg_tid % kBM;
+    const int64_t idx = (int64_t(b) * p.heads_q + head_of(it)) * p.seqlen_q + row;
+    return row < p.seqlen_q ? (wg_tid < kBM ? p.lse[idx] : p.dsum[idx]) : 0.f;
+  };
+  const float stat_scale = wg_tid < kBM ? kLog2eF : 1.f;  // lse is kept as lse * log2(e)
 
+  float stat_next = load_stat(0);
   mbar_wait(&smem.kv_full, 0);
 
   for (int it = 0; it < iters; ++it) {
     const int s = it % kStages;
     const int m0 = row0_of(it);
     const uint32_t stage_off = s * kQdOStageBytes;
-
-    // Row statistics of the tile, one value per thread: lse * log2(e) of row wg_tid, then dsum of row wg_tid - kBM.
-    // Rows past seqlen_q (their Q and dO load as zeros) get 0, which makes dS^T and the dV term 0.
-    const int stat_row = m0 + wg_tid % kBM;
-    const int64_t stat_idx = (int64_t(b) * p.heads_q + head_of(it)) * p.seqlen_q + stat_row;
-    float stat = 0.f;
-    if (stat_row < p.seqlen_q) stat = wg_tid < kBM ? p.lse[stat_idx] * kLog2eF : p.dsum[stat_idx];
 
     // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory; two groups
     // so the exponentials of S^T run under the dP^T GEMM.
@@ -230,16 +231,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
     issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
 
-    float* stats = smem.stats[cw][it & 1];
-    stats[wg_tid] = stat;
+    const uint32_t stats = smem_addr(smem.stats[cw][it & 1]);
+    st_shared_f32(stats + wg_tid * sizeof(float), stat_next * stat_scale);
+    if (it + 1 < iters) stat_next = load_stat(it + 1);
     named_barrier_sync(kStatsBarrier + cw, kWarpgroupThreads);
-    // This thread's queries 8 j + 2 t, +1: lse * log2(e) and dsum as pairs.
-    float2 lse_log2[kSTiles], dsum[kSTiles];
+    // This thread's queries 8 j + 2 t, +1: lse * log2(e) as pairs (dsum is read later, to keep registers free).
+    float2 lse_log2[kSTiles];
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-      lse_log2[j] = *reinterpret_cast<const float2*>(stats + 8 * j + 2 * t);
-      dsum[j] = *reinterpret_cast<const float2*>(stats + kBM + 8 * j + 2 * t);
-    }
+    for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
 
     // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; element e of column tile j is key g + 8 (e / 2),
     // query 8 j + 2 t + e % 2.
@@ -253,6 +252,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     if (!mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + kWarpRows, p.seqlen_q)) {
+      int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mask.rows_seeing_key(n0 + key_row0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -264,6 +266,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     // dS^T = P^T * (dP^T - dsum).
+    float2 dsum[kSTiles];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kBM + 8 * j + 2 * t) * sizeof(float));
     wgmma_wait<0>();
     fence_regs(acc_dp);
 #pragma unroll
@@ -294,14 +299,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // dS^T -> shared memory (rows of kBM queries = one 128-byte swizzled row) for dQ; fragment q4 holds key
     // row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
-    const uint32_t ds_tile = smem_addr(smem.ds[it & 1]);
+    const uint32_t ds_base = smem_addr(smem.ds[it & 1]) + ds_thread;
 #pragma unroll
     for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
 #pragma unroll
       for (int q4 = 0; q4 < 4; ++q4) {
-        const int row = ds_row + 8 * (q4 & 1);
         const int chunk = 2 * kk + (q4 >> 1);
-        st_shared_u32(ds_tile + swizzled_chunk_offset(row, chunk) + 4 * t, a_ds[kk][q4]);
+        st_shared_u32(ds_base + (q4 & 1) * kSwizzleRows * kSwizzleBytes + (chunk ^ g) * kSwizzleChunkBytes,
+                      a_ds[kk][q4]);
       }
     }
     fence_proxy_async_smem();
@@ -337,8 +342,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int chunk = (j * 8 % Traits::kDqBoxCols) / 4 + t / 2;  // 16-byte chunk of columns 8 j + 2 t, +1
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = warp * kWarpRows + g + 8 * r;
-        st_shared_f32x2(dq_tile + box * kBM * kSwizzleBytes + swizzled_chunk_offset(row, chunk) + (t % 2) * 8,
+        st_shared_f32x2(dq_thread + box * kBM * kSwizzleBytes + r * kSwizzleRows * kSwizzleBytes +
+                            (chunk ^ g) * kSwizzleChunkBytes,
                         acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
       }
     }
