@@ -243,7 +243,16 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--min-time", type=float, default=0.3, help="keep timing until this many seconds")
     parser.add_argument("--ref-heads", type=int, default=2, help="query heads checked against the reference")
+    parser.add_argument("--head-dims", default=None, help="comma-separated head dims: run only those shapes")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                        help="run nothing: write the table and plot of these result files (parts of one run)")
     args = parser.parse_args(argv)
+
+    if args.merge:
+        parts = [json.load(open(path)) for path in args.merge]
+        meta, rows = parts[0]["meta"], [r for part in parts for r in part["rows"]]
+        return write_results(rows, meta, os.path.join(args.out, args.name or
+                                                      f"{meta['device'].replace(' ', '_')}-{meta['date']}"))
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
@@ -256,6 +265,9 @@ def main(argv=None):
                 dtype=dtype.name, method="median over samples of back-to-back jit'd calls (wall clock to "
                 "block_until_ready on the last) per call; latency = median of single blocking calls")
     shapes = shape_matrix(args.quick, on_gpu)
+    if args.head_dims:
+        dims = {int(d) for d in args.head_dims.split(",")}
+        shapes = [sh for sh in shapes if sh.head_dim in dims]
     rows = []
     print(f"{meta['device']} | jax {jax.__version__} | {len(shapes)} shapes x {impls}", flush=True)
     if on_gpu:
@@ -271,8 +283,12 @@ def main(argv=None):
                                       f"bwd {fmt(row['bwd_tflops'])} TFLOP/s, err {fmt(row['rel_err'], '.1e')}")
             print(f"[{n}/{len(shapes)}] {shape.label:<28} {impl:<9} {status}  ({time.perf_counter() - t0:.0f}s)",
                   flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, args.name or f"{meta['device'].replace(' ', '_')}-{date}")
+    return write_results(rows, meta, os.path.join(args.out, args.name or f"{meta['device'].replace(' ', '_')}-{date}"))
+
+
+def write_results(rows, meta, stem):
+    """Writes <stem>.json, .md and .png and prints the table."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     md = markdown(rows, meta)
