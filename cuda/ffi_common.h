@@ -149,7 +149,8 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
                                      ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dk,
                                      ffi::Result<ffi::AnyBuffer>& dv,
                                      ffi::Result<ffi::Buffer<ffi::F32>>& dq_accum,
-                                     ffi::Result<ffi::Buffer<ffi::F32>>& dsum, FlashParams* p) {
+                                     ffi::Result<ffi::Buffer<ffi::F32>>& dsum, bool deterministic,
+                                     ffi::Result<ffi::Buffer<ffi::S32>>& dq_semaphore, FlashParams* p) {
   auto stat = RowStatDims(q.dimensions());
   ffi::AnyBuffer::Dimensions stat_dims(stat.data(), stat.size());
   if (auto e = ExpectShape(o, q.dimensions(), "output"); e.failure()) return e;
@@ -160,6 +161,7 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   if (auto e = ExpectShape(*dv, k.dimensions(), "dv"); e.failure()) return e;
   if (auto e = ExpectShape(*dq_accum, q.dimensions(), "dq_accum"); e.failure()) return e;
   if (auto e = ExpectShape(*dsum, stat_dims, "dsum"); e.failure()) return e;
+  if (auto e = ExpectShape(*dq_semaphore, stat_dims, "dq_semaphore"); e.failure()) return e;
   for (auto t : {o.element_type(), dout.element_type(), dq->element_type(), dk->element_type(), dv->element_type()}) {
     if (t != q.element_type()) return Invalid("output, cotangent and gradients must have the query dtype");
   }
@@ -171,6 +173,8 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   p->dv = dv->untyped_data();
   p->dq_accum = dq_accum->typed_data();
   p->dsum = dsum->typed_data();
+  p->deterministic = deterministic;
+  p->dq_semaphore = dq_semaphore->typed_data();
   return ffi::Error::Success();
 }
 
@@ -205,11 +209,13 @@ auto BindBackward(Binding b) {
       .template Attr<bool>("is_causal")                // top-left aligned causal mask
       .template Attr<int64_t>("window_left")           // -1 unbounded
       .template Attr<int64_t>("window_right")          // -1 unbounded
+      .template Attr<bool>("deterministic")            // bitwise-reproducible dQ (CPU: always)
       .template Ret<ffi::AnyBuffer>()                  // dq [..., Sq, Hq, D]
       .template Ret<ffi::AnyBuffer>()                  // dk [..., Sk, Hkv, D]
       .template Ret<ffi::AnyBuffer>()                  // dv [..., Sk, Hkv, D]
       .template Ret<ffi::Buffer<ffi::F32>>()           // dq_accum [..., Sq, Hq, D]: float32 workspace
-      .template Ret<ffi::Buffer<ffi::F32>>();          // dsum [..., Hq, Sq]: float32 workspace
+      .template Ret<ffi::Buffer<ffi::F32>>()           // dsum [..., Hq, Sq]: float32 workspace
+      .template Ret<ffi::Buffer<ffi::S32>>();          // dq_semaphore [..., Hq, Sq]: int32 workspace
 }
 
 }  // namespace jax_flash

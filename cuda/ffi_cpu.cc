@@ -41,15 +41,20 @@ ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
 ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                                 ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::S32> q_lens,
                                 ffi::Buffer<ffi::S32> kv_lens, float scale, bool is_causal, int64_t window_left,
-                                int64_t window_right, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                                ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
-                                ffi::Result<ffi::Buffer<ffi::F32>> dsum) {
+                                int64_t window_right, bool deterministic, ffi::Result<ffi::AnyBuffer> dq,
+                                ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                                ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::Buffer<ffi::F32>> dsum,
+                                ffi::Result<ffi::Buffer<ffi::S32>> dq_semaphore) {
+  // The CPU backward is deterministic whatever `deterministic` says (fixed work split, no atomics).
   FlashParams p{};
   if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
       e.failure()) {
     return e;
   }
-  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, dsum, &p); e.failure()) return e;
+  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, dsum, deterministic, dq_semaphore, &p);
+      e.failure()) {
+    return e;
+  }
   return RunCatching([&] { cpu::FlashBackward(p); });
 }
 

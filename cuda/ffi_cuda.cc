@@ -39,17 +39,22 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
 ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                  ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
                                  ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
-                                 bool is_causal, int64_t window_left, int64_t window_right,
+                                 bool is_causal, int64_t window_left, int64_t window_right, bool deterministic,
                                  ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                  ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> dsum) {
+                                 ffi::Result<ffi::Buffer<ffi::F32>> dsum,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> dq_semaphore) {
   FlashParams p{};
   if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
       e.failure()) {
     return e;
   }
-  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, dsum, &p); e.failure()) return e;
+  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, dsum, deterministic, dq_semaphore, &p);
+      e.failure()) {
+    return e;
+  }
   if (const char* why = cuda::UnsupportedReason(p); why[0] != '\0') return Invalid(why);
+  if (const char* why = cuda::BackwardUnsupportedReason(p); why[0] != '\0') return Invalid(why);
   if (cudaError_t err = cuda::RunFlashBackward(p, stream); err != cudaSuccess) {
     return CudaError(err, "backward kernels");
   }

@@ -5,6 +5,7 @@
 //   k, v, dk, dv   : [batch, seqlen_k, heads_kv, head_dim]
 //   lse, dsum      : [batch, heads_q, seqlen_q]            (float32)
 //   dq_accum       : [batch, seqlen_q, heads_q, head_dim]  (float32)
+//   dq_semaphore   : [batch, heads_q, seqlen_q]            (int32; its first ceil(seqlen_q / block) of each row)
 // All arrays are dense and row-major. Query head h reads key/value head h / (heads_q / heads_kv).
 #pragma once
 
@@ -55,6 +56,10 @@ struct FlashParams {
   void* dv;
   float* dq_accum;  // float32 dQ accumulator (workspace)
   float* dsum;      // rowsum(dout * o) (workspace)
+  // Bitwise-reproducible dQ: key blocks add into each query tile of dq_accum in ascending order, counted on
+  // dq_semaphore (workspace; zeroed by the launcher). Only the sm_90a backward implements it.
+  bool deterministic;
+  int32_t* dq_semaphore;
 
   JF_HD int64_t q_row_stride() const { return int64_t(heads_q) * head_dim; }
   JF_HD int64_t kv_row_stride() const { return int64_t(heads_kv) * head_dim; }

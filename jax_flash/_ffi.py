@@ -90,10 +90,12 @@ def flash_fwd(q, k, v, q_lens, kv_lens, *, scale, is_causal, window_left, window
     return call(q, k, v, q_lens, kv_lens, **_attrs(scale, is_causal, window_left, window_right))
 
 
-def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, *, scale, is_causal, window_left, window_right):
+def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, *, scale, is_causal, window_left, window_right,
+              deterministic=False):
     """Runs the backward target: (dq, dk, dv) like (q, k, v), given the forward's o and lse and the cotangent do.
 
-    The attributes must match the forward call's.
+    The attributes must match the forward call's. ``deterministic``: bitwise-reproducible dQ (the CPU backward
+    always is; on CUDA only the sm_90a backward implements it and the handler refuses the call otherwise).
     """
     call = jax.ffi.ffi_call(
         BWD_TARGET,
@@ -103,8 +105,10 @@ def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, *, scale, is_causal, window_
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dq accumulator (workspace)
             jax.ShapeDtypeStruct(_row_stats_shape(q.shape), jnp.float32),  # rowsum(do * o) (workspace)
+            jax.ShapeDtypeStruct(_row_stats_shape(q.shape), jnp.int32),  # dQ tile semaphores (workspace)
         ),
         vmap_method="broadcast_all",
     )
-    dq, dk, dv, _, _ = call(q, k, v, o, lse, do, q_lens, kv_lens, **_attrs(scale, is_causal, window_left, window_right))
+    dq, dk, dv, *_ = call(q, k, v, o, lse, do, q_lens, kv_lens, deterministic=bool(deterministic),
+                          **_attrs(scale, is_causal, window_left, window_right))
     return dq, dk, dv

@@ -38,6 +38,7 @@ class _Config:
     is_causal: bool
     window: tuple[int, int] | None  # (left, right), already clamped; None = unbounded
     kernel_platforms: tuple[str, ...]  # platforms that run the kernel; every other one runs jax.nn's xla path
+    deterministic: bool = False  # bitwise-reproducible backward
 
     def attrs(self):
         left, right = self.window if self.window is not None else (-1, -1)
@@ -67,7 +68,7 @@ def _xla_attention_vjp(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
 
 
 def _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
-    kernel = functools.partial(_ffi.flash_bwd, **cfg.attrs())
+    kernel = functools.partial(_ffi.flash_bwd, **cfg.attrs(), deterministic=cfg.deterministic)
     return jax.lax.platform_dependent(
         q, k, v, o, lse, do, q_lens, kv_lens,
         default=functools.partial(_xla_attention_vjp, cfg),
@@ -206,7 +207,7 @@ def _validate(query, key, value, is_causal, query_seq_lengths, key_value_seq_len
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                          implementation=None, return_residual=False):
+                          implementation=None, return_residual=False, deterministic=False):
     r"""Scaled dot-product attention; a drop-in for :func:`jax.nn.dot_product_attention` run by a fused kernel.
 
     Computes ``softmax(scale * Q K^T + mask) V`` per head without materialising the attention matrix, on CPU and
@@ -233,6 +234,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         jax.nn.dot_product_attention with that implementation.
       return_residual: also return the log-sum-exp of the masked, scaled logits, shape (B, T, N) or (T, N), in
         the input dtype, under stop_gradient; -inf for rows that see no key.
+      deterministic: (jax_flash only) make the kernel backward bitwise reproducible: key blocks add their dQ
+        contributions in a fixed order instead of as they finish. The CPU kernel always is. On CUDA it needs the
+        sm_90a backward (compute capability 9.0, H <= 128); elsewhere the backward fails with an error saying so.
+        The forward is deterministic either way. Costs some backward speed (key blocks wait for their turn).
+        Ignored with ``implementation="xla"`` or ``"cudnn"`` and on jax.nn fallback paths.
 
     Returns:
       The attention output with the shape and dtype of ``query``, or ``(output, residual)`` if
@@ -249,8 +255,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     Raises:
       ValueError: inconsistent shapes or dtypes between query, key and value; a head dim the kernels do not take;
         length arrays that are not int32 (B,); a negative window or non-finite scale; an unknown implementation.
-      TypeError: an unsupported dtype; a non-bool ``is_causal``; a window or scale that is not a static number.
+      TypeError: an unsupported dtype; a non-bool ``is_causal`` or ``deterministic``; a window or scale that is not
+        a static number.
     """
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if implementation in ("xla", "cudnn"):
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
@@ -301,7 +310,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         elif scale == 0:
             q, scale = jnp.zeros_like(q), 1.0
         cfg = _Config(scale=scale, is_causal=bool(is_causal), window=window,
-                      kernel_platforms=_kernel_platforms(q.dtype))
+                      kernel_platforms=_kernel_platforms(q.dtype), deterministic=bool(deterministic))
         out, lse = _flash_attention(cfg, q, k, v, q_lens, kv_lens)
         if return_residual:
             # The kernels store +inf for rows that see no key; the log of their (zero) mass is -inf.

@@ -125,8 +125,10 @@ def max_abs(x):
     return float(np.max(np.abs(x))) if x.size else 0.0
 
 
-def check_against_reference(case, dtype, baseline_implementation="xla", seed=0, factor=3.0):
+def check_against_reference(case, dtype, baseline_implementation="xla", seed=0, factor=3.0, **jax_flash_options):
     """Asserts jax_flash's output and gradients are within `factor` x the baseline's error vs float64.
+
+    `jax_flash_options` (e.g. ``deterministic=True``) go to jax_flash only.
 
     The baseline is jax.nn.dot_product_attention with `baseline_implementation` in the same dtype. On rows where
     its semantics differ (valid rows that see no key) it is scored on the rows where they agree, with the
@@ -135,7 +137,7 @@ def check_against_reference(case, dtype, baseline_implementation="xla", seed=0, 
     q, k, v, do = make_inputs(case, dtype, seed)
     kwargs = case.kwargs()
     ref = numpy_reference(case, q, k, v, do)
-    ours = fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **kwargs)
+    ours = fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **kwargs, **jax_flash_options)
     agree = case.rows_like_jax_nn()
     do_base = do * jnp.asarray(agree, do.dtype)[:, :, None, None]
     # jax.nn's xla path asks for F16_F16_F32 dots, which XLA:CPU cannot compile; run eagerly, it then retries with

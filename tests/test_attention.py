@@ -282,6 +282,7 @@ BAD_ARGUMENTS = {
     "window_float": (dict(local_window_size=2.5), TypeError, "local_window_size"),
     "causal_int": (dict(is_causal=1), TypeError, "is_causal must be a bool"),
     "causal_str": (dict(is_causal="yes"), TypeError, "is_causal must be a bool"),
+    "deterministic_int": (dict(deterministic=1), TypeError, "deterministic must be a bool, got int"),
     "scale_nan": (dict(scale=float("nan")), ValueError, "scale must be finite"),
     "scale_inf": (dict(scale=float("inf")), ValueError, "scale must be finite"),
     "scale_str": (dict(scale="0.5"), TypeError, "scale must be a static Python float"),
@@ -374,3 +375,16 @@ def test_xla_fallback_branch(dtype, small_inputs):
     g = jax.grad(lambda *a: jnp.sum(ours(*a).astype(jnp.float32) ** 2), (0, 1, 2))(q, k, v)
     g_ref = jax.grad(lambda *a: jnp.sum(theirs(*a).astype(jnp.float32) ** 2), (0, 1, 2))(q, k, v)
     assert_close([x.astype(jnp.float32) for x in g], [x.astype(jnp.float32) for x in g_ref])
+
+
+def test_deterministic_backward_on_cpu(attention_checks):
+    """deterministic=True is accepted; the CPU backward is reproducible either way, so both agree bitwise."""
+    case = attention_checks.Case(batch=2, seqlen_q=97, seqlen_k=130, heads_q=4, heads_kv=2, head_dim=64,
+                                 is_causal=True)
+    q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16, seed=5)
+    runs = [attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, deterministic=d, **case.kwargs())
+            for d in (True, True, False)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+    assert np.abs(runs[0][1]).max() > 0  # dq is not trivially zero

@@ -194,3 +194,41 @@ def test_128k_tokens_causal_runs_in_linear_memory(head_dim):
     expected = jnp.matmul(jax.nn.softmax(logits, axis=-1), v32, precision=jax.lax.Precision.HIGHEST)
     got = out[0, rows, 0].astype(jnp.float32)
     np.testing.assert_allclose(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def _sm90_backward_available():
+    """The sm_90a backward runs on compute capability 9.0 unless JAX_FLASH_FORCE_SM80 is set."""
+    import os
+    device = jax.devices("gpu")[0]
+    return getattr(device, "compute_capability", "") == "9.0" and os.environ.get("JAX_FLASH_FORCE_SM80", "") in ("", "0")
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_deterministic_backward_is_bitwise_reproducible(is_causal, attention_checks):
+    """deterministic=True: repeated backward passes agree bit for bit (many key blocks add into each dQ tile) and
+    match the reference; without the sm_90a backward the call fails with an error naming the requirement."""
+    case = attention_checks.Case(batch=2, seqlen_q=1000, seqlen_k=1531, heads_q=8, heads_kv=2, head_dim=128,
+                                 is_causal=is_causal, kv_lens=(1531, 1200))
+    q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16, seed=7)
+    if not _sm90_backward_available():
+        with pytest.raises(Exception, match="deterministic=True needs the sm_90a backward"):
+            attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, deterministic=True,
+                                     **case.kwargs())
+        return
+    runs = [attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, deterministic=True,
+                                     **case.kwargs()) for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+    default = attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **case.kwargs())
+    for a, b in zip(runs[0], default):  # the same sums in another order
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+    attention_checks.check_against_reference(case, jnp.bfloat16, seed=7, deterministic=True)
+
+
+def test_deterministic_backward_head_dim_256_is_refused(attention_checks):
+    """head_dim 256 runs the sm_80-class backward, which cannot order its dQ additions: a clear error."""
+    case = attention_checks.Case(batch=1, seqlen_q=130, seqlen_k=130, heads_q=2, heads_kv=2, head_dim=256)
+    q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16)
+    with pytest.raises(Exception, match="deterministic=True needs the sm_90a backward"):
+        attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, deterministic=True)

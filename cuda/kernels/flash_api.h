@@ -17,4 +17,7 @@ cudaError_t RunFlashBackward(const FlashParams& p, cudaStream_t stream);
 // Empty string when `p` can run on the current device; otherwise why not.
 const char* UnsupportedReason(const FlashParams& p);
 
+// Why this backward call cannot run as asked ("" if it can): deterministic=True needs the sm_90a backward.
+const char* BackwardUnsupportedReason(const FlashParams& p);
+
 }  // namespace jax_flash::cuda

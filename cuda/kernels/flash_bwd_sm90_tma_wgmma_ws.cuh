@@ -95,10 +95,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // ---- producer: thread 0 issues the TMA loads, the writer warp the dQ reductions -------------------------
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (tid / kWarpSize == kDqWriterWarp) {
-      const bool lane0 = tid % kWarpSize == 0;
+      const int lane = tid % kWarpSize;
+      const bool lane0 = lane == 0;
+      // Deterministic dQ: the key blocks that see query tile m_block add into it in ascending order; this block's
+      // turn comes when the tile's semaphore equals the number of such key blocks before it.
+      auto key_blocks_before = [&](int m_block) {
+        int count = 0;
+        for (int base = 0; base < n_block; base += kWarpSize) {
+          const int n = base + lane;
+          bool sees = false;
+          if (n < n_block) {
+            int mf, mc;
+            query_tiles_for_keys<kBN, kBM>(mask, p, n * kBN, &mf, &mc);
+            sees = mf <= m_block && m_block < mf + mc;
+          }
+          count += __popc(__ballot_sync(0xffffffffu, sees));
+        }
+        return count;
+      };
 #pragma unroll
       for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
       for (int it = 0; it < iters; ++it) {
+        int32_t* semaphore = nullptr;
+        if (p.deterministic) {
+          const int m_block = row0_of(it) / kBM;
+          const int turn = key_blocks_before(m_block);
+          semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + head_of(it)) * p.seqlen_q + m_block;
+          if (lane0) {
+            while (ld_acquire_gpu(semaphore) != turn) {
+            }
+          }
+          __syncwarp();
+        }
 #pragma unroll
         for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
           named_barrier_sync(kDqFullBarrier + wg, kDqWgThreads);
@@ -111,7 +139,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             bulk_commit_group();
           }
         }
-        if (lane0) bulk_wait_group_read<0>();
+        if (lane0) {
+          if (p.deterministic) {  // the adds have landed before the next key block's turn
+            bulk_wait_group<0>();
+            fence_proxy_async_global();
+            red_release_gpu_add(semaphore, 1);
+          } else {
+            bulk_wait_group_read<0>();
+          }
+        }
         __syncwarp();
         if (it + 1 < iters) {
 #pragma unroll

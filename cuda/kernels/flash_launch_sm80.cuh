@@ -41,6 +41,12 @@ template <typename T, typename LaunchMain>
 cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
   const int64_t q_elems = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim;
   if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), stream); e != cudaSuccess) return e;
+  if (p.deterministic) {
+    const size_t stat_elems = size_t(p.batch) * p.heads_q * p.seqlen_q;
+    if (cudaError_t e = cudaMemsetAsync(p.dq_semaphore, 0, stat_elems * sizeof(int32_t), stream); e != cudaSuccess) {
+      return e;
+    }
+  }
   if (q_elems > 0) {
     const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
     flash_bwd_preprocess_kernel<T><<<ceil_div(rows * kWarpSize, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
