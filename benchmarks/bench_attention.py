@@ -78,9 +78,10 @@ def shape_matrix(quick, on_gpu):
     return shapes
 
 
-def attention_fn(impl, causal):
+def attention_fn(impl, causal, deterministic=False):
     if impl == "jax_flash":
-        return lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal)
+        return lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal,
+                                                               deterministic=deterministic)
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
@@ -130,7 +131,7 @@ def run_case(shape, impl, dtype, args):
     k = jax.random.normal(kk, (shape.batch, shape.seqlen, shape.heads_kv, shape.head_dim), dtype)
     v = jax.random.normal(kv, (shape.batch, shape.seqlen, shape.heads_kv, shape.head_dim), dtype)
     do = jax.random.normal(kd, q.shape, dtype)
-    f = attention_fn(impl, shape.causal)
+    f = attention_fn(impl, shape.causal, args.deterministic)
     fwd = jax.jit(f)
     fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
     row = dict(impl=impl, B=shape.batch, Sq=shape.seqlen, Sk=shape.seqlen, Hq=shape.heads_q, Hkv=shape.heads_kv,
@@ -160,6 +161,7 @@ def markdown(rows, meta):
         by.setdefault((r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"]), {})[r["impl"]] = r
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
     lines = [f"# Attention benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
+             ("jax_flash with deterministic=True; " if meta.get("deterministic") else "") +
              f"dtype {meta['dtype']}; fwd / bwd TFLOP/s (fwd ms, pipelined; fwd latency ms of one blocking call); "
              "ratio = jax_flash / cudnn; err = forward relative error vs float32.", "",
              "| B, S, Hq/Hkv, D, causal | " + " | ".join(impls) + " | fwd ratio | bwd ratio | jax_flash err |",
@@ -243,6 +245,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--min-time", type=float, default=0.3, help="keep timing until this many seconds")
     parser.add_argument("--ref-heads", type=int, default=2, help="query heads checked against the reference")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run jax_flash with deterministic=True (bitwise-reproducible backward)")
     parser.add_argument("--head-dims", default=None, help="comma-separated head dims: run only those shapes")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                         help="run nothing: write the table and plot of these result files (parts of one run)")
@@ -262,7 +266,8 @@ def main(argv=None):
     dtype = jnp.dtype(args.dtype)
     date = datetime.date.today().isoformat()
     meta = dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__, date=date,
-                dtype=dtype.name, method="median over samples of back-to-back jit'd calls (wall clock to "
+                dtype=dtype.name, deterministic=args.deterministic,
+                method="median over samples of back-to-back jit'd calls (wall clock to "
                 "block_until_ready on the last) per call; latency = median of single blocking calls")
     shapes = shape_matrix(args.quick, on_gpu)
     if args.head_dims:

@@ -25,7 +25,8 @@ inline constexpr int kDqFullBarrier = 4;   // a consumer warpgroup's dQ tile is 
 inline constexpr int kDqEmptyBarrier = 6;  // the writer has read that tile (128 + writer warp)
 inline constexpr int kDqWriterWarp = 1;    // producer warp that issues the dQ reductions
 
-template <typename T, typename Traits>
+// kDeterministic: the key blocks add into each dQ tile in ascending order (FlashParams::deterministic).
+template <typename T, typename Traits, bool kDeterministic>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
       for (int it = 0; it < iters; ++it) {
         int32_t* semaphore = nullptr;
-        if (p.deterministic) {
+        if constexpr (kDeterministic) {
           const int m_block = row0_of(it) / kBM;
           const int turn = key_blocks_before(m_block);
           semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + head_of(it)) * p.seqlen_q + m_block;
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         }
         if (lane0) {
-          if (p.deterministic) {  // the adds have landed before the next key block's turn
+          if constexpr (kDeterministic) {  // the adds have landed before the next key block's turn
             bulk_wait_group<0>();
             fence_proxy_async_global();
             red_release_gpu_add(semaphore, 1);

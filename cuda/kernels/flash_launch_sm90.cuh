@@ -90,32 +90,39 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The sm_90a main backward kernel, with or without ordered (deterministic) dQ additions.
+template <typename T, int kD, bool kDeterministic>
+cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
+  using Traits = BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>;
+  constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kDeterministic>;
+  if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+  CUtensorMap tm_q, tm_k, tm_v, tm_do;
+  if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
+                                                   {&tm_do, p.dout, p.seqlen_q, p.heads_q, Traits::kBlockM},
+                                                   {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
+      e != cudaSuccess) {
+    return e;
+  }
+  // The float32 dQ accumulator (dq_accum has q's layout), reduced into in boxes of kDqBoxCols x kBlockM.
+  CUtensorMap tm_dq;
+  if (cudaError_t e = encode_bthd_tensor_map(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sizeof(float), p.dq_accum,
+                                             p.batch, p.seqlen_q, p.heads_q, p.head_dim, Traits::kDqBoxCols,
+                                             Traits::kBlockM);
+      e != cudaSuccess) {
+    return e;
+  }
+  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq);
+  return cudaGetLastError();
+}
+
 // The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel.
 template <typename T, int kD>
 cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
-  using Traits = BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>;
   return launch_bwd_sequence<T>(p, stream, [&]() -> cudaError_t {
-    constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits>;
-    if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-    CUtensorMap tm_q, tm_k, tm_v, tm_do;
-    if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
-                                                     {&tm_do, p.dout, p.seqlen_q, p.heads_q, Traits::kBlockM},
-                                                     {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                     {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
-        e != cudaSuccess) {
-      return e;
-    }
-    // The float32 dQ accumulator (dq_accum has q's layout), reduced into in boxes of kDqBoxCols x kBlockM.
-    CUtensorMap tm_dq;
-    if (cudaError_t e = encode_bthd_tensor_map(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sizeof(float), p.dq_accum,
-                                               p.batch, p.seqlen_q, p.heads_q, p.head_dim, Traits::kDqBoxCols,
-                                               Traits::kBlockM);
-        e != cudaSuccess) {
-      return e;
-    }
-    const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
-    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq);
-    return cudaGetLastError();
+    return p.deterministic ? launch_bwd_sm90_main<T, kD, true>(p, stream)
+                           : launch_bwd_sm90_main<T, kD, false>(p, stream);
   });
 }
 
