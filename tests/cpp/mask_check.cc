@@ -1,0 +1,66 @@
+// Exhaustive check of cuda/mask.h on small shapes: every derived range agrees with AttentionMask::visible(), the
+// definition every kernel's per-element mask must match. Prints "ok <cases>" or the first disagreements; exit 1 on
+// any. Built and run by tests/test_mask.py.
+#include <cstdio>
+
+#include "mask.h"
+
+using jax_flash::AttentionMask;
+
+int main() {
+  long cases = 0, bad = 0;
+  auto fail = [&](const char* what, int causal, int left, int right, int q_len, int kv_len, int i, int j) {
+    if (++bad <= 5) {
+      std::printf("%s: causal=%d window=(%d,%d) q_len=%d kv_len=%d row=%d key=%d\n", what, causal, left, right,
+                  q_len, kv_len, i, j);
+    }
+  };
+  constexpr int kRows = 12, kKeys = 12;
+  for (int causal = 0; causal < 2; ++causal) {
+    for (int left = -1; left < 6; ++left) {
+      for (int right = -1; right < 6; ++right) {
+        for (int q_len = 0; q_len <= kRows; q_len += 3) {
+          for (int kv_len = 0; kv_len <= kKeys; kv_len += 4) {
+            const AttentionMask mask(causal, left, right, q_len, kv_len);
+            for (int j = -1; j < kKeys; ++j) {
+              int row_lo, row_hi;
+              mask.rows_seeing_key(j, &row_lo, &row_hi);
+              for (int i = 0; i < kRows; ++i) {
+                ++cases;
+                const bool visible = j >= 0 && mask.visible(i, j);
+                if (visible != (i >= row_lo && i < row_hi)) {
+                  fail("rows_seeing_key", causal, left, right, q_len, kv_len, i, j);
+                }
+              }
+            }
+            // key_range / row_range over-approximate: every visible (row, key) lies inside them.
+            for (int i = 0; i < kRows; ++i) {
+              int key_begin, key_end;
+              mask.key_range(i, i + 1, &key_begin, &key_end);
+              for (int j = 0; j < kKeys; ++j) {
+                if (mask.visible(i, j) && (j < key_begin || j >= key_end)) {
+                  fail("key_range", causal, left, right, q_len, kv_len, i, j);
+                }
+              }
+            }
+            for (int j = 0; j < kKeys; ++j) {
+              int row_begin, row_end;
+              mask.row_range(j, j + 1, &row_begin, &row_end);
+              for (int i = 0; i < kRows; ++i) {
+                if (mask.visible(i, j) && (i < row_begin || i >= row_end)) {
+                  fail("row_range", causal, left, right, q_len, kv_len, i, j);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  if (bad) {
+    std::printf("%ld of %ld disagree\n", bad, cases);
+    return 1;
+  }
+  std::printf("ok %ld\n", cases);
+  return 0;
+}
