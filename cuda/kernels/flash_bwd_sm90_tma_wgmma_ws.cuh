@@ -203,8 +203,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int i = 0; i < kDTiles * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
   // Shared-memory descriptors, built once and advanced by compile-time offsets (k-steps) and stage strides.
-  // K-major operands step 32 bytes inside a 128-byte row per k-step and one column block (kKVColBlockBytes, kQColBlockBytes) per 64 elements;
-  // N-major ones step 16 rows (kWgmmaK * kSwizzleBytes) per k-step, their 64-wide blocks the leading offset apart.
+  // K-major operands step 32 bytes inside a 128-byte row per k-step and one column block (kKVColBlockBytes,
+  // kQColBlockBytes) per 64 elements; N-major ones step 16 rows (kNMajorStep) per k-step, their 64-wide blocks
+  // the leading offset apart.
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
   constexpr uint32_t kQdOStageBytes = sizeof(smem.q[0]);
