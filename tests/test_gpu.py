@@ -4,6 +4,7 @@ Skipped unless JAX sees a GPU and jax_flash's CUDA kernels are built. The long-s
 """
 
 import functools
+import os
 import warnings
 
 import jax
@@ -198,7 +199,6 @@ def test_128k_tokens_causal_runs_in_linear_memory(head_dim):
 
 def _sm90_backward_available():
     """The sm_90a backward runs on compute capability 9.0 unless JAX_FLASH_FORCE_SM80 is set."""
-    import os
     device = jax.devices("gpu")[0]
     return getattr(device, "compute_capability", "") == "9.0" and os.environ.get("JAX_FLASH_FORCE_SM80", "") in ("", "0")
 
