@@ -74,6 +74,35 @@ struct BwdVariant {
   }
 };
 
+// Same fields as BwdCtaTraitsSm80<128>.
+template <int kWarps_, int kBlockN_, int kBlockM_, int kSWarpsN_, int kKvWarpsN_, int kDqWarpsM_, int kMinBlocksPerSm_>
+struct SweepCtaTraits {
+  static constexpr int kHeadDim = kD;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kSWarpsN = kSWarpsN_;
+  static constexpr int kKvWarpsN = kKvWarpsN_;
+  static constexpr int kDqWarpsM = kDqWarpsM_;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+};
+
+template <typename Base>
+struct BwdCtaVariant {
+  using Traits = BwdCtaKernelTraits<Base>;
+  static constexpr int kSmemBytes = int(sizeof(BwdCtaSharedStorage<Elem, Traits>));
+  static constexpr auto kKernel = flash_bwd_sm80_cta_kernel<Elem, Traits>;
+  static_assert(Base::kHeadDim == kD, "the sweep is for head dim 128");
+
+  static void launch(const FlashParams& p, cudaStream_t s, cudaEvent_t main_begin, cudaEvent_t main_end) {
+    CUDA_CHECK(launch_bwd_sequence<Elem>(p, s, [&]() -> cudaError_t {
+      if (cudaError_t e = cudaEventRecord(main_begin, s); e != cudaSuccess) return e;
+      if (cudaError_t e = launch_bwd_sm80_cta_main<Elem, Traits>(p, s); e != cudaSuccess) return e;
+      return cudaEventRecord(main_end, s);
+    }));
+  }
+};
+
 struct Variant {
   const char* name;
   int warps, split_d, block_m, block_n, min_blocks, threads, smem_bytes;
@@ -96,9 +125,29 @@ Variant make_variant(const char* name) {
           &V::launch};
 }
 
+// CTA-wide kernels: split_d is reported as 0.
+template <typename Base>
+Variant make_cta_variant(const char* name) {
+  using V = BwdCtaVariant<Base>;
+  return {name,
+          Base::kWarps,
+          0,
+          Base::kBlockM,
+          Base::kBlockN,
+          Base::kMinBlocksPerSm,
+          V::Traits::kThreads,
+          V::kSmemBytes,
+          reinterpret_cast<const void*>(V::kKernel),
+          &V::launch};
+}
+
 std::vector<Variant> all_variants() {
   return {
       make_variant<BwdTraitsSm80<128>>("a w4 m32 (prod)"),
+      make_cta_variant<BwdCtaTraitsSm80<128>>("k cta n128 m64"),
+      make_cta_variant<SweepCtaTraits<8, 128, 64, 4, 4, 4, 1>>("l cta dq4x2"),
+      make_cta_variant<SweepCtaTraits<8, 128, 32, 4, 4, 2, 1>>("m cta n128 m32"),
+      make_cta_variant<SweepCtaTraits<4, 64, 64, 2, 2, 2, 2>>("n cta n64 m64 2cta"),
       make_variant<SweepTraits<8, 1, 32, 1>>("b w8 m32"),
       make_variant<SweepTraits<8, 1, 64, 1>>("c w8 m64"),
       make_variant<SweepTraits<4, 1, 64, 1>>("d w4 m64"),

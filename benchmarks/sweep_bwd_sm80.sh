@@ -10,7 +10,8 @@ BIN=build/sweep_bwd_sm80
 PTXAS_LOG=build/sweep_bwd_sm80.ptxas.log
 SRCS=(benchmarks/sweep_bwd_sm80.cu cuda/flash_params.h cuda/mask.h cuda/kernels/kernel_traits_sm80.h
       cuda/kernels/utils_sm80.cuh cuda/kernels/flash_fwd_sm80_mma_cpasync.cuh
-      cuda/kernels/flash_bwd_sm80_mma_cpasync.cuh cuda/kernels/flash_launch_sm80.cuh)
+      cuda/kernels/flash_bwd_sm80_mma_cpasync.cuh cuda/kernels/flash_bwd_sm80_mma_cpasync_cta.cuh
+      cuda/kernels/flash_launch_sm80.cuh)
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 
 stale=0

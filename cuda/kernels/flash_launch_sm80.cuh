@@ -4,6 +4,7 @@
 #include <atomic>
 
 #include "flash_bwd_sm80_mma_cpasync.cuh"
+#include "flash_bwd_sm80_mma_cpasync_cta.cuh"
 #include "flash_fwd_sm80_mma_cpasync.cuh"
 
 namespace jax_flash::cuda {
@@ -72,8 +73,44 @@ cudaError_t launch_bwd_sm80_main(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The CTA-wide main backward kernel with the given traits.
+template <typename T, typename Traits>
+cudaError_t launch_bwd_sm80_cta_main(const FlashParams& p, cudaStream_t stream) {
+  constexpr auto kernel = flash_bwd_sm80_cta_kernel<T, Traits>;
+  constexpr int kSmemBytes = int(sizeof(BwdCtaSharedStorage<T, Traits>));
+  if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
+  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The largest dynamic shared memory a block of the current device may opt into (queried once per device).
+inline cudaError_t max_smem_optin(int* bytes) {
+  static std::atomic<int> cached[64] = {};  // 0: not queried yet
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  int value = cached[dev % 64].load(std::memory_order_relaxed);
+  if (value == 0) {
+    if (cudaError_t e = cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        e != cudaSuccess) {
+      return e;
+    }
+    cached[dev % 64].store(value, std::memory_order_relaxed);
+  }
+  *bytes = value;
+  return cudaSuccess;
+}
+
+// The CTA-wide kernel where the device has the shared memory for it (sm_80, sm_90: 163 / 227 KB a block), the
+// per-warp kernel elsewhere (sm_86, sm_89: 99 KB) and for head dim 256 on sm_80 (the CTA-wide tiles need 209 KB).
 template <typename T, int kD>
 cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream) {
+  using CtaTraits = BwdCtaKernelTraits<BwdCtaTraitsSm80<kD>>;
+  int smem_optin = 0;
+  if (cudaError_t e = max_smem_optin(&smem_optin); e != cudaSuccess) return e;
+  if (smem_optin >= int(sizeof(BwdCtaSharedStorage<T, CtaTraits>))) {
+    return launch_bwd_sequence<T>(p, stream, [&] { return launch_bwd_sm80_cta_main<T, CtaTraits>(p, stream); });
+  }
   using Traits = BwdKernelTraits<BwdTraitsSm80<kD>>;
   return launch_bwd_sequence<T>(p, stream, [&] { return launch_bwd_sm80_main<T, Traits>(p, stream); });
 }

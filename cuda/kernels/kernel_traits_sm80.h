@@ -112,4 +112,75 @@ struct BwdKernelTraits : Base {
                                     2 * kStages * Base::kBlockM * int(sizeof(float));
 };
 
+// Backward with CTA-wide tiling (flash_bwd_sm80_mma_cpasync_cta.cuh): each CTA owns kBlockN keys of one kv head;
+// the three GEMM phases of an iteration are each spread over all warps as a 2-D warp grid, with P^T and dS^T passed
+// through shared memory. Per-warp tiles of 32 x 32 or larger make every fragment read from shared memory feed two
+// to four MMAs (the per-warp kernel above: one or two).
+template <int kHeadDim_>
+struct BwdCtaTraitsSm80;
+
+template <>
+struct BwdCtaTraitsSm80<64> {
+  static constexpr int kHeadDim = 64;
+  static constexpr int kWarps = 8;
+  static constexpr int kBlockN = 128;  // dK and dV: 64 registers a thread; 97 KB of shared memory
+  static constexpr int kBlockM = 64;
+  static constexpr int kSWarpsN = 4;   // S^T, dP^T: 4 (keys) x 2 (queries) warps of 32 x 32
+  static constexpr int kKvWarpsN = 4;  // dV, dK: 4 (keys) x 2 (columns) warps of 32 x 32
+  static constexpr int kDqWarpsM = 4;  // dQ: 4 (queries) x 2 (columns) warps of 16 x 32
+  static constexpr int kMinBlocksPerSm = 1;
+};
+
+template <>
+struct BwdCtaTraitsSm80<128> {
+  static constexpr int kHeadDim = 128;
+  static constexpr int kWarps = 8;
+  static constexpr int kBlockN = 128;  // 128 keys x 128 columns of dK and dV over 8 warps: 128 registers a thread
+  static constexpr int kBlockM = 64;   // 160 KB of shared memory: one CTA of 8 warps per SM
+  static constexpr int kSWarpsN = 4;   // S^T, dP^T: 4 (keys) x 2 (queries) warps of 32 x 32
+  static constexpr int kKvWarpsN = 4;  // dV, dK: 4 (keys) x 2 (columns) warps of 32 x 64
+  static constexpr int kDqWarpsM = 2;  // dQ: 2 (queries) x 4 (columns) warps of 32 x 32
+  static constexpr int kMinBlocksPerSm = 1;
+};
+
+template <>
+struct BwdCtaTraitsSm80<256> {
+  static constexpr int kHeadDim = 256;
+  static constexpr int kWarps = 8;
+  static constexpr int kBlockN = 64;   // 64 keys x 256 columns of dK and dV over 8 warps: 128 registers a thread
+  static constexpr int kBlockM = 64;   // 209 KB of shared memory (two 64 x 256 stages of Q and of dO): sm_90 only
+  static constexpr int kSWarpsN = 2;   // S^T, dP^T: 2 (keys) x 4 (queries) warps of 32 x 16
+  static constexpr int kKvWarpsN = 2;  // dV, dK: 2 (keys) x 4 (columns) warps of 32 x 64
+  static constexpr int kDqWarpsM = 2;  // dQ: 2 (queries) x 4 (columns) warps of 32 x 64
+  static constexpr int kMinBlocksPerSm = 1;
+};
+
+template <typename Base>
+struct BwdCtaKernelTraits : Base {
+  static constexpr int kThreads = Base::kWarps * kWarpSize;
+  static constexpr int kStages = 2;  // Q/dO/lse/dsum ring
+  static constexpr int kSWarpsM = Base::kWarps / Base::kSWarpsN;
+  static constexpr int kSRows = Base::kBlockN / Base::kSWarpsN;  // keys of a warp's S^T tile
+  static constexpr int kSCols = Base::kBlockM / kSWarpsM;        // queries of a warp's S^T tile
+  static constexpr int kKvWarpsD = Base::kWarps / Base::kKvWarpsN;
+  static constexpr int kKvRows = Base::kBlockN / Base::kKvWarpsN;  // keys of a warp's dK/dV tile
+  static constexpr int kKvCols = Base::kHeadDim / kKvWarpsD;       // columns of a warp's dK/dV tile
+  static constexpr int kDqWarpsD = Base::kWarps / Base::kDqWarpsM;
+  static constexpr int kDqRows = Base::kBlockM / Base::kDqWarpsM;  // queries of a warp's dQ tile
+  static constexpr int kDqCols = Base::kHeadDim / kDqWarpsD;       // columns of a warp's dQ tile
+  static constexpr int kPCols = Base::kBlockM < 64 ? 64 : Base::kBlockM;  // P^T / dS^T row, padded for the swizzle
+  static_assert(kSWarpsM * Base::kSWarpsN == Base::kWarps && kKvWarpsD * Base::kKvWarpsN == Base::kWarps &&
+                    kDqWarpsD * Base::kDqWarpsM == Base::kWarps,
+                "each warp grid must use every warp once");
+  static_assert(kSRows % 16 == 0 && kSCols % 16 == 0 && kKvRows % 16 == 0 && kKvCols % 16 == 0 &&
+                    kDqRows % 16 == 0 && kDqCols % 16 == 0,
+                "warp tiles are whole 16 x 16 MMA fragments");
+  static_assert(((kSCols / 8) & (kSCols / 8 - 1)) == 0 && kSCols <= 64,
+                "P^T stores step through a warp's chunks by XOR: a power of two within a 64-column row");
+  static_assert(Base::kBlockM % 16 == 0 && Base::kBlockN % 16 == 0, "blocks are whole MMA k-steps");
+  static constexpr bool is_pow2(int x) { return (x & (x - 1)) == 0; }
+  static_assert(is_pow2(kKvCols / 8) && is_pow2(kDqCols / 8) && is_pow2(kDqRows / 8),
+                "fragment loads step through a warp's chunks by XOR: chunk counts must be powers of two");
+};
+
 }  // namespace jax_flash::cuda
