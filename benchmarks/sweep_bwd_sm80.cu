@@ -1,11 +1,12 @@
 // Tile-configuration sweep of the sm80-class backward kernel at head dim 128 (bf16), without JAX.
 //
-// Instantiates flash_bwd_sm80_kernel<bf16, BwdKernelTraits<X>> for several traits X in one binary, runs the full
+// Instantiates the per-warp kernel flash_bwd_sm80_kernel<bf16, BwdKernelTraits<X>> and the CTA-wide kernel
+// flash_bwd_sm80_cta_kernel<bf16, BwdCtaKernelTraits<Y>> for several traits in one binary, runs the full
 // backward sequence of launch_bwd_sm80 (dq_accum memset, preprocess, main kernel, dq convert) for each, and
 // prints per variant: registers, spills, shared memory, resident CTAs per SM, median time of the whole sequence
 // and of the main kernel alone, TFLOP/s, and the error of dq/dk/dv against the production launcher
-// (launch_bwd_sm80<bf16, 128>, i.e. variant a as shipped). Inputs are random; o and lse come from the forward
-// kernel. FLOPs: bwd = 2.5 * 4*B*H*Sq*Sk*D, halved under --causal.
+// (launch_bwd_sm80<bf16, 128>: the CTA-wide kernel k where the device has the shared memory, else variant a).
+// Inputs are random; o and lse come from the forward kernel. FLOPs: bwd = 2.5 * 4*B*H*Sq*Sk*D, halved under --causal.
 //
 //   build/sweep_bwd_sm80 [--batch N] [--seq N] [--heads N] [--causal] [--warmup N] [--reps N]
 // benchmarks/sweep_bwd_sm80.sh builds and runs it.
@@ -363,7 +364,7 @@ int main(int argc, char** argv) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CUDA_CHECK(launch_fwd_sm80<Elem, kD>(p, stream));  // o and lse
 
-  // Reference: the production launcher (variant a as shipped).
+  // Reference: the production launcher.
   FlashParams ref = p;
   ref.dq = ref_grads;
   ref.dk = ref_grads + q_elems;
@@ -373,7 +374,7 @@ int main(int argc, char** argv) {
   CUDA_CHECK(cudaStreamSynchronize(stream));
   const char* grad_names[3] = {"dq", "dk", "dv"};
   bool ref_ok = true;
-  std::printf("reference (launch_bwd_sm80<bf16,128>):");
+  std::printf("reference (launch_bwd_sm80<bf16,128>; variant \"sd\" 0 = CTA-wide kernel):");
   for (int i = 0; i < 3; ++i) {
     const Diff self = compare(ref_grads + i * q_elems, ref_grads + i * q_elems, q_elems, diff_scratch, stream);
     std::printf(" %s rms %.4g%s", grad_names[i], self.ref_rms, self.nonfinite ? " NON-FINITE" : "");

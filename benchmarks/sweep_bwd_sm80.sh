@@ -44,19 +44,20 @@ fi
 # Registers and spills of each backward instantiation, per architecture, from the ptxas -v log.
 ptxas_summary() {
   [ -f "$PTXAS_LOG" ] || return 0
-  echo "ptxas (-v) for flash_bwd_sm80_kernel instantiations:"
+  echo "ptxas (-v) for flash_bwd_sm80_kernel / flash_bwd_sm80_cta_kernel instantiations:"
   awk '
     /Compiling entry function/ { split($0, a, "\x27"); fn = a[2]; arch = a[4]; next }
     /bytes stack frame/ { frame = $0; sub(/^ +/, "", frame); next }
     /Used [0-9]+ registers/ {
-      if (fn ~ /flash_bwd_sm80_kernel/) {
+      if (fn ~ /flash_bwd_sm80_(cta_)?kernel/) {
         regs = $0; sub(/.*Used /, "", regs); sub(/ registers.*/, "", regs)
         print "  " arch ": " regs " registers, " frame "  " fn
       }
       fn = ""
     }' "$PTXAS_LOG" | { c++filt 2>/dev/null || cat; } |
     sed -e 's/(anonymous namespace):://g; s/jax_flash::cuda:://g' \
-        -e 's/void flash_bwd_sm80_kernel<__nv_bfloat16, BwdKernelTraits<\(.*\) > >(jax_flash::FlashParams)$/\1/'
+        -e 's/void flash_bwd_sm80_kernel<__nv_bfloat16, BwdKernelTraits<\(.*\) > >(jax_flash::FlashParams)$/\1/' \
+        -e 's/void flash_bwd_sm80_cta_kernel<__nv_bfloat16, BwdCtaKernelTraits<\(.*\) > >(jax_flash::FlashParams)$/cta \1/'
   echo
 }
 
