@@ -46,12 +46,14 @@ if [ "$MODE" != bench ]; then
   [ $rc -eq 0 ] || status=1
   # On Hopper the forward runs the sm_90a kernel; check the sm_80-class kernels there too.
   if [ "$MODE" != dev ] && [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ]; then
-    t0=$SECONDS
-    JAX_FLASH_FORCE_SM80=1 pytest -q -x -p no:cacheprovider tests/test_gpu.py -m "not slow" 2>&1 |
-      tee "$OUT/pytest-sm80.log" | tail -5
-    rc=${PIPESTATUS[0]}
-    note "pytest (JAX_FLASH_FORCE_SM80=1, tests/test_gpu.py): rc=$rc $(tail -1 "$OUT/pytest-sm80.log") ($((SECONDS - t0)) s)"
-    [ $rc -eq 0 ] || status=1
+    for force in 1 small-smem; do
+      t0=$SECONDS
+      JAX_FLASH_FORCE_SM80=$force pytest -q -x -p no:cacheprovider tests/test_gpu.py -m "not slow" 2>&1 |
+        tee "$OUT/pytest-sm80-$force.log" | tail -5
+      rc=${PIPESTATUS[0]}
+      note "pytest (JAX_FLASH_FORCE_SM80=$force, tests/test_gpu.py): rc=$rc $(tail -1 "$OUT/pytest-sm80-$force.log") ($((SECONDS - t0)) s)"
+      [ $rc -eq 0 ] || status=1
+    done
   fi
   # memcheck instruments every kernel of the run; racecheck (slow) only ours.
   for tool in memcheck racecheck; do

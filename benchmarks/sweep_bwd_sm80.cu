@@ -370,7 +370,7 @@ int main(int argc, char** argv) {
   ref.dk = ref_grads + q_elems;
   ref.dv = ref_grads + 2 * q_elems;
   CUDA_CHECK(cudaMemsetAsync(ref_grads, 0xFF, 3 * q_elems * sizeof(Elem), stream));
-  CUDA_CHECK(launch_bwd_sm80<Elem, kD>(ref, stream));
+  CUDA_CHECK(launch_bwd_sm80<Elem, kD>(ref, stream, int(prop.sharedMemPerBlockOptin)));
   CUDA_CHECK(cudaStreamSynchronize(stream));
   const char* grad_names[3] = {"dq", "dk", "dv"};
   bool ref_ok = true;

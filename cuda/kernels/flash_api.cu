@@ -47,14 +47,37 @@ cudaError_t forward_sm80(const FlashParams& p, cudaStream_t s) {
   }
 }
 
-// JAX_FLASH_FORCE_SM80=1 makes Hopper run the sm_80-class kernels (for comparisons and tests of both paths).
-bool force_sm80() {
-  static const bool force = [] {
-    const char* v = std::getenv("JAX_FLASH_FORCE_SM80");
-    return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
-  }();
-  return force;
+// Shared memory a block may opt into on the current device, cached per device.
+cudaError_t smem_optin_bytes(int* bytes) {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  const int slot = dev % 64;
+  int value = cache[slot].load(std::memory_order_relaxed);
+  if (value == 0) {
+    if (cudaError_t e = cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        e != cudaSuccess) {
+      return e;
+    }
+    cache[slot].store(value, std::memory_order_relaxed);
+  }
+  *bytes = value;
+  return cudaSuccess;
 }
+
+// JAX_FLASH_FORCE_SM80=1 makes Hopper run the sm_80-class kernels (for comparisons and tests of both paths);
+// JAX_FLASH_FORCE_SM80=small-smem also picks the sm_80-class backward kernel as on a device with 99 KB of shared
+// memory a block (sm_86, sm_89), so that the per-warp fallback is tested on a large GPU too.
+const char* force_sm80_value() {
+  static const char* value = [] {
+    const char* v = std::getenv("JAX_FLASH_FORCE_SM80");
+    return v == nullptr ? "" : v;
+  }();
+  return value;
+}
+bool force_sm80() { return *force_sm80_value() != '\0' && std::strcmp(force_sm80_value(), "0") != 0; }
+bool force_small_smem() { return std::strcmp(force_sm80_value(), "small-smem") == 0; }
+constexpr int kSmallSmemOptinBytes = 99 * 1024;  // sm_86 / sm_89
 
 // The sm_90a kernels run on compute capability 9.0 exactly (sm_90a code runs nowhere else). TMA needs 16-byte
 // aligned base addresses (XLA's buffers are) and at least one key.
@@ -90,10 +113,14 @@ cudaError_t forward(const FlashParams& p, cudaStream_t s) {
 
 template <typename T>
 cudaError_t backward_sm80(const FlashParams& p, cudaStream_t s) {
+  int smem = kSmallSmemOptinBytes;
+  if (!force_small_smem()) {
+    if (cudaError_t e = smem_optin_bytes(&smem); e != cudaSuccess) return e;
+  }
   switch (head_dim_class(p.head_dim)) {
-    case 64: return launch_bwd_sm80<T, 64>(p, s);
-    case 128: return launch_bwd_sm80<T, 128>(p, s);
-    default: return launch_bwd_sm80<T, 256>(p, s);
+    case 64: return launch_bwd_sm80<T, 64>(p, s, smem);
+    case 128: return launch_bwd_sm80<T, 128>(p, s, smem);
+    default: return launch_bwd_sm80<T, 256>(p, s, smem);
   }
 }
 

@@ -84,31 +84,13 @@ cudaError_t launch_bwd_sm80_cta_main(const FlashParams& p, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
-// The largest dynamic shared memory a block of the current device may opt into (queried once per device).
-inline cudaError_t max_smem_optin(int* bytes) {
-  static std::atomic<int> cached[64] = {};  // 0: not queried yet
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  int value = cached[dev % 64].load(std::memory_order_relaxed);
-  if (value == 0) {
-    if (cudaError_t e = cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-        e != cudaSuccess) {
-      return e;
-    }
-    cached[dev % 64].store(value, std::memory_order_relaxed);
-  }
-  *bytes = value;
-  return cudaSuccess;
-}
-
-// The CTA-wide kernel where the device has the shared memory for it (sm_80, sm_90: 163 / 227 KB a block), the
-// per-warp kernel elsewhere (sm_86, sm_89: 99 KB) and for head dim 256 on sm_80 (the CTA-wide tiles need 209 KB).
+// The CTA-wide kernel where a block may have the shared memory it needs (smem_optin_bytes: the device's opt-in
+// limit, 163 / 227 KB on sm_80 / sm_90), the per-warp kernel elsewhere (sm_86, sm_89: 99 KB, above head dim 64)
+// and for head dim 256 on sm_80 (the CTA-wide tiles need 209 KB there).
 template <typename T, int kD>
-cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream) {
+cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream, int smem_optin_bytes) {
   using CtaTraits = BwdCtaKernelTraits<BwdCtaTraitsSm80<kD>>;
-  int smem_optin = 0;
-  if (cudaError_t e = max_smem_optin(&smem_optin); e != cudaSuccess) return e;
-  if (smem_optin >= int(sizeof(BwdCtaSharedStorage<T, CtaTraits>))) {
+  if (smem_optin_bytes >= int(sizeof(BwdCtaSharedStorage<T, CtaTraits>))) {
     return launch_bwd_sequence<T>(p, stream, [&] { return launch_bwd_sm80_cta_main<T, CtaTraits>(p, stream); });
   }
   using Traits = BwdKernelTraits<BwdTraitsSm80<kD>>;
@@ -120,4 +102,4 @@ cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream) {
 // Explicit instantiation for one (dtype, head-dim class).
 #define JAX_FLASH_INSTANTIATE_SM80(T, D)                                                              \
   template cudaError_t jax_flash::cuda::launch_fwd_sm80<T, D>(const FlashParams&, cudaStream_t);      \
-  template cudaError_t jax_flash::cuda::launch_bwd_sm80<T, D>(const FlashParams&, cudaStream_t);
+  template cudaError_t jax_flash::cuda::launch_bwd_sm80<T, D>(const FlashParams&, cudaStream_t, int);
