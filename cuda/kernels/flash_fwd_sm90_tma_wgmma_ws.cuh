@@ -2,11 +2,9 @@
 // S = Q K^T (both operands from shared memory) and O += P V (P from registers), online softmax with exp2 and the
 // log2(e)-folded scale, warp specialisation (a producer warpgroup issues the loads; consumer warpgroups compute).
 //
-// Persistent: the grid has at most one CTA per SM, and CTA c works through tiles c, c + gridDim.x, ... of the
-// (query block, query head, batch) space, query blocks fastest and heaviest (last) first. The K/V ring and its mbarrier phases
-// run on across tiles, so the next tile's Q and first K/V tiles load while this tile's last PV product and epilogue
-// run. Each consumer warpgroup owns 64 query rows; per thread (warp w of the warpgroup, lane = 4 g + t) rows
-// 16 w + g and 16 w + g + 8, columns 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
+// Grid: (query blocks, query heads, batch), heaviest (last) query blocks first. Each consumer warpgroup owns 64
+// query rows; per thread (warp w of the warpgroup, lane = 4 g + t) rows 16 w + g and 16 w + g + 8, columns
+// 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
 //
 // TMA tensor maps view q as (head_dim, seqlen_q, heads_q, batch) in boxes of kColBlock columns x tile rows, and k, v
 // likewise with heads_kv; out-of-range rows and columns load as zeros (and are masked), so no length needs to
@@ -43,33 +41,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int hk = h / p.group_size();
   const int tid = threadIdx.x;
-  const int group = p.group_size();
-  const int64_t q_stride = p.q_row_stride();
-  const int m_blocks = (p.seqlen_q + kBM - 1) / kBM;
-  const int tiles = m_blocks * p.heads_q * p.batch;
 
-  // The tile being worked on: query block, query head, batch element, and the key tiles its rows see.
-  int m_block = 0, h = 0, b = 0, m0 = 0, rows_valid = 0, n_begin = 0, n_tiles = 0;
-  AttentionMask mask = mask_for_batch(p, 0);
-  // Query blocks vary fastest (heaviest first), so the CTAs running at one time share a few heads' K and V in L2.
-  auto set_tile = [&](int tile) {
-    const int hb = tile / m_blocks;
-    m_block = m_blocks - 1 - tile % m_blocks;
-    h = hb % p.heads_q;
-    b = hb / p.heads_q;
-    mask = mask_for_batch(p, b);
-    m0 = m_block * kBM;
-    rows_valid = imin(kBM, p.seqlen_q - m0);
-    int n_end;
-    key_tiles_for_rows<kBN>(mask, p, m0, rows_valid, &n_begin, &n_end);
-    n_tiles = imax(n_end - n_begin, 0);
-  };
+  const AttentionMask mask = mask_for_batch(p, b);
+
+  const int m0 = m_block * kBM;
+  const int rows_valid = imin(kBM, p.seqlen_q - m0);
+  const int64_t q_stride = p.q_row_stride();
+  T* gO = static_cast<T*>(p.o) + b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
+  float* gLse = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+
+  int n_begin, n_end;
+  key_tiles_for_rows<kBN>(mask, p, m0, rows_valid, &n_begin, &n_end);
+  const int n_tiles = n_end - n_begin;
+  if (n_tiles <= 0) {  // no row of this block sees a key: zeros and lse = +inf
+    for (int c = tid; c < rows_valid * (p.head_dim / 8); c += Traits::kThreads) {
+      const int row = c / (p.head_dim / 8);
+      const int col = (c % (p.head_dim / 8)) * 8;
+      *reinterpret_cast<uint4*>(gO + row * q_stride + col) = make_uint4(0, 0, 0, 0);
+    }
+    for (int r = tid; r < rows_valid; r += Traits::kThreads) gLse[r] = INFINITY;
+    return;
+  }
 
   constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
   if (tid == 0) {
     mbar_init(&smem.q_full, 1);
-    mbar_init(&smem.q_empty, kConsumerWarps);  // one arrival per consumer warp
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&smem.k_full[s], 1);
@@ -89,34 +90,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
-      int kv_it = 0;   // position in the K/V ring, across tiles
-      int q_it = 0;    // tiles with keys so far (Q buffer phase)
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        set_tile(tile);
-        if (n_tiles == 0) continue;
-        const int hk = h / group;
-        if (q_it > 0) mbar_wait(&smem.q_empty, (q_it - 1) & 1);  // consumers done with the previous Q
-        mbar_arrive_expect_tx(&smem.q_full, Traits::kQBytes);
+      mbar_arrive_expect_tx(&smem.q_full, Traits::kQBytes);
+#pragma unroll
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        tma_load_4d(smem.q + cb * kBM * kColBlock, &tm_q, &smem.q_full, cb * kColBlock, m0, h, b);
+      }
+      for (int i = 0; i < n_tiles; ++i) {
+        const int s = i % kStages;
+        const int n0 = (n_begin + i) * kBN;
+        if (i >= kStages) mbar_wait(&smem.k_empty[s], ((i / kStages) - 1) & 1);
+        mbar_arrive_expect_tx(&smem.k_full[s], Traits::kKVBytes);
 #pragma unroll
         for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(smem.q + cb * kBM * kColBlock, &tm_q, &smem.q_full, cb * kColBlock, m0, h, b);
+          tma_load_4d(smem.k[s] + cb * kBN * kColBlock, &tm_k, &smem.k_full[s], cb * kColBlock, n0, hk, b);
         }
-        ++q_it;
-        for (int i = 0; i < n_tiles; ++i, ++kv_it) {
-          const int s = kv_it % kStages;
-          const int n0 = (n_begin + i) * kBN;
-          if (kv_it >= kStages) mbar_wait(&smem.k_empty[s], ((kv_it / kStages) - 1) & 1);
-          mbar_arrive_expect_tx(&smem.k_full[s], Traits::kKVBytes);
+        if (i >= kStages) mbar_wait(&smem.v_empty[s], ((i / kStages) - 1) & 1);
+        mbar_arrive_expect_tx(&smem.v_full[s], Traits::kKVBytes);
 #pragma unroll
-          for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-            tma_load_4d(smem.k[s] + cb * kBN * kColBlock, &tm_k, &smem.k_full[s], cb * kColBlock, n0, hk, b);
-          }
-          if (kv_it >= kStages) mbar_wait(&smem.v_empty[s], ((kv_it / kStages) - 1) & 1);
-          mbar_arrive_expect_tx(&smem.v_full[s], Traits::kKVBytes);
-#pragma unroll
-          for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-            tma_load_4d(smem.v[s] + cb * kBN * kColBlock, &tm_v, &smem.v_full[s], cb * kColBlock, n0, hk, b);
-          }
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(smem.v[s] + cb * kBN * kColBlock, &tm_v, &smem.v_full[s], cb * kColBlock, n0, hk, b);
         }
       }
     }
@@ -139,8 +131,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float acc_o[kOTiles * 4];    // O: 64 rows x kD, accumulator layout
   float acc_s[kSTiles * 4];    // S of the current key tile, then its exp2 values
   uint32_t a_p[kBN / kWgmmaK][4];  // P of the previous tile as wgmma A fragments (16 keys per step)
-  float row_max[2];  // running max of the raw logits of rows g, g + 8
-  float row_sum[2];  // per-lane partial sums; reduced over the quad at the end
+  float row_max[2] = {-INFINITY, -INFINITY};  // running max of the raw logits of rows g, g + 8
+  float row_sum[2] = {0.f, 0.f};              // per-lane partial sums; reduced over the quad at the end
+#pragma unroll
+  for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] = 0.f;
 
   // Q slice of this warpgroup: column block cb starts at q + cb * kBM * 64, its rows at 128-byte pitch.
   const uint32_t q_base = smem_addr(smem.q) + cw * kWgmmaM * kSwizzleBytes;
@@ -153,24 +147,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int my_turn = kPingPongBarrier + cw;
   const int their_turn = kPingPongBarrier + (cw ^ 1);
   constexpr int kPairThreads = 2 * kWarpgroupThreads;
-  // Both warpgroups take the same issue steps for every tile (S_0, then (S_i, PV_{i-1}), then PV_{n-1}), so the
-  // turns alternate across tiles. Warpgroup 1 lets warpgroup 0 go first; warpgroup 0 takes that extra arrival
-  // back after its last tile, so both barriers end balanced.
+  int steps_left = n_tiles + 1;  // issue steps: S_0, then (S_i, PV_{i-1}) for i >= 1, then PV_{n-1}
   auto begin_issue = [&] {
     if constexpr (kPingPong) named_barrier_sync(my_turn, kPairThreads);
   };
   auto end_issue = [&] {
-    if constexpr (kPingPong) named_barrier_arrive(their_turn, kPairThreads);
+    --steps_left;
+    // Warpgroup 1 lets warpgroup 0 go first (below) and so skips its very last release to stay balanced.
+    if constexpr (kPingPong) {
+      if (cw == 0 || steps_left > 0) named_barrier_arrive(their_turn, kPairThreads);
+    }
   };
   if constexpr (kPingPong) {
     if (cw == 1) named_barrier_arrive(their_turn, kPairThreads);
   }
-  int kv_it = 0;  // position in the K/V ring of this tile's first key tile
-  auto slot = [&](int i) { return (kv_it + i) % kStages; };
-  auto phase = [&](int i) { return uint32_t((kv_it + i) / kStages) & 1; };
 
   auto issue_s = [&](int i) {  // S_i = Q K_i^T (64 x kBN), both operands in shared memory
-    const uint32_t k_base = smem_addr(smem.k[slot(i)]);
+    const uint32_t k_base = smem_addr(smem.k[i % kStages]);
 #pragma unroll
     for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
       const uint32_t k_off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));  // inside the 128-byte row
@@ -183,7 +176,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wgmma_commit();
   };
   auto issue_pv = [&](int i) {  // O += P V_i; V read N-major, 64-dim column blocks kKVColBlockBytes apart
-    const uint32_t v_base = smem_addr(smem.v[slot(i)]);
+    const uint32_t v_base = smem_addr(smem.v[i % kStages]);
 #pragma unroll
     for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
       const uint64_t desc_v = make_desc_sw128(v_base + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes);
@@ -249,106 +242,74 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
-  const int consumer_tid = tid - kWarpgroupThreads;
-  int q_it = 0;  // tiles with keys so far (Q buffer phase)
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    set_tile(tile);
-    auto out_ptrs = [&](T** o_ptr, float** lse_ptr) {  // this tile's O rows and LSE entries
-      *o_ptr = static_cast<T*>(p.o) + b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
-      *lse_ptr = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
-    };
-    if (n_tiles == 0) {
-      T* gO;
-      float* gLse;
-      out_ptrs(&gO, &gLse);  // no row of this block sees a key: zeros and lse = +inf
-      for (int c = consumer_tid; c < rows_valid * (p.head_dim / 8); c += kConsumerWarps * kWarpSize) {
-        const int row = c / (p.head_dim / 8);
-        const int col = (c % (p.head_dim / 8)) * 8;
-        *reinterpret_cast<uint4*>(gO + row * q_stride + col) = make_uint4(0, 0, 0, 0);
-      }
-      for (int r = consumer_tid; r < rows_valid; r += kConsumerWarps * kWarpSize) gLse[r] = INFINITY;
-      continue;
-    }
-#pragma unroll
-    for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] = 0.f;
-    row_max[0] = row_max[1] = -INFINITY;
-    row_sum[0] = row_sum[1] = 0.f;
-    mbar_wait(&smem.q_full, q_it & 1);
+  mbar_wait(&smem.q_full, 0);
 
-    // Tile 0: S_0 alone.
-    float correction[2];
-    mbar_wait(&smem.k_full[slot(0)], phase(0));
+  // Tile 0: S_0 alone.
+  float correction[2];
+  mbar_wait(&smem.k_full[0], 0);
+  begin_issue();
+  wgmma_fence();
+  issue_s(0);
+  end_issue();
+  wgmma_wait<0>();
+  fence_regs(acc_s);
+  if (lane0) mbar_arrive(&smem.k_empty[0]);
+  softmax(0, correction);
+  convert_p();
+
+  for (int i = 1; i < n_tiles; ++i) {
+    const int s = i % kStages;
+    const int sp = (i - 1) % kStages;
+    mbar_wait(&smem.k_full[s], (i / kStages) & 1);
+    mbar_wait(&smem.v_full[sp], ((i - 1) / kStages) & 1);
     begin_issue();
     wgmma_fence();
-    issue_s(0);
+    issue_s(i);
+    issue_pv(i - 1);
+    end_issue();
+    wgmma_wait<1>();  // S_i done; PV_{i-1} may still run
+    fence_regs(acc_s);
+    if (lane0) mbar_arrive(&smem.k_empty[s]);
+    softmax(i, correction);
+    wgmma_wait<0>();  // PV_{i-1} done: O and P's registers are free
+    fence_regs(acc_o);
+    fence_regs(a_p);
+    if (lane0) mbar_arrive(&smem.v_empty[sp]);
+    rescale_o(correction);
+    convert_p();
+  }
+
+  // Last PV.
+  {
+    const int sp = (n_tiles - 1) % kStages;
+    mbar_wait(&smem.v_full[sp], ((n_tiles - 1) / kStages) & 1);
+    begin_issue();
+    wgmma_fence();
+    issue_pv(n_tiles - 1);
     end_issue();
     wgmma_wait<0>();
-    fence_regs(acc_s);
-    if (lane0) mbar_arrive(&smem.k_empty[slot(0)]);
-    softmax(0, correction);
-    convert_p();
-
-    for (int i = 1; i < n_tiles; ++i) {
-      mbar_wait(&smem.k_full[slot(i)], phase(i));
-      mbar_wait(&smem.v_full[slot(i - 1)], phase(i - 1));
-      begin_issue();
-      wgmma_fence();
-      issue_s(i);
-      issue_pv(i - 1);
-      end_issue();
-      wgmma_wait<1>();  // S_i done; PV_{i-1} may still run
-      fence_regs(acc_s);
-      if (lane0) mbar_arrive(&smem.k_empty[slot(i)]);
-      softmax(i, correction);
-      wgmma_wait<0>();  // PV_{i-1} done: O and P's registers are free
-      fence_regs(acc_o);
-      fence_regs(a_p);
-      if (lane0) mbar_arrive(&smem.v_empty[slot(i - 1)]);
-      rescale_o(correction);
-      convert_p();
-    }
-    if (lane0) mbar_arrive(&smem.q_empty);  // every S of the tile is done: the producer may load the next Q
-    ++q_it;
-
-    // Last PV.
-    {
-      const int last = n_tiles - 1;
-      mbar_wait(&smem.v_full[slot(last)], phase(last));
-      begin_issue();
-      wgmma_fence();
-      issue_pv(last);
-      end_issue();
-      wgmma_wait<0>();
-      fence_regs(acc_o);
-      fence_regs(a_p);
-      if (lane0) mbar_arrive(&smem.v_empty[slot(last)]);
-    }
-    kv_it += n_tiles;
-
-    // Epilogue: normalise, write O (rows < seqlen_q, columns < head_dim) and the natural-log LSE.
-    T* gO;
-    float* gLse;
-    out_ptrs(&gO, &gLse);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float sum = quad_sum(row_sum[r]);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      const int row = warp_row0 + g + 8 * r;
-      if (row < rows_valid) {
-#pragma unroll
-        for (int j = 0; j < kOTiles; ++j) {
-          const int col = j * 8 + 2 * t;
-          if (col < p.head_dim) {
-            *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) =
-                ET::pack(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
-          }
-        }
-        if (t == 0) gLse[row] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : INFINITY;
-      }
-    }
+    fence_regs(acc_o);
+    fence_regs(a_p);
+    if (lane0) mbar_arrive(&smem.v_empty[sp]);
   }
-  if constexpr (kPingPong) {
-    if (cw == 0) named_barrier_sync(my_turn, kPairThreads);  // warpgroup 1's opening arrival
+
+  // Epilogue: normalise, write O (rows < seqlen_q, columns < head_dim) and the natural-log LSE.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int row = warp_row0 + g + 8 * r;
+    if (row < rows_valid) {
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+        const int col = j * 8 + 2 * t;
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) =
+              ET::pack(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
+        }
+      }
+      if (t == 0) gLse[row] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : INFINITY;
+    }
   }
 #else
   __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0

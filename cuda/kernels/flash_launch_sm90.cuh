@@ -73,22 +73,6 @@ cudaError_t make_bthd_tensor_maps(const FlashParams& p, std::initializer_list<Te
   return cudaSuccess;
 }
 
-// Streaming multiprocessors of the current device (queried once per device).
-inline cudaError_t sm_count(int* count) {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  int value = cache[dev % 64].load(std::memory_order_relaxed);
-  if (value == 0) {
-    if (cudaError_t e = cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) {
-      return e;
-    }
-    cache[dev % 64].store(value, std::memory_order_relaxed);
-  }
-  *count = value;
-  return cudaSuccess;
-}
-
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, FwdTraitsSm90<kD>>;
@@ -101,11 +85,7 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
-  // Persistent: one CTA per SM (the kernel's registers allow no second one), or one per tile if fewer.
-  int sms = 0;
-  if (cudaError_t e = sm_count(&sms); e != cudaSuccess) return e;
-  const int64_t tiles = int64_t(ceil_div(p.seqlen_q, Traits::kBlockM)) * p.heads_q * p.batch;
-  const dim3 grid(unsigned(tiles < sms ? tiles : sms));
+  const dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
   return cudaGetLastError();
 }

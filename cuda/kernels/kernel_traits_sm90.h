@@ -61,7 +61,6 @@ struct FwdKernelTraitsSm90 : Base {
     alignas(1024) T k[Base::kStages][Base::kBlockN * Base::kHeadDim];  // [stage][kColBlocks][kBlockN][64]
     alignas(1024) T v[Base::kStages][Base::kBlockN * Base::kHeadDim];  // [stage][kColBlocks][kBlockN][64]
     uint64_t q_full;
-    uint64_t q_empty;  // consumers done with Q: the next tile's Q may load
     uint64_t k_full[Base::kStages];
     uint64_t v_full[Base::kStages];
     uint64_t k_empty[Base::kStages];
