@@ -54,27 +54,6 @@ struct SweepTraits {
 
 using LaunchFn = void (*)(const FlashParams&, cudaStream_t, cudaEvent_t, cudaEvent_t);
 
-template <typename Base>
-struct BwdVariant {
-  using Traits = BwdKernelTraits<Base>;
-  static constexpr int kSmemBytes = Traits::kSmemBytes;
-  static constexpr auto kKernel = flash_bwd_sm80_kernel<Elem, Traits>;
-  static_assert(Base::kHeadDim == kD, "the sweep is for head dim 128");
-  static_assert(Base::kBlockM % kMmaM == 0, "kBlockM must be a multiple of 16");
-  static_assert(Traits::kDimPerWarp % 16 == 0, "dK/dV columns per warp must be a multiple of 16");
-  static_assert(Traits::kDqDimPerWarp % 16 == 0 && Traits::kDqDimPerWarp * Traits::kDqWarpsD == kD,
-                "dQ columns per warp must tile the head dim in multiples of 16");
-
-  // launch_bwd_sm80 with this variant's traits; main_begin/main_end bracket the main kernel.
-  static void launch(const FlashParams& p, cudaStream_t s, cudaEvent_t main_begin, cudaEvent_t main_end) {
-    CUDA_CHECK(launch_bwd_sequence<Elem>(p, s, [&]() -> cudaError_t {
-      if (cudaError_t e = cudaEventRecord(main_begin, s); e != cudaSuccess) return e;
-      if (cudaError_t e = launch_bwd_sm80_main<Elem, Traits>(p, s); e != cudaSuccess) return e;
-      return cudaEventRecord(main_end, s);
-    }));
-  }
-};
-
 // Same fields as BwdCtaTraitsSm80<128>.
 template <int kWarps_, int kBlockN_, int kBlockM_, int kSWarpsN_, int kKvWarpsN_, int kDqWarpsM_, int kMinBlocksPerSm_>
 struct SweepCtaTraits {
@@ -88,22 +67,6 @@ struct SweepCtaTraits {
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 };
 
-template <typename Base>
-struct BwdCtaVariant {
-  using Traits = BwdCtaKernelTraits<Base>;
-  static constexpr int kSmemBytes = int(sizeof(BwdCtaSharedStorage<Elem, Traits>));
-  static constexpr auto kKernel = flash_bwd_sm80_cta_kernel<Elem, Traits>;
-  static_assert(Base::kHeadDim == kD, "the sweep is for head dim 128");
-
-  static void launch(const FlashParams& p, cudaStream_t s, cudaEvent_t main_begin, cudaEvent_t main_end) {
-    CUDA_CHECK(launch_bwd_sequence<Elem>(p, s, [&]() -> cudaError_t {
-      if (cudaError_t e = cudaEventRecord(main_begin, s); e != cudaSuccess) return e;
-      if (cudaError_t e = launch_bwd_sm80_cta_main<Elem, Traits>(p, s); e != cudaSuccess) return e;
-      return cudaEventRecord(main_end, s);
-    }));
-  }
-};
-
 struct Variant {
   const char* name;
   int warps, split_d, block_m, block_n, min_blocks, threads, smem_bytes;
@@ -111,40 +74,49 @@ struct Variant {
   LaunchFn launch;
 };
 
+// One kernel configuration: kernel, its main launcher (launch_bwd_sm80_main or launch_bwd_sm80_cta_main with
+// Traits), shared memory and the "sd" column (0: CTA-wide kernel).
+template <typename Traits, auto kKernel, auto kLaunchMain, int kSmemBytes, int kSplitD>
+struct SweepVariant {
+  // The backward sequence of launch_bwd_sm80 with this variant; main_begin/main_end bracket the main kernel.
+  static void launch(const FlashParams& p, cudaStream_t s, cudaEvent_t main_begin, cudaEvent_t main_end) {
+    CUDA_CHECK(launch_bwd_sequence<Elem>(p, s, [&]() -> cudaError_t {
+      if (cudaError_t e = cudaEventRecord(main_begin, s); e != cudaSuccess) return e;
+      if (cudaError_t e = kLaunchMain(p, s); e != cudaSuccess) return e;
+      return cudaEventRecord(main_end, s);
+    }));
+  }
+  static Variant make(const char* name) {
+    return {name, Traits::kWarps, kSplitD, Traits::kBlockM, Traits::kBlockN, Traits::kMinBlocksPerSm,
+            Traits::kThreads, kSmemBytes, reinterpret_cast<const void*>(kKernel), &launch};
+  }
+};
+
+// Per-warp kernel.
 template <typename Base>
 Variant make_variant(const char* name) {
-  using V = BwdVariant<Base>;
-  return {name,
-          Base::kWarps,
-          Base::kSplitD,
-          Base::kBlockM,
-          V::Traits::kBlockN,
-          Base::kMinBlocksPerSm,
-          V::Traits::kThreads,
-          V::kSmemBytes,
-          reinterpret_cast<const void*>(V::kKernel),
-          &V::launch};
+  using Traits = BwdKernelTraits<Base>;
+  static_assert(Base::kHeadDim == kD, "the sweep is for head dim 128");
+  static_assert(Base::kBlockM % kMmaM == 0, "kBlockM must be a multiple of 16");
+  static_assert(Traits::kDimPerWarp % 16 == 0, "dK/dV columns per warp must be a multiple of 16");
+  static_assert(Traits::kDqDimPerWarp % 16 == 0 && Traits::kDqDimPerWarp * Traits::kDqWarpsD == kD,
+                "dQ columns per warp must tile the head dim in multiples of 16");
+  return SweepVariant<Traits, flash_bwd_sm80_kernel<Elem, Traits>, launch_bwd_sm80_main<Elem, Traits>,
+                      Traits::kSmemBytes, Base::kSplitD>::make(name);
 }
 
-// CTA-wide kernels: split_d is reported as 0.
+// CTA-wide kernel.
 template <typename Base>
 Variant make_cta_variant(const char* name) {
-  using V = BwdCtaVariant<Base>;
-  return {name,
-          Base::kWarps,
-          0,
-          Base::kBlockM,
-          Base::kBlockN,
-          Base::kMinBlocksPerSm,
-          V::Traits::kThreads,
-          V::kSmemBytes,
-          reinterpret_cast<const void*>(V::kKernel),
-          &V::launch};
+  using Traits = BwdCtaKernelTraits<Base>;
+  static_assert(Base::kHeadDim == kD, "the sweep is for head dim 128");
+  return SweepVariant<Traits, flash_bwd_sm80_cta_kernel<Elem, Traits>, launch_bwd_sm80_cta_main<Elem, Traits>,
+                      int(sizeof(BwdCtaSharedStorage<Elem, Traits>)), 0>::make(name);
 }
 
 std::vector<Variant> all_variants() {
   return {
-      make_variant<BwdTraitsSm80<128>>("a w4 m32 (prod)"),
+      make_variant<BwdTraitsSm80<128>>("a w4 m32 (per-warp)"),
       make_cta_variant<BwdCtaTraitsSm80<128>>("k cta n128 m64"),
       make_cta_variant<SweepCtaTraits<8, 128, 64, 4, 4, 4, 1>>("l cta dq4x2"),
       make_cta_variant<SweepCtaTraits<8, 128, 32, 4, 4, 2, 1>>("m cta n128 m32"),

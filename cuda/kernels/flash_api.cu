@@ -20,19 +20,28 @@ namespace {
 
 constexpr int kMaxGridYZ = 65535;
 
-// Compute capability (major * 10 + minor) of the current device, cached per device; 0 on error.
-int current_cc() {
-  static std::atomic<int> cache[64];
+// A (non-negative) attribute of the current device, queried once per device.
+template <cudaDeviceAttr kAttr>
+cudaError_t cached_device_attribute(int* value) {
+  static std::atomic<int> cache[64];  // value + 1; 0: not queried yet
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  const int slot = dev % 64;
-  if (int cc = cache[slot].load(std::memory_order_relaxed); cc != 0) return cc;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  int v = cache[dev % 64].load(std::memory_order_relaxed) - 1;
+  if (v < 0) {
+    if (cudaError_t e = cudaDeviceGetAttribute(&v, kAttr, dev); e != cudaSuccess) return e;
+    cache[dev % 64].store(v + 1, std::memory_order_relaxed);
+  }
+  *value = v;
+  return cudaSuccess;
+}
+
+// Compute capability (major * 10 + minor) of the current device; 0 on error.
+int current_cc() {
   int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+  if (cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(&major) != cudaSuccess ||
+      cached_device_attribute<cudaDevAttrComputeCapabilityMinor>(&minor) != cudaSuccess) {
     return 0;
   }
-  cache[slot].store(major * 10 + minor, std::memory_order_relaxed);
   return major * 10 + minor;
 }
 
@@ -45,24 +54,6 @@ cudaError_t forward_sm80(const FlashParams& p, cudaStream_t s) {
     case 128: return launch_fwd_sm80<T, 128>(p, s);
     default: return launch_fwd_sm80<T, 256>(p, s);
   }
-}
-
-// Shared memory a block may opt into on the current device, cached per device.
-cudaError_t smem_optin_bytes(int* bytes) {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  const int slot = dev % 64;
-  int value = cache[slot].load(std::memory_order_relaxed);
-  if (value == 0) {
-    if (cudaError_t e = cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-        e != cudaSuccess) {
-      return e;
-    }
-    cache[slot].store(value, std::memory_order_relaxed);
-  }
-  *bytes = value;
-  return cudaSuccess;
 }
 
 // JAX_FLASH_FORCE_SM80=1 makes Hopper run the sm_80-class kernels (for comparisons and tests of both paths);
@@ -115,7 +106,9 @@ template <typename T>
 cudaError_t backward_sm80(const FlashParams& p, cudaStream_t s) {
   int smem = kSmallSmemOptinBytes;
   if (!force_small_smem()) {
-    if (cudaError_t e = smem_optin_bytes(&smem); e != cudaSuccess) return e;
+    if (cudaError_t e = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem); e != cudaSuccess) {
+      return e;
+    }
   }
   switch (head_dim_class(p.head_dim)) {
     case 64: return launch_bwd_sm80<T, 64>(p, s, smem);

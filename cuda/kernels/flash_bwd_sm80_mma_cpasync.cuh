@@ -76,6 +76,24 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem,
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes));
 }
 
+// cp.async of the query side of one backward iteration: rows [m0, m0 + kBM) of Q and dO (row stride q_stride)
+// for query head h of batch element b into the swizzled [kBM][kD] tiles sQ and sdO, their lse and dsum entries
+// into sLse and sDsum; rows past seqlen_q are zero-filled.
+template <int kBM, int kD, int kThreads, typename T>
+__device__ __forceinline__ void load_query_side_async(const FlashParams& p, int64_t q_stride, int b, int h, int m0,
+                                                      T* sQ, T* sdO, float* sLse, float* sDsum, int tid) {
+  const int64_t q_off = b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
+  const int rows = p.seqlen_q - m0;
+  load_tile_async<kBM, kD, kThreads>(sQ, static_cast<const T*>(p.q) + q_off, q_stride, rows, p.head_dim, tid);
+  load_tile_async<kBM, kD, kThreads>(sdO, static_cast<const T*>(p.dout) + q_off, q_stride, rows, p.head_dim, tid);
+  const int64_t stat_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+  for (int r = tid; r < kBM; r += kThreads) {
+    const bool ok = r < rows;
+    cp_async_4(smem_u32(sLse + r), ok ? p.lse + stat_off + r : p.lse, ok);
+    cp_async_4(smem_u32(sDsum + r), ok ? p.dsum + stat_off + r : p.dsum, ok);
+  }
+}
+
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) flash_bwd_sm80_kernel(const FlashParams p) {
   constexpr int kD = Traits::kHeadDim;
@@ -122,31 +140,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
   const int iters = m_count * group;
   if (iters == 0) {  // no query sees these keys: zero gradients
-    for (int c = tid; c < keys_valid * (p.head_dim / kElemsPerChunk); c += kThreads) {
-      const int row = c / (p.head_dim / kElemsPerChunk);
-      const int col = (c % (p.head_dim / kElemsPerChunk)) * kElemsPerChunk;
-      *reinterpret_cast<uint4*>(gdK + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(gdV + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
-    }
+    zero_kv_grads<kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
     return;
   }
 
   // Loads the query-side tiles of iteration `it` into ring stage `stage`.
   auto load_query_side = [&](int it, int stage) {
-    const int h = hk * group + it / m_count;
-    const int m0 = (m_first + it % m_count) * kBM;
-    const int64_t q_off = b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
-    const int rows = p.seqlen_q - m0;
-    load_tile_async<kBM, kD, kThreads>(sQ + stage * Traits::kSmemQElems, static_cast<const T*>(p.q) + q_off,
-                                       q_stride, rows, p.head_dim, tid);
-    load_tile_async<kBM, kD, kThreads>(sdO + stage * Traits::kSmemQElems, static_cast<const T*>(p.dout) + q_off,
-                                       q_stride, rows, p.head_dim, tid);
-    const int64_t stat_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
-    for (int r = tid; r < kBM; r += kThreads) {
-      const bool ok = r < rows;
-      cp_async_4(smem_u32(sLse + stage * kBM + r), ok ? p.lse + stat_off + r : p.lse, ok);
-      cp_async_4(smem_u32(sDsum + stage * kBM + r), ok ? p.dsum + stat_off + r : p.dsum, ok);
-    }
+    load_query_side_async<kBM, kD, kThreads>(p, q_stride, b, hk * group + it / m_count,
+                                             (m_first + it % m_count) * kBM, sQ + stage * Traits::kSmemQElems,
+                                             sdO + stage * Traits::kSmemQElems, sLse + stage * kBM,
+                                             sDsum + stage * kBM, tid);
   };
 
   load_tile_async<kBN, kD, kThreads>(sK, static_cast<const T*>(p.k) + kv_off, kv_stride, keys_valid, p.head_dim, tid);

@@ -86,31 +86,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
   const int iters = m_count * group;
   if (iters == 0) {  // no query sees these keys: zero gradients
-    for (int c = tid; c < keys_valid * (p.head_dim / kElemsPerChunk); c += kThreads) {
-      const int row = c / (p.head_dim / kElemsPerChunk);
-      const int col = (c % (p.head_dim / kElemsPerChunk)) * kElemsPerChunk;
-      *reinterpret_cast<uint4*>(gdK + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(gdV + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
-    }
+    zero_kv_grads<kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
     return;
   }
 
   // Loads the query-side tiles of iteration `it` into ring stage `stage`.
   auto load_query_side = [&](int it, int stage) {
-    const int h = hk * group + it / m_count;
-    const int m0 = (m_first + it % m_count) * kBM;
-    const int64_t q_off = b * p.q_batch_stride() + m0 * q_stride + int64_t(h) * p.head_dim;
-    const int rows = p.seqlen_q - m0;
-    load_tile_async<kBM, kD, kThreads>(s.q[stage], static_cast<const T*>(p.q) + q_off, q_stride, rows, p.head_dim,
-                                       tid);
-    load_tile_async<kBM, kD, kThreads>(s.dout[stage], static_cast<const T*>(p.dout) + q_off, q_stride, rows,
-                                       p.head_dim, tid);
-    const int64_t stat_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
-    for (int r = tid; r < kBM; r += kThreads) {
-      const bool ok = r < rows;
-      cp_async_4(smem_u32(&s.lse[stage][r]), ok ? p.lse + stat_off + r : p.lse, ok);
-      cp_async_4(smem_u32(&s.dsum[stage][r]), ok ? p.dsum + stat_off + r : p.dsum, ok);
-    }
+    load_query_side_async<kBM, kD, kThreads>(p, q_stride, b, hk * group + it / m_count,
+                                             (m_first + it % m_count) * kBM, s.q[stage], s.dout[stage],
+                                             s.lse[stage], s.dsum[stage], tid);
   };
 
   load_tile_async<kBN, kD, kThreads>(s.k, static_cast<const T*>(p.k) + kv_off, kv_stride, keys_valid, p.head_dim, tid);
@@ -175,38 +159,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int e = 0; e < 4; ++e) acc_s[i][j][e] = acc_dp[i][j][e] = 0.f;
       }
     }
+    // acc += A B^T over the head dim; A: this warp's key rows of K or V, B: its query rows of Q or dO.
+    auto keys_times_queries = [&](float (&acc)[kSTM][kSTN][4], uint32_t a_base, uint32_t b_base) {
 #pragma unroll
-    for (int kk = 0; kk < kD / kMmaK; ++kk) {
-      uint32_t a_k[kSTM][4];
+      for (int kk = 0; kk < kD / kMmaK; ++kk) {
+        uint32_t a[kSTM][4];
 #pragma unroll
-      for (int mi = 0; mi < kSTM; ++mi) ldmatrix_x4(a_k[mi], (k_a + mi * 16 * kRB) ^ (kk * 32));
+        for (int mi = 0; mi < kSTM; ++mi) ldmatrix_x4(a[mi], (a_base + mi * 16 * kRB) ^ (kk * 32));
 #pragma unroll
-      for (int nb = 0; nb < kSTN / 2; ++nb) {
-        uint32_t b_q[4];
-        ldmatrix_x4(b_q, (q_b + nb * 16 * kRB) ^ (kk * 32));
+        for (int nb = 0; nb < kSTN / 2; ++nb) {
+          uint32_t bf[4];
+          ldmatrix_x4(bf, (b_base + nb * 16 * kRB) ^ (kk * 32));
 #pragma unroll
-        for (int mi = 0; mi < kSTM; ++mi) {
-          mma_16x8x16<T>(acc_s[mi][2 * nb], a_k[mi], b_q[0], b_q[1]);
-          mma_16x8x16<T>(acc_s[mi][2 * nb + 1], a_k[mi], b_q[2], b_q[3]);
+          for (int mi = 0; mi < kSTM; ++mi) {
+            mma_16x8x16<T>(acc[mi][2 * nb], a[mi], bf[0], bf[1]);
+            mma_16x8x16<T>(acc[mi][2 * nb + 1], a[mi], bf[2], bf[3]);
+          }
         }
       }
-    }
-#pragma unroll
-    for (int kk = 0; kk < kD / kMmaK; ++kk) {
-      uint32_t a_v[kSTM][4];
-#pragma unroll
-      for (int mi = 0; mi < kSTM; ++mi) ldmatrix_x4(a_v[mi], (v_a + mi * 16 * kRB) ^ (kk * 32));
-#pragma unroll
-      for (int nb = 0; nb < kSTN / 2; ++nb) {
-        uint32_t b_do[4];
-        ldmatrix_x4(b_do, (do_b + nb * 16 * kRB) ^ (kk * 32));
-#pragma unroll
-        for (int mi = 0; mi < kSTM; ++mi) {
-          mma_16x8x16<T>(acc_dp[mi][2 * nb], a_v[mi], b_do[0], b_do[1]);
-          mma_16x8x16<T>(acc_dp[mi][2 * nb + 1], a_v[mi], b_do[2], b_do[3]);
-        }
-      }
-    }
+    };
+    keys_times_queries(acc_s, k_a, q_b);
+    keys_times_queries(acc_dp, v_a, do_b);
 
     // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; dS^T = P^T * (dP^T - dsum). Element (mi, nj, e) is key
     // s_wn * kSRows + 16 mi + g + 8 (e / 2), query s_wm * kSCols + 8 nj + 2 t + e % 2.

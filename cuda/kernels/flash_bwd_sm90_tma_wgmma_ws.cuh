@@ -67,12 +67,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
   const int iters = m_count * group;
   if (iters == 0) {  // no query sees these keys: zero gradients
-    for (int c = tid; c < keys_valid * (p.head_dim / 8); c += Traits::kThreads) {
-      const int row = c / (p.head_dim / 8);
-      const int col = (c % (p.head_dim / 8)) * 8;
-      *reinterpret_cast<uint4*>(gdK + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(gdV + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
-    }
+    zero_kv_grads<Traits::kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
     return;
   }
   // Iteration it works on query head h and query tile m0.

@@ -1,6 +1,8 @@
 // Block bookkeeping shared by every CUDA kernel (sm_80-class and sm_90a): which key tiles a query block needs
-// (forward) and which query tiles a key block needs (backward).
+// (forward), which query tiles a key block needs (backward), and the zero gradients of a key block no query sees.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -28,6 +30,19 @@ __device__ __forceinline__ void query_tiles_for_keys(const AttentionMask& mask, 
   row_end = imin(row_end, p.seqlen_q);
   *m_first = imax(row_begin, 0) / kBlockM;
   *m_count = row_end > row_begin ? (row_end + kBlockM - 1) / kBlockM - *m_first : 0;
+}
+
+// dK = dV = 0 for the first `keys` rows of a key block that no query sees (16-byte stores; head_dim is a multiple
+// of 8 16-bit elements), spread over the CTA's kThreads threads.
+template <int kThreads, typename T>
+__device__ __forceinline__ void zero_kv_grads(T* gdK, T* gdV, int64_t kv_stride, int keys, int head_dim, int tid) {
+  constexpr int kElems = 8;  // 16-bit elements per 16-byte store
+  for (int c = tid; c < keys * (head_dim / kElems); c += kThreads) {
+    const int row = c / (head_dim / kElems);
+    const int col = (c % (head_dim / kElems)) * kElems;
+    *reinterpret_cast<uint4*>(gdK + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(gdV + row * kv_stride + col) = make_uint4(0, 0, 0, 0);
+  }
 }
 
 }  // namespace jax_flash::cuda
