@@ -117,9 +117,8 @@ cudaError_t backward_sm80(const FlashParams& p, cudaStream_t s) {
   }
 }
 
-// Hopper backward: head-dim classes 64 and 128; class 256 runs the sm_80-class backward (its dK + dV accumulators
-// alone would need 256 registers per thread in this kernel's layout).
-bool use_sm90_backward(const FlashParams& p) { return use_sm90(p) && head_dim_class(p.head_dim) <= 128; }
+// Hopper backward: every head-dim class (256 on the kernel that splits the head dim between its warpgroups).
+bool use_sm90_backward(const FlashParams& p) { return use_sm90(p); }
 
 template <typename T>
 cudaError_t backward(const FlashParams& p, cudaStream_t s) {
@@ -128,7 +127,7 @@ cudaError_t backward(const FlashParams& p, cudaStream_t s) {
     switch (head_dim_class(p.head_dim)) {
       case 64: return sm90::launch_bwd_sm90<T, 64>(p, s);
       case 128: return sm90::launch_bwd_sm90<T, 128>(p, s);
-      default: break;
+      default: return sm90::launch_bwd_sm90<T, 256>(p, s);
     }
   }
 #endif
@@ -151,7 +150,7 @@ const char* UnsupportedReason(const FlashParams& p) {
 const char* BackwardUnsupportedReason(const FlashParams& p) {
   // Without a query row or a key there is no dQ accumulation, so any backward is deterministic.
   if (!p.deterministic || p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return "";
-  if (use_sm90_backward(p)) return "";
+  if (use_sm90_backward(p) && head_dim_class(p.head_dim) <= 128) return "";
   return "deterministic=True needs the sm_90a backward kernel: compute capability 9.0, head_dim <= 128, and "
          "JAX_FLASH_FORCE_SM80 unset (the sm_80-class backward adds dQ with atomics in no fixed order)";
 }

@@ -8,6 +8,7 @@
 #include <initializer_list>
 
 #include "flash_bwd_sm90_tma_wgmma_ws.cuh"
+#include "flash_bwd_sm90_tma_wgmma_ws_splitd.cuh"
 #include "flash_fwd_sm90_tma_wgmma_ws.cuh"
 #include "flash_launch_sm80.cuh"  // ensure_smem_limit, ceil_div
 
@@ -117,12 +118,36 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel.
+// The head-dim-256 main backward kernel (head dim split between the consumer warpgroups; dQ by reductions from
+// registers, so no ordered variant: BackwardUnsupportedReason rejects deterministic=True there).
+template <typename T, int kD>
+cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t stream) {
+  using Traits = BwdSplitDKernelTraitsSm90<T, BwdSplitDTraitsSm90<kD>>;
+  constexpr auto kernel = flash_bwd_sm90_splitd_kernel<T, Traits>;
+  if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+  CUtensorMap tm_q, tm_k, tm_v, tm_do;
+  if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
+                                                   {&tm_do, p.dout, p.seqlen_q, p.heads_q, Traits::kBlockM},
+                                                   {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
+      e != cudaSuccess) {
+    return e;
+  }
+  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+  return cudaGetLastError();
+}
+
+// The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel of the head-dim class.
 template <typename T, int kD>
 cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
   return launch_bwd_sequence<T>(p, stream, [&]() -> cudaError_t {
-    return p.deterministic ? launch_bwd_sm90_main<T, kD, true>(p, stream)
-                           : launch_bwd_sm90_main<T, kD, false>(p, stream);
+    if constexpr (kD > 128) {
+      return launch_bwd_sm90_splitd_main<T, kD>(p, stream);
+    } else {
+      return p.deterministic ? launch_bwd_sm90_main<T, kD, true>(p, stream)
+                             : launch_bwd_sm90_main<T, kD, false>(p, stream);
+    }
   });
 }
 

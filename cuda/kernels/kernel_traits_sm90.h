@@ -127,4 +127,53 @@ struct BwdKernelTraitsSm90 : Base {
   static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T);  // Q and dO tiles
 };
 
+// Backward CTA at head dim 256, where one warpgroup's dK + dV for 64 keys x 256 columns would need 256 registers
+// per thread: the two consumer warpgroups share the CTA's 64 keys and split each GEMM differently. S^T and dP^T:
+// each warpgroup all 64 keys x its half of the kBlockM queries (wgmma N = 32); P^T and dS^T go to shared memory,
+// which both warpgroups read after a barrier. dV += P^T dO, dK += dS^T Q and dQ = dS K: each warpgroup its half of
+// the head-dim columns (dK + dV 128 registers, dQ 64). The shared memory is full with two Q/dO stages, so dQ is
+// added to the float32 accumulator with vector reductions straight from registers (no staging tile).
+template <int kHeadDim_>
+struct BwdSplitDTraitsSm90;
+
+template <>
+struct BwdSplitDTraitsSm90<256> {
+  static constexpr int kHeadDim = 256;
+  static constexpr int kBlockN = 64;  // keys per CTA: one wgmma M
+  static constexpr int kBlockM = 64;  // K 32 + V 32 + 2 x (Q 32 + dO 32) + 2 x (P^T 8 + dS^T 8) KB = 224 KB
+  static constexpr int kStages = 2;   // a second Q/dO stage hides the TMA latency behind the running tile
+};
+
+template <typename T, typename Base>
+struct BwdSplitDKernelTraitsSm90 : Base {
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
+  static constexpr int kColBlocks = Base::kHeadDim / kColBlock;
+  static constexpr int kWgQueries = Base::kBlockM / kConsumerWarpgroups;  // S^T, dP^T columns of a warpgroup
+  static constexpr int kWgCols = Base::kHeadDim / kConsumerWarpgroups;    // dK, dV, dQ columns of a warpgroup
+  // setmaxnreg budgets: 2 x 128 x 240 + 128 x 24 <= 64K registers.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(Base::kBlockN == kWgmmaM, "every S^T GEMM covers the CTA's keys in one wgmma M");
+  static_assert(Base::kBlockM == kColBlock, "P^T and dS^T rows are one 128-byte swizzled row of kBlockM queries");
+  static_assert(kWgQueries % 8 == 0 && kWgCols % kColBlock == 0, "warpgroup halves are whole wgmma tiles");
+
+  struct alignas(1024) SharedStorage {
+    alignas(1024) T k[Base::kBlockN * Base::kHeadDim];                    // [kColBlocks][kBlockN][64]
+    alignas(1024) T v[Base::kBlockN * Base::kHeadDim];                    // [kColBlocks][kBlockN][64]
+    alignas(1024) T q[Base::kStages][Base::kBlockM * Base::kHeadDim];     // [stage][kColBlocks][kBlockM][64]
+    alignas(1024) T dout[Base::kStages][Base::kBlockM * Base::kHeadDim];  // [stage][kColBlocks][kBlockM][64]
+    alignas(1024) T pt[2][Base::kBlockN * Base::kBlockM];                 // [parity][key][kBlockM], swizzled
+    alignas(1024) T dst[2][Base::kBlockN * Base::kBlockM];                // [parity][key][kBlockM], swizzled
+    float stats[kConsumerWarpgroups][2][2 * kWgQueries];  // [wg][parity]: lse * log2(e) of its queries, then dsum
+    uint64_t kv_full;
+    uint64_t qdo_full[Base::kStages];   // Q and dO tiles landed (TMA)
+    uint64_t qdo_empty[Base::kStages];  // consumers are done with the stage
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
+  static constexpr uint32_t kKVBytes = 2 * Base::kBlockN * Base::kHeadDim * sizeof(T);
+  static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T);
+};
+
 }  // namespace jax_flash::cuda::sm90

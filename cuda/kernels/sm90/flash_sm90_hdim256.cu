@@ -4,4 +4,6 @@
 namespace jax_flash {
 JAX_FLASH_INSTANTIATE_SM90(__nv_bfloat16, 256)
 JAX_FLASH_INSTANTIATE_SM90(__half, 256)
+JAX_FLASH_INSTANTIATE_SM90_BWD(__nv_bfloat16, 256)
+JAX_FLASH_INSTANTIATE_SM90_BWD(__half, 256)
 }  // namespace jax_flash

@@ -1,0 +1,336 @@
+// Backward FlashAttention kernel for sm_90a at head dim 256: key/value stationary, the two consumer warpgroups
+// splitting the queries of S^T/dP^T and the head-dim columns of dV/dK/dQ (see BwdSplitDKernelTraitsSm90). The dsum
+// preprocess and the dQ conversion are the sm_80-class kernels, as for flash_bwd_sm90_tma_wgmma_ws.cuh.
+// Per thread of a consumer warpgroup cw (warp w, lane = 4 g + t):
+//   S^T, dP^T : keys 16 w + g (+8), queries 32 cw + 8 j + 2 t (+1), j < 4
+//   dK, dV    : keys 16 w + g (+8), columns 128 cw + 8 j + 2 t (+1), j < 16
+//   dQ        : queries 16 w + g (+8), columns 128 cw + 8 j + 2 t (+1), j < 16
+#pragma once
+
+#include <cmath>
+
+#include "../flash_params.h"
+#include "../mask.h"
+#include "flash_bwd_sm80_mma_cpasync.cuh"   // kLog2eF, atomic_add_f32x2
+#include "flash_bwd_sm90_tma_wgmma_ws.cuh"  // named barrier ids
+#include "kernel_common.cuh"
+#include "kernel_traits_sm80.h"  // kWarpSize
+#include "kernel_traits_sm90.h"
+#include "utils_sm80.cuh"
+#include "utils_sm90.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace jax_flash::cuda::sm90 {
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_bwd_sm90_splitd_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
+                                 const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                                 const __grid_constant__ CUtensorMap tm_do) {
+#if defined(JAX_FLASH_SM90A)
+  constexpr int kD = Traits::kHeadDim;
+  constexpr int kBM = Traits::kBlockM;
+  constexpr int kBN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kQueries = Traits::kWgQueries;  // S^T columns of a warpgroup
+  constexpr int kCols = Traits::kWgCols;        // dK, dV, dQ columns of a warpgroup
+  constexpr int kSTiles = kQueries / 8;         // 8-wide column tiles of S^T
+  constexpr int kCTiles = kCols / 8;            // 8-wide column tiles of dK, dV, dQ
+  using ET = ElemTraits<T>;
+  using Storage = typename Traits::SharedStorage;
+
+  extern __shared__ unsigned char smem_raw[];
+  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int n_block = blockIdx.x;
+  const int hk = blockIdx.y;
+  const int b = blockIdx.z;
+  const int group = p.group_size();
+  const int tid = threadIdx.x;
+
+  const AttentionMask mask = mask_for_batch(p, b);
+
+  const int n0 = n_block * kBN;
+  const int keys_valid = imin(kBN, p.seqlen_k - n0);
+  const int64_t kv_stride = p.kv_row_stride();
+  const int64_t kv_off = b * p.kv_batch_stride() + n0 * kv_stride + int64_t(hk) * p.head_dim;
+  T* gdK = static_cast<T*>(p.dk) + kv_off;
+  T* gdV = static_cast<T*>(p.dv) + kv_off;
+
+  int m_first, m_count;
+  query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
+  const int iters = m_count * group;
+  if (iters == 0) {  // no query sees these keys: zero gradients
+    zero_kv_grads<Traits::kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
+    return;
+  }
+  // Iteration it works on query head h and query tile m0.
+  auto head_of = [&](int it) { return hk * group + it / m_count; };
+  auto row0_of = [&](int it) { return (m_first + it % m_count) * kBM; };
+
+  constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
+  if (tid == 0) {
+    mbar_init(&smem.kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&smem.qdo_full[s], 1);
+      mbar_init(&smem.qdo_empty[s], kConsumerWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = tid / kWarpgroupThreads;
+  if (warpgroup == 0) {
+    // ---- producer: thread 0 issues the TMA loads (K, V once; the ring of Q/dO tiles) -----------------------
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (tid == 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      prefetch_tensor_map(&tm_do);
+      mbar_arrive_expect_tx(&smem.kv_full, Traits::kKVBytes);
+#pragma unroll
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        tma_load_4d(smem.k + cb * kBN * kColBlock, &tm_k, &smem.kv_full, cb * kColBlock, n0, hk, b);
+        tma_load_4d(smem.v + cb * kBN * kColBlock, &tm_v, &smem.kv_full, cb * kColBlock, n0, hk, b);
+      }
+      for (int it = 0; it < iters; ++it) {
+        const int s = it % kStages;
+        const int h = head_of(it);
+        const int m0 = row0_of(it);
+        if (it >= kStages) mbar_wait(&smem.qdo_empty[s], ((it / kStages) - 1) & 1);
+        mbar_arrive_expect_tx(&smem.qdo_full[s], Traits::kQdOBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, &smem.qdo_full[s], cb * kColBlock, m0, h, b);
+          tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, &smem.qdo_full[s], cb * kColBlock, m0, h, b);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers -----------------------------------------------------------------------------------------------
+  setmaxnreg_inc<Traits::kConsumerRegs>();
+  const int cw = warp_uniform(warpgroup - 1);
+  const int wg_tid = tid % kWarpgroupThreads;
+  const int warp = wg_tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const bool lane0 = lane == 0;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int row0 = warp * kWarpRows;  // first of this warp's 16 accumulator rows (keys; queries for dQ)
+  const int q_col0 = cw * kQueries;   // this warpgroup's S^T columns inside the query tile
+  const int d_col0 = cw * kCols;      // this warpgroup's dK, dV, dQ columns
+
+  float acc_dk[kCTiles * 4];
+  float acc_dv[kCTiles * 4];
+#pragma unroll
+  for (int i = 0; i < kCTiles * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+  // Shared-memory descriptors, built once and advanced by compile-time offsets (k-steps, stage and parity
+  // strides). K-major operands step 32 bytes inside a 128-byte row per k-step and one column block per 64
+  // elements; N-major ones step 16 rows (kNMajorStep) per k-step, their 64-wide blocks the leading offset apart.
+  constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
+  constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
+  constexpr uint32_t kQdOStageBytes = sizeof(smem.q[0]);
+  constexpr uint32_t kPdsBufferBytes = sizeof(smem.pt[0]);
+  constexpr uint32_t kNMajorStep = kWgmmaK * kSwizzleBytes;
+  constexpr uint32_t kKMajorStep = kWgmmaK * sizeof(T);
+  constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;
+  static_assert(sizeof(smem.dout[0]) == kQdOStageBytes && sizeof(smem.dst[0]) == kPdsBufferBytes, "equal buffers");
+  const uint32_t q_rows = smem_addr(smem.q[0]) + q_col0 * kSwizzleBytes;  // this warpgroup's queries
+  const uint32_t do_rows = smem_addr(smem.dout[0]) + q_col0 * kSwizzleBytes;
+  const uint32_t col_block = d_col0 / kColBlock;  // this warpgroup's first 64-wide column block
+  const uint64_t desc_k_rows = make_desc_sw128(smem_addr(smem.k), kKMajorLeadingBytes);  // A of S^T
+  const uint64_t desc_v_rows = make_desc_sw128(smem_addr(smem.v), kKMajorLeadingBytes);  // A of dP^T
+  const uint64_t desc_q_k = make_desc_sw128(q_rows, kKMajorLeadingBytes);                // B of S^T
+  const uint64_t desc_do_k = make_desc_sw128(do_rows, kKMajorLeadingBytes);              // B of dP^T
+  const uint64_t desc_pt = make_desc_sw128(smem_addr(smem.pt[0]), kKMajorLeadingBytes);  // A of dV
+  const uint64_t desc_dst = make_desc_sw128(smem_addr(smem.dst[0]), kKMajorLeadingBytes);  // A of dK
+  const uint64_t desc_ds = make_desc_sw128(smem_addr(smem.dst[0]), kPdsBufferBytes);      // A of dQ (M-major)
+  const uint64_t desc_do_n =
+      make_desc_sw128(smem_addr(smem.dout[0]) + col_block * kQColBlockBytes, kQColBlockBytes);  // B of dV
+  const uint64_t desc_q_n =
+      make_desc_sw128(smem_addr(smem.q[0]) + col_block * kQColBlockBytes, kQColBlockBytes);  // B of dK
+  const uint64_t desc_k_cols =
+      make_desc_sw128(smem_addr(smem.k) + col_block * kKVColBlockBytes, kKVColBlockBytes);  // B of dQ
+  // P^T, dS^T stores: key rows row0 + g (+8), 16-byte chunk (query chunk) XOR g (the row modulo 8), 4-byte word t.
+  const uint32_t pds_thread = (row0 + g) * kSwizzleBytes + 4 * t;
+  static_assert(kWarpRows % kSwizzleRows == 0 && kSwizzleRows == 8, "row g + 8 r of a warp's slice is g modulo 8");
+
+  // Row statistics of this warpgroup's queries of tile `it`, one value per thread of the first 2 kQueries: lse
+  // of query wg_tid, then dsum of query wg_tid - kQueries. Queries past seqlen_q (their Q and dO load as zeros)
+  // get 0, which makes dS^T and the dV term 0. Loaded one iteration ahead.
+  const bool stat_thread = wg_tid < 2 * kQueries;
+  auto load_stat = [&](int it) {
+    const int row = row0_of(it) + q_col0 + wg_tid % kQueries;
+    const int64_t idx = (int64_t(b) * p.heads_q + head_of(it)) * p.seqlen_q + row;
+    return stat_thread && row < p.seqlen_q ? (wg_tid < kQueries ? p.lse[idx] : p.dsum[idx]) : 0.f;
+  };
+  const float stat_scale = wg_tid < kQueries ? kLog2eF : 1.f;  // lse is kept as lse * log2(e)
+
+  float stat_next = load_stat(0);
+  mbar_wait(&smem.kv_full, 0);
+
+  for (int it = 0; it < iters; ++it) {
+    const int s = it % kStages;
+    const int par = it & 1;
+    const int m0 = row0_of(it);
+    const uint32_t stage_off = s * kQdOStageBytes;
+    const uint32_t pds_off = par * kPdsBufferBytes;
+
+    // S^T = K Q^T and dP^T = V dO^T (64 keys x this warpgroup's kQueries queries), both operands K-major; two
+    // groups so the exponentials of S^T run under the dP^T GEMM.
+    float acc_s[kSTiles * 4];
+    float acc_dp[kSTiles * 4];
+    mbar_wait(&smem.qdo_full[s], (it / kStages) & 1);
+    auto issue_keys_times_queries = [&](float (&acc)[kSTiles * 4], uint64_t a_desc, uint64_t b_desc) {
+#pragma unroll
+      for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
+        const uint32_t off = (kk % kKStepsPerColBlock) * kKMajorStep;
+        const uint32_t cb = kk / kKStepsPerColBlock;
+        Wgmma<kQueries, T, 0>::ss(acc, desc_advance(a_desc, cb * kKVColBlockBytes + off),
+                                  desc_advance(b_desc, cb * kQColBlockBytes + off), kk > 0);
+      }
+      wgmma_commit();
+    };
+    wgmma_fence();
+    issue_keys_times_queries(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
+    issue_keys_times_queries(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
+
+    const uint32_t stats = smem_addr(smem.stats[cw][par]);
+    if (stat_thread) st_shared_f32(stats + wg_tid * sizeof(float), stat_next * stat_scale);
+    if (it + 1 < iters) stat_next = load_stat(it + 1);
+    named_barrier_sync(kStatsBarrier + cw, kWarpgroupThreads);
+    float2 lse_log2[kSTiles];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
+
+    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; element e of column tile j is key row0 + g + 8 (e / 2),
+    // query q_col0 + 8 j + 2 t + e % 2.
+    wgmma_wait<1>();
+    fence_regs(acc_s);
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc_s[4 * j + e] = exp2f(acc_s[4 * j + e] * p.scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x));
+      }
+    }
+    const int mq0 = m0 + q_col0;
+    if (!mask.tile_fully_visible(mq0, mq0 + kQueries, n0 + row0, n0 + row0 + kWarpRows, p.seqlen_q)) {
+      int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mask.rows_seeing_key(n0 + row0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = mq0 + 8 * j + 2 * t + (e & 1);
+          const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
+          acc_s[4 * j + e] = seen ? acc_s[4 * j + e] : 0.f;
+        }
+      }
+    }
+    // dS^T = P^T * (dP^T - dsum).
+    float2 dsum[kSTiles];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kQueries + 8 * j + 2 * t) * sizeof(float));
+    wgmma_wait<0>();
+    fence_regs(acc_dp);
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
+      }
+    }
+
+    // This warpgroup's query half of P^T and dS^T -> shared memory ([key][kBM queries], one swizzled row per key):
+    // column tile j is 16-byte chunk q_col0 / 8 + j of rows row0 + g and row0 + g + 8.
+    const uint32_t pt_base = smem_addr(smem.pt[0]) + pds_off + pds_thread;
+    const uint32_t dst_base = smem_addr(smem.dst[0]) + pds_off + pds_thread;
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t off = r * kSwizzleRows * kSwizzleBytes + ((q_col0 / 8 + j) ^ g) * kSwizzleChunkBytes;
+        st_shared_u32(pt_base + off, ET::pack(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+        st_shared_u32(dst_base + off, ET::pack(acc_dp[4 * j + 2 * r], acc_dp[4 * j + 2 * r + 1]));
+      }
+    }
+    fence_proxy_async_smem();
+    named_barrier_sync(kDsBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
+
+    // This warpgroup's columns: dQ = dS K over the kBN keys (A = dS read M-major from dS^T, B = K read N-major),
+    // then dV += P^T dO and dK += dS^T Q over the kBM queries (A K-major from shared memory, B read N-major).
+    float acc_dq[kCTiles * 4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+      Wgmma<kCols, T, 1>::template ss<1>(acc_dq, desc_advance(desc_ds, pds_off + kk * kNMajorStep),
+                                         desc_advance(desc_k_cols, kk * kNMajorStep), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+      Wgmma<kCols, T, 1>::ss(acc_dv, desc_advance(desc_pt, pds_off + kk * kKMajorStep),
+                             desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+      Wgmma<kCols, T, 1>::ss(acc_dk, desc_advance(desc_dst, pds_off + kk * kKMajorStep),
+                             desc_advance(desc_q_n, stage_off + kk * kNMajorStep), 1);
+    }
+    wgmma_commit();
+
+    // dQ -> the float32 accumulator with vector reductions while dV and dK run.
+    wgmma_wait<1>();
+    fence_regs(acc_dq);
+    const int h = head_of(it);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int m = m0 + row0 + g + 8 * r;
+      if (m < p.seqlen_q) {
+        float* dq_row = p.dq_accum + ((int64_t(b) * p.seqlen_q + m) * p.heads_q + h) * p.head_dim + d_col0 + 2 * t;
+#pragma unroll
+        for (int j = 0; j < kCTiles; ++j) {
+          if (d_col0 + 8 * j + 2 * t < p.head_dim) {
+            atomic_add_f32x2(dq_row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+          }
+        }
+      }
+    }
+
+    wgmma_wait<0>();
+    fence_regs(acc_dv);
+    fence_regs(acc_dk);
+    __syncwarp();  // every lane's wgmma reads of the stage are done before lane 0 releases it
+    if (lane0) mbar_arrive(&smem.qdo_empty[s]);
+  }
+
+  // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, this warpgroup's columns < head_dim.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row < keys_valid) {
+#pragma unroll
+      for (int j = 0; j < kCTiles; ++j) {
+        const int col = d_col0 + j * 8 + 2 * t;
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) =
+              ET::pack(acc_dk[4 * j + 2 * r] * p.scale, acc_dk[4 * j + 2 * r + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) =
+              ET::pack(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]);
+        }
+      }
+    }
+  }
+#else
+  __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0
+#endif
+}
+
+}  // namespace jax_flash::cuda::sm90
