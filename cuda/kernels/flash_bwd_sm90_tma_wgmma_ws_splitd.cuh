@@ -5,13 +5,16 @@
 //   S^T, dP^T : keys 16 w + g (+8), queries 32 cw + 8 j + 2 t (+1), j < 4
 //   dK, dV    : keys 16 w + g (+8), columns 128 cw + 8 j + 2 t (+1), j < 16
 //   dQ        : queries 16 w + g (+8), columns 128 cw + 8 j + 2 t (+1), j < 16
+// CTAs come in clusters of two neighbouring key blocks that walk the same query tiles (the union of the two
+// blocks' ranges); in CTA r, warpgroup r adds the peer's dQ tile (same thread layout, through distributed shared
+// memory) to its own and reduces the sum into dq_accum, warpgroup 1 - r sends its tile to the peer.
 #pragma once
 
 #include <cmath>
 
 #include "../flash_params.h"
 #include "../mask.h"
-#include "flash_bwd_sm80_mma_cpasync.cuh"   // kLog2eF, atomic_add_f32x2
+#include "flash_bwd_sm80_mma_cpasync.cuh"   // kLog2eF, atomic_add_f32x2, atomic_add_f32x2
 #include "flash_bwd_sm90_tma_wgmma_ws.cuh"  // named barrier ids
 #include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"  // kWarpSize
@@ -23,7 +26,7 @@
 namespace jax_flash::cuda::sm90 {
 
 template <typename T, typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
+__global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::kClusterSize, 1, 1)
     flash_bwd_sm90_splitd_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                                  const __grid_constant__ CUtensorMap tm_do) {
@@ -31,7 +34,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kD = Traits::kHeadDim;
   constexpr int kBM = Traits::kBlockM;
   constexpr int kBN = Traits::kBlockN;
-  constexpr int kStages = Traits::kStages;
+  constexpr int kQStages = Traits::kQStages;
+  constexpr int kDoStages = Traits::kDoStages;
   constexpr int kQueries = Traits::kWgQueries;  // S^T columns of a warpgroup
   constexpr int kCols = Traits::kWgCols;        // dK, dV, dQ columns of a warpgroup
   constexpr int kSTiles = kQueries / 8;         // 8-wide column tiles of S^T
@@ -57,10 +61,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   T* gdK = static_cast<T*>(p.dk) + kv_off;
   T* gdV = static_cast<T*>(p.dv) + kv_off;
 
+  // The query tiles that see either key block of the pair: both CTAs of a cluster take the same iterations.
   int m_first, m_count;
-  query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
+  query_tiles_for_keys<Traits::kClusterSize * kBN, kBM>(mask, p, (n_block & ~(Traits::kClusterSize - 1)) * kBN,
+                                                         &m_first, &m_count);
   const int iters = m_count * group;
-  if (iters == 0) {  // no query sees these keys: zero gradients
+  if (iters == 0) {  // no query sees these keys (nor the peer's): zero gradients
     zero_kv_grads<Traits::kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
     return;
   }
@@ -72,17 +78,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (tid == 0) {
     mbar_init(&smem.kv_full, 1);
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&smem.qdo_full[s], 1);
-      mbar_init(&smem.qdo_empty[s], kConsumerWarps);
+    for (int s = 0; s < kQStages; ++s) {
+      mbar_init(&smem.q_full[s], 1);
+      mbar_init(&smem.q_empty[s], kConsumerWarps);
     }
+#pragma unroll
+    for (int s = 0; s < kDoStages; ++s) {
+      mbar_init(&smem.do_full[s], 1);
+      mbar_init(&smem.do_empty[s], kConsumerWarps);
+    }
+    mbar_init(&smem.peer_full, 1);  // the reducing warpgroup's expect_tx; the peer's st.async complete the bytes
+    mbar_init(&smem.peer_empty, kWarpgroupThreads);
     mbar_init_fence();
   }
-  __syncthreads();
+  cluster_sync();  // the peer's barriers are initialised before anything arrives on them
 
   const int warpgroup = tid / kWarpgroupThreads;
   if (warpgroup == 0) {
-    // ---- producer: thread 0 issues the TMA loads (K, V once; the ring of Q/dO tiles) -----------------------
+    // ---- producer: thread 0 issues the TMA loads (K, V once; rings of Q and dO tiles) ----------------------
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (tid == 0) {
       prefetch_tensor_map(&tm_q);
@@ -96,18 +109,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         tma_load_4d(smem.v + cb * kBN * kColBlock, &tm_v, &smem.kv_full, cb * kColBlock, n0, hk, b);
       }
       for (int it = 0; it < iters; ++it) {
-        const int s = it % kStages;
         const int h = head_of(it);
         const int m0 = row0_of(it);
-        if (it >= kStages) mbar_wait(&smem.qdo_empty[s], ((it / kStages) - 1) & 1);
-        mbar_arrive_expect_tx(&smem.qdo_full[s], Traits::kQdOBytes);
+        const int sq = it % kQStages;
+        if (it >= kQStages) mbar_wait(&smem.q_empty[sq], ((it / kQStages) - 1) & 1);
+        mbar_arrive_expect_tx(&smem.q_full[sq], Traits::kTileBytes);
 #pragma unroll
         for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, &smem.qdo_full[s], cb * kColBlock, m0, h, b);
-          tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, &smem.qdo_full[s], cb * kColBlock, m0, h, b);
+          tma_load_4d(smem.q[sq] + cb * kBM * kColBlock, &tm_q, &smem.q_full[sq], cb * kColBlock, m0, h, b);
+        }
+        const int sd = it % kDoStages;
+        if (it >= kDoStages) mbar_wait(&smem.do_empty[sd], ((it / kDoStages) - 1) & 1);
+        mbar_arrive_expect_tx(&smem.do_full[sd], Traits::kTileBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(smem.dout[sd] + cb * kBM * kColBlock, &tm_do, &smem.do_full[sd], cb * kColBlock, m0, h, b);
         }
       }
     }
+    cluster_sync();  // matches the consumers' final cluster_sync
     return;
   }
 
@@ -134,12 +154,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // elements; N-major ones step 16 rows (kNMajorStep) per k-step, their 64-wide blocks the leading offset apart.
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
-  constexpr uint32_t kQdOStageBytes = sizeof(smem.q[0]);
+  constexpr uint32_t kTileBytes = sizeof(smem.q[0]);  // one Q or dO stage
   constexpr uint32_t kPdsBufferBytes = sizeof(smem.pt[0]);
   constexpr uint32_t kNMajorStep = kWgmmaK * kSwizzleBytes;
   constexpr uint32_t kKMajorStep = kWgmmaK * sizeof(T);
   constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;
-  static_assert(sizeof(smem.dout[0]) == kQdOStageBytes && sizeof(smem.dst[0]) == kPdsBufferBytes, "equal buffers");
+  static_assert(sizeof(smem.dout[0]) == kTileBytes && sizeof(smem.dst[0]) == kPdsBufferBytes, "equal buffers");
   const uint32_t q_rows = smem_addr(smem.q[0]) + q_col0 * kSwizzleBytes;  // this warpgroup's queries
   const uint32_t do_rows = smem_addr(smem.dout[0]) + q_col0 * kSwizzleBytes;
   const uint32_t col_block = d_col0 / kColBlock;  // this warpgroup's first 64-wide column block
@@ -160,6 +180,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t pds_thread = (row0 + g) * kSwizzleBytes + 4 * t;
   static_assert(kWarpRows % kSwizzleRows == 0 && kSwizzleRows == 8, "row g + 8 r of a warp's slice is g modulo 8");
 
+  // dQ exchange with the peer CTA: thread i's float4 k at byte (k * 128 + i) * 16 of dq_peer (conflict-free).
+  constexpr uint32_t kPeerRowBytes = kWarpgroupThreads * sizeof(float4);
+  static_assert(sizeof(smem.dq_peer) == kCTiles * kPeerRowBytes, "dq_peer holds one warpgroup's dQ tile");
+  const int rank = int(cluster_ctarank());
+  const uint32_t peer = uint32_t(rank ^ 1);
+  const uint32_t own_slot = smem_addr(smem.dq_peer) + wg_tid * sizeof(float4);
+  const uint32_t peer_slot = map_to_cta(own_slot, peer);
+  const uint32_t peer_full_remote = map_to_cta(smem_addr(&smem.peer_full), peer);
+  const uint32_t peer_empty_remote = map_to_cta(smem_addr(&smem.peer_empty), peer);
+
   // Row statistics of this warpgroup's queries of tile `it`, one value per thread of the first 2 kQueries: lse
   // of query wg_tid, then dsum of query wg_tid - kQueries. Queries past seqlen_q (their Q and dO load as zeros)
   // get 0, which makes dS^T and the dV term 0. Loaded one iteration ahead.
@@ -175,17 +205,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   mbar_wait(&smem.kv_full, 0);
 
   for (int it = 0; it < iters; ++it) {
-    const int s = it % kStages;
+    const int sq = it % kQStages;
+    const int sd = it % kDoStages;
     const int par = it & 1;
     const int m0 = row0_of(it);
-    const uint32_t stage_off = s * kQdOStageBytes;
+    const uint32_t q_off = sq * kTileBytes;
+    const uint32_t do_off = sd * kTileBytes;
     const uint32_t pds_off = par * kPdsBufferBytes;
 
     // S^T = K Q^T and dP^T = V dO^T (64 keys x this warpgroup's kQueries queries), both operands K-major; two
     // groups so the exponentials of S^T run under the dP^T GEMM.
     float acc_s[kSTiles * 4];
     float acc_dp[kSTiles * 4];
-    mbar_wait(&smem.qdo_full[s], (it / kStages) & 1);
     auto issue_keys_times_queries = [&](float (&acc)[kSTiles * 4], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
       for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
@@ -197,8 +228,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_commit();
     };
     wgmma_fence();
-    issue_keys_times_queries(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
-    issue_keys_times_queries(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
+    mbar_wait(&smem.q_full[sq], (it / kQStages) & 1);
+    issue_keys_times_queries(acc_s, desc_k_rows, desc_advance(desc_q_k, q_off));
+    mbar_wait(&smem.do_full[sd], (it / kDoStages) & 1);
+    issue_keys_times_queries(acc_dp, desc_v_rows, desc_advance(desc_do_k, do_off));
 
     const uint32_t stats = smem_addr(smem.stats[cw][par]);
     if (stat_thread) st_shared_f32(stats + wg_tid * sizeof(float), stat_next * stat_scale);
@@ -264,10 +297,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fence_proxy_async_smem();
     named_barrier_sync(kDsBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
 
-    // This warpgroup's columns: dQ = dS K over the kBN keys (A = dS read M-major from dS^T, B = K read N-major),
-    // then dV += P^T dO and dK += dS^T Q over the kBM queries (A K-major from shared memory, B read N-major).
+    // This warpgroup's columns: dV += P^T dO (first, so the dO stage frees early), dQ = dS K over the kBN keys
+    // (A = dS read M-major from dS^T, B = K read N-major), dK += dS^T Q; P^T, dS^T K-major, Q and dO N-major.
     float acc_dq[kCTiles * 4];
     wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+      Wgmma<kCols, T, 1>::ss(acc_dv, desc_advance(desc_pt, pds_off + kk * kKMajorStep),
+                             desc_advance(desc_do_n, do_off + kk * kNMajorStep), 1);
+    }
+    wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
       Wgmma<kCols, T, 1>::template ss<1>(acc_dq, desc_advance(desc_ds, pds_off + kk * kNMajorStep),
@@ -276,39 +315,64 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-      Wgmma<kCols, T, 1>::ss(acc_dv, desc_advance(desc_pt, pds_off + kk * kKMajorStep),
-                             desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
       Wgmma<kCols, T, 1>::ss(acc_dk, desc_advance(desc_dst, pds_off + kk * kKMajorStep),
-                             desc_advance(desc_q_n, stage_off + kk * kNMajorStep), 1);
+                             desc_advance(desc_q_n, q_off + kk * kNMajorStep), 1);
     }
     wgmma_commit();
 
-    // dQ -> the float32 accumulator with vector reductions while dV and dK run.
+    wgmma_wait<2>();
+    fence_regs(acc_dv);
+    __syncwarp();  // every lane's wgmma reads of the dO stage are done before lane 0 releases it
+    if (lane0) mbar_arrive(&smem.do_empty[sd]);
+
+    // dQ: the sending warpgroup stores its tile into the peer's dq_peer (float4 k of thread i at [k][i]); the
+    // reducing one adds the peer's tile to its own and reduces the sum into dq_accum while dK runs.
     wgmma_wait<1>();
     fence_regs(acc_dq);
-    const int h = head_of(it);
+    if (cw != rank) {
+      if (it > 0) mbar_wait(&smem.peer_empty, (it - 1) & 1);  // the peer read the previous tile
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int m = m0 + row0 + g + 8 * r;
-      if (m < p.seqlen_q) {
-        float* dq_row = p.dq_accum + ((int64_t(b) * p.seqlen_q + m) * p.heads_q + h) * p.head_dim + d_col0 + 2 * t;
+      for (int k = 0; k < kCTiles; ++k) {
+        st_async_f32x4(peer_slot + k * kPeerRowBytes, acc_dq[4 * k], acc_dq[4 * k + 1], acc_dq[4 * k + 2],
+                       acc_dq[4 * k + 3], peer_full_remote);
+      }
+    } else {
+      if (wg_tid == 0) mbar_arrive_expect_tx(&smem.peer_full, sizeof(smem.dq_peer));
+      mbar_wait(&smem.peer_full, it & 1);
+      // Column tile j of both rows is float4 j of the peer's tile; loaded kLoadGroup at a time so the loaded
+      // values never need registers beside all three accumulators.
+      constexpr int kLoadGroup = 4;
+      const int h = head_of(it);
+      const int m = m0 + row0 + g;  // and m + 8
+      float* dq_row = p.dq_accum + ((int64_t(b) * p.seqlen_q + m) * p.heads_q + h) * p.head_dim + d_col0 + 2 * t;
+      const int64_t dq_row8 = int64_t(8) * p.heads_q * p.head_dim;  // row m + 8
+      const bool row_ok[2] = {m < p.seqlen_q, m + 8 < p.seqlen_q};
 #pragma unroll
-        for (int j = 0; j < kCTiles; ++j) {
+      for (int j0 = 0; j0 < kCTiles; j0 += kLoadGroup) {
+        float4 peer_dq[kLoadGroup];
+#pragma unroll
+        for (int u = 0; u < kLoadGroup; ++u) peer_dq[u] = ld_shared_f32x4(own_slot + (j0 + u) * kPeerRowBytes);
+#pragma unroll
+        for (int u = 0; u < kLoadGroup; ++u) {
+          const int j = j0 + u;
           if (d_col0 + 8 * j + 2 * t < p.head_dim) {
-            atomic_add_f32x2(dq_row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+            if (row_ok[0]) {
+              atomic_add_f32x2(dq_row + 8 * j, acc_dq[4 * j] + peer_dq[u].x, acc_dq[4 * j + 1] + peer_dq[u].y);
+            }
+            if (row_ok[1]) {
+              atomic_add_f32x2(dq_row + dq_row8 + 8 * j, acc_dq[4 * j + 2] + peer_dq[u].z,
+                               acc_dq[4 * j + 3] + peer_dq[u].w);
+            }
           }
         }
       }
+      mbar_arrive_cluster_relaxed(peer_empty_remote);  // the loaded values were consumed by the reductions
     }
 
     wgmma_wait<0>();
-    fence_regs(acc_dv);
     fence_regs(acc_dk);
-    __syncwarp();  // every lane's wgmma reads of the stage are done before lane 0 releases it
-    if (lane0) mbar_arrive(&smem.qdo_empty[s]);
+    __syncwarp();  // every lane's wgmma reads of the Q stage are done before lane 0 releases it
+    if (lane0) mbar_arrive(&smem.q_empty[sq]);
   }
 
   // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, this warpgroup's columns < head_dim.
@@ -328,6 +392,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
   }
+  cluster_sync();  // the peer's last accesses to this CTA's shared memory are done before it exits
 #else
   __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0
 #endif

@@ -118,8 +118,8 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The head-dim-256 main backward kernel (head dim split between the consumer warpgroups; dQ by reductions from
-// registers, so no ordered variant: BackwardUnsupportedReason rejects deterministic=True there).
+// The head-dim-256 main backward kernel (head dim split between the consumer warpgroups; clusters of two key
+// blocks share their dQ reductions, in no fixed order: BackwardUnsupportedReason rejects deterministic=True there).
 template <typename T, int kD>
 cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdSplitDKernelTraitsSm90<T, BwdSplitDTraitsSm90<kD>>;
@@ -133,7 +133,9 @@ cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t strea
       e != cudaSuccess) {
     return e;
   }
-  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  // Whole clusters: a key block past seqlen_k loads zeros, sees no query and writes nothing.
+  const int key_blocks = ceil_div(p.seqlen_k, Traits::kBlockN);
+  const dim3 grid(ceil_div(key_blocks, Traits::kClusterSize) * Traits::kClusterSize, p.heads_kv, p.batch);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
   return cudaGetLastError();
 }

@@ -131,8 +131,12 @@ struct BwdKernelTraitsSm90 : Base {
 // per thread: the two consumer warpgroups share the CTA's 64 keys and split each GEMM differently. S^T and dP^T:
 // each warpgroup all 64 keys x its half of the kBlockM queries (wgmma N = 32); P^T and dS^T go to shared memory,
 // which both warpgroups read after a barrier. dV += P^T dO, dK += dS^T Q and dQ = dS K: each warpgroup its half of
-// the head-dim columns (dK + dV 128 registers, dQ 64). The shared memory is full with two Q/dO stages, so dQ is
-// added to the float32 accumulator with vector reductions straight from registers (no staging tile).
+// the head-dim columns (dK + dV 128 registers, dQ 64).
+// dQ: with 64 keys per CTA the float32 reductions into dq_accum are as many bytes as the Q and dO loads and they
+// saturated the L2's input (ncu, H100: xbar-to-L2 89% busy, 276 TFLOP/s). So CTAs run in clusters of two
+// neighbouring key blocks that walk the same query tiles and add their dQ tiles before reducing: in CTA r,
+// warpgroup r adds the peer's tile of the same columns (sent by the peer's other warpgroup into this CTA's shared
+// memory: distributed shared memory) to its own and reduces the sum, which halves the reductions.
 template <int kHeadDim_>
 struct BwdSplitDTraitsSm90;
 
@@ -140,13 +144,15 @@ template <>
 struct BwdSplitDTraitsSm90<256> {
   static constexpr int kHeadDim = 256;
   static constexpr int kBlockN = 64;  // keys per CTA: one wgmma M
-  static constexpr int kBlockM = 64;  // K 32 + V 32 + 2 x (Q 32 + dO 32) + 2 x (P^T 8 + dS^T 8) KB = 224 KB
-  static constexpr int kStages = 2;   // a second Q/dO stage hides the TMA latency behind the running tile
+  static constexpr int kBlockM = 64;  // K 32 + V 32 + 2 x Q 32 + dO 32 + 2 x (P^T 8 + dS^T 8) + dQ peer 32 KB
+  static constexpr int kQStages = 2;  // Q is read first (S^T) and last (dK): a second stage hides its load
+  static constexpr int kDoStages = 1;  // dO is free once dV is done, a dQ and a dK GEMM before the next dP^T
 };
 
 template <typename T, typename Base>
 struct BwdSplitDKernelTraitsSm90 : Base {
   static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kClusterSize = 2;  // CTAs sharing dQ reductions (one per consumer warpgroup)
   static constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
   static constexpr int kColBlocks = Base::kHeadDim / kColBlock;
   static constexpr int kWgQueries = Base::kBlockM / kConsumerWarpgroups;  // S^T, dP^T columns of a warpgroup
@@ -157,23 +163,29 @@ struct BwdSplitDKernelTraitsSm90 : Base {
   static_assert(Base::kBlockN == kWgmmaM, "every S^T GEMM covers the CTA's keys in one wgmma M");
   static_assert(Base::kBlockM == kColBlock, "P^T and dS^T rows are one 128-byte swizzled row of kBlockM queries");
   static_assert(kWgQueries % 8 == 0 && kWgCols % kColBlock == 0, "warpgroup halves are whole wgmma tiles");
+  static_assert(kClusterSize == kConsumerWarpgroups, "CTA r of the pair reduces warpgroup r's columns");
 
   struct alignas(1024) SharedStorage {
-    alignas(1024) T k[Base::kBlockN * Base::kHeadDim];                    // [kColBlocks][kBlockN][64]
-    alignas(1024) T v[Base::kBlockN * Base::kHeadDim];                    // [kColBlocks][kBlockN][64]
-    alignas(1024) T q[Base::kStages][Base::kBlockM * Base::kHeadDim];     // [stage][kColBlocks][kBlockM][64]
-    alignas(1024) T dout[Base::kStages][Base::kBlockM * Base::kHeadDim];  // [stage][kColBlocks][kBlockM][64]
-    alignas(1024) T pt[2][Base::kBlockN * Base::kBlockM];                 // [parity][key][kBlockM], swizzled
-    alignas(1024) T dst[2][Base::kBlockN * Base::kBlockM];                // [parity][key][kBlockM], swizzled
+    alignas(1024) T k[Base::kBlockN * Base::kHeadDim];                       // [kColBlocks][kBlockN][64]
+    alignas(1024) T v[Base::kBlockN * Base::kHeadDim];                       // [kColBlocks][kBlockN][64]
+    alignas(1024) T q[Base::kQStages][Base::kBlockM * Base::kHeadDim];      // [stage][kColBlocks][kBlockM][64]
+    alignas(1024) T dout[Base::kDoStages][Base::kBlockM * Base::kHeadDim];  // [stage][kColBlocks][kBlockM][64]
+    alignas(1024) T pt[2][Base::kBlockN * Base::kBlockM];                    // [parity][key][kBlockM], swizzled
+    alignas(1024) T dst[2][Base::kBlockN * Base::kBlockM];                   // [parity][key][kBlockM], swizzled
+    alignas(1024) float4 dq_peer[Base::kBlockM * kWgCols / 4];  // a peer warpgroup's dQ tile: [float4 k][thread]
     float stats[kConsumerWarpgroups][2][2 * kWgQueries];  // [wg][parity]: lse * log2(e) of its queries, then dsum
     uint64_t kv_full;
-    uint64_t qdo_full[Base::kStages];   // Q and dO tiles landed (TMA)
-    uint64_t qdo_empty[Base::kStages];  // consumers are done with the stage
+    uint64_t q_full[Base::kQStages];    // Q tile landed (TMA)
+    uint64_t q_empty[Base::kQStages];   // consumers are done with the stage
+    uint64_t do_full[Base::kDoStages];
+    uint64_t do_empty[Base::kDoStages];
+    uint64_t peer_full;   // the peer's dQ tile is in dq_peer (expect_tx here, st.async bytes from the peer)
+    uint64_t peer_empty;  // the peer has read what this CTA sent (one arrival per thread of its warpgroup)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
   static constexpr uint32_t kKVBytes = 2 * Base::kBlockN * Base::kHeadDim * sizeof(T);
-  static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T);
+  static constexpr uint32_t kTileBytes = Base::kBlockM * Base::kHeadDim * sizeof(T);  // one Q or dO tile
 };
 
 }  // namespace jax_flash::cuda::sm90
