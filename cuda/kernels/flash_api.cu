@@ -151,8 +151,8 @@ const char* BackwardUnsupportedReason(const FlashParams& p) {
   // Without a query row or a key there is no dQ accumulation, so any backward is deterministic.
   if (!p.deterministic || p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return "";
   if (use_sm90_backward(p) && head_dim_class(p.head_dim) <= 128) return "";
-  return "deterministic=True needs the sm_90a backward kernel: compute capability 9.0, head_dim <= 128, and "
-         "JAX_FLASH_FORCE_SM80 unset (the sm_80-class backward adds dQ with atomics in no fixed order)";
+  return "deterministic=True needs the sm_90a backward kernel for head_dim <= 128: compute capability 9.0 and "
+         "JAX_FLASH_FORCE_SM80 unset (the other backward kernels add dQ in no fixed order)";
 }
 
 cudaError_t RunFlashForward(const FlashParams& p, cudaStream_t stream) {
