@@ -128,13 +128,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
 
   const AttentionMask mask = mask_for_batch(p, b);
 
-  const int n0 = n_block * kBN;
-  const int keys_valid = imin(kBN, p.seqlen_k - n0);
+  const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
   const int64_t q_stride = p.q_row_stride();
-  const int64_t kv_stride = p.kv_row_stride();
-  const int64_t kv_off = b * p.kv_batch_stride() + n0 * kv_stride + int64_t(hk) * p.head_dim;
-  T* gdK = static_cast<T*>(p.dk) + kv_off;
-  T* gdV = static_cast<T*>(p.dv) + kv_off;
 
   int m_first, m_count;
   query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);

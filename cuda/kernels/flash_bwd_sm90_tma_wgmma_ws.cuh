@@ -12,6 +12,7 @@
 #include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"            // kWarpSize
 #include "kernel_traits_sm90.h"
+#include "softmax_bwd_sm90.cuh"
 #include "utils_sm80.cuh"
 #include "utils_sm90.cuh"
 #include "wgmma_sm90.cuh"
@@ -56,12 +57,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const AttentionMask mask = mask_for_batch(p, b);
 
-  const int n0 = n_block * kBN;
-  const int keys_valid = imin(kBN, p.seqlen_k - n0);
-  const int64_t kv_stride = p.kv_row_stride();
-  const int64_t kv_off = b * p.kv_batch_stride() + n0 * kv_stride + int64_t(hk) * p.head_dim;
-  T* gdK = static_cast<T*>(p.dk) + kv_off;
-  T* gdV = static_cast<T*>(p.dv) + kv_off;
+  const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
 
   int m_first, m_count;
   query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
@@ -277,40 +273,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // query 8 j + 2 t + e % 2.
     wgmma_wait<1>();
     fence_regs(acc_s);
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc_s[4 * j + e] = exp2f(acc_s[4 * j + e] * p.scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x));
-      }
-    }
-    if (!mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + kWarpRows, p.seqlen_q)) {
-      int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mask.rows_seeing_key(n0 + key_row0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
-#pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = m0 + 8 * j + 2 * t + (e & 1);
-          const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
-          acc_s[4 * j + e] = seen ? acc_s[4 * j + e] : 0.f;
-        }
-      }
-    }
+    probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, mask, m0, n0 + key_row0, p.seqlen_q, g, t);
     // dS^T = P^T * (dP^T - dsum).
     float2 dsum[kSTiles];
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kBM + 8 * j + 2 * t) * sizeof(float));
     wgmma_wait<0>();
     fence_regs(acc_dp);
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
-      }
-    }
+    dscores_from_probs<kSTiles>(acc_dp, acc_s, dsum);
     // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
     uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
 #pragma unroll
@@ -391,22 +361,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, columns < head_dim.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = key_row0 + g + 8 * r;
-    if (row < keys_valid) {
-#pragma unroll
-      for (int j = 0; j < kDTiles; ++j) {
-        const int col = j * 8 + 2 * t;
-        if (col < p.head_dim) {
-          *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) =
-              ET::pack(acc_dk[4 * j + 2 * r] * p.scale, acc_dk[4 * j + 2 * r + 1] * p.scale);
-          *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) =
-              ET::pack(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]);
-        }
-      }
-    }
-  }
+  store_kv_grads<T, kDTiles>(gdK, gdV, kv_stride, acc_dk, acc_dv, p.scale, key_row0, keys_valid, 0, p.head_dim, g,
+                             t);
 #else
   __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0
 #endif

@@ -19,6 +19,7 @@
 #include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"  // kWarpSize
 #include "kernel_traits_sm90.h"
+#include "softmax_bwd_sm90.cuh"
 #include "utils_sm80.cuh"
 #include "utils_sm90.cuh"
 #include "wgmma_sm90.cuh"
@@ -54,12 +55,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
 
   const AttentionMask mask = mask_for_batch(p, b);
 
-  const int n0 = n_block * kBN;
-  const int keys_valid = imin(kBN, p.seqlen_k - n0);
-  const int64_t kv_stride = p.kv_row_stride();
-  const int64_t kv_off = b * p.kv_batch_stride() + n0 * kv_stride + int64_t(hk) * p.head_dim;
-  T* gdK = static_cast<T*>(p.dk) + kv_off;
-  T* gdV = static_cast<T*>(p.dv) + kv_off;
+  const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
 
   // The query tiles that see either key block of the pair: both CTAs of a cluster take the same iterations.
   int m_first, m_count;
@@ -245,41 +241,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
     // query q_col0 + 8 j + 2 t + e % 2.
     wgmma_wait<1>();
     fence_regs(acc_s);
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc_s[4 * j + e] = exp2f(acc_s[4 * j + e] * p.scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x));
-      }
-    }
-    const int mq0 = m0 + q_col0;
-    if (!mask.tile_fully_visible(mq0, mq0 + kQueries, n0 + row0, n0 + row0 + kWarpRows, p.seqlen_q)) {
-      int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mask.rows_seeing_key(n0 + row0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
-#pragma unroll
-      for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = mq0 + 8 * j + 2 * t + (e & 1);
-          const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
-          acc_s[4 * j + e] = seen ? acc_s[4 * j + e] : 0.f;
-        }
-      }
-    }
+    probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, mask, m0 + q_col0, n0 + row0, p.seqlen_q, g, t);
     // dS^T = P^T * (dP^T - dsum).
     float2 dsum[kSTiles];
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kQueries + 8 * j + 2 * t) * sizeof(float));
     wgmma_wait<0>();
     fence_regs(acc_dp);
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
-      }
-    }
+    dscores_from_probs<kSTiles>(acc_dp, acc_s, dsum);
 
     // This warpgroup's query half of P^T and dS^T -> shared memory ([key][kBM queries], one swizzled row per key):
     // column tile j is 16-byte chunk q_col0 / 8 + j of rows row0 + g and row0 + g + 8.
@@ -376,23 +345,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   }
 
   // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, this warpgroup's columns < head_dim.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + 8 * r;
-    if (row < keys_valid) {
-#pragma unroll
-      for (int j = 0; j < kCTiles; ++j) {
-        const int col = d_col0 + j * 8 + 2 * t;
-        if (col < p.head_dim) {
-          *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) =
-              ET::pack(acc_dk[4 * j + 2 * r] * p.scale, acc_dk[4 * j + 2 * r + 1] * p.scale);
-          *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) =
-              ET::pack(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]);
-        }
-      }
-    }
-  }
-  cluster_sync();  // the peer's last accesses to this CTA's shared memory are done before it exits
+  store_kv_grads<T, kCTiles>(gdK, gdV, kv_stride, acc_dk, acc_dv, p.scale, row0, keys_valid, d_col0, p.head_dim,
+                             g, t);
 #else
   __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0
 #endif

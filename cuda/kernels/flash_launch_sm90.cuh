@@ -91,6 +91,16 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Q and dO in tiles of kBlockM rows, K and V in tiles of kBlockN: the loads of every sm_90a backward kernel.
+template <typename T, typename Traits>
+cudaError_t make_bwd_tensor_maps(const FlashParams& p, CUtensorMap* tm_q, CUtensorMap* tm_k, CUtensorMap* tm_v,
+                                 CUtensorMap* tm_do) {
+  return make_bthd_tensor_maps<T>(p, {{tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
+                                      {tm_do, p.dout, p.seqlen_q, p.heads_q, Traits::kBlockM},
+                                      {tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+                                      {tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
+}
+
 // The sm_90a main backward kernel, with or without ordered (deterministic) dQ additions.
 template <typename T, int kD, bool kDeterministic>
 cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
@@ -98,13 +108,7 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kDeterministic>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
-  if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
-                                                   {&tm_do, p.dout, p.seqlen_q, p.heads_q, Traits::kBlockM},
-                                                   {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
-      e != cudaSuccess) {
-    return e;
-  }
+  if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
   // The float32 dQ accumulator (dq_accum has q's layout), reduced into in boxes of kDqBoxCols x kBlockM.
   CUtensorMap tm_dq;
   if (cudaError_t e = encode_bthd_tensor_map(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sizeof(float), p.dq_accum,
@@ -126,13 +130,7 @@ cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t strea
   constexpr auto kernel = flash_bwd_sm90_splitd_kernel<T, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
-  if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
-                                                   {&tm_do, p.dout, p.seqlen_q, p.heads_q, Traits::kBlockM},
-                                                   {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
-      e != cudaSuccess) {
-    return e;
-  }
+  if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
   // Whole clusters: a key block past seqlen_k loads zeros, sees no query and writes nothing.
   const int key_blocks = ceil_div(p.seqlen_k, Traits::kBlockN);
   const dim3 grid(ceil_div(key_blocks, Traits::kClusterSize) * Traits::kClusterSize, p.heads_kv, p.batch);

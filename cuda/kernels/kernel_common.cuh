@@ -32,6 +32,26 @@ __device__ __forceinline__ void query_tiles_for_keys(const AttentionMask& mask, 
   *m_count = row_end > row_begin ? (row_end + kBlockM - 1) / kBlockM - *m_first : 0;
 }
 
+// What a backward CTA owns: key block n_block (kBlockN keys from n0) of key/value head hk, batch b; `keys` of them
+// lie below seqlen_k (none for a padding block); row n0 of that head is element `off` of K, V, dK and dV, rows
+// `stride` elements apart; dk, dv point at it.
+template <typename T>
+struct KeyBlock {
+  int n0;
+  int keys;
+  int64_t stride;
+  int64_t off;
+  T* dk;
+  T* dv;
+};
+template <int kBlockN, typename T>
+__device__ __forceinline__ KeyBlock<T> key_block(const FlashParams& p, int n_block, int hk, int b) {
+  const int n0 = n_block * kBlockN;
+  const int64_t stride = p.kv_row_stride();
+  const int64_t off = b * p.kv_batch_stride() + n0 * stride + int64_t(hk) * p.head_dim;
+  return {n0, imin(kBlockN, p.seqlen_k - n0), stride, off, static_cast<T*>(p.dk) + off, static_cast<T*>(p.dv) + off};
+}
+
 // dK = dV = 0 for the first `keys` rows of a key block that no query sees (16-byte stores; head_dim is a multiple
 // of 8 16-bit elements), spread over the CTA's kThreads threads.
 template <int kThreads, typename T>

@@ -1,0 +1,80 @@
+// Per-thread pieces the two sm_90a backward kernels share: P^T and dS^T from the S^T and dP^T accumulators of a
+// 64-key wgmma (m64nNk16 layout: column tile j holds keys g and g + 8 of the warp's 16 rows, queries 8 j + 2 t and
+// 8 j + 2 t + 1), and the dK/dV epilogue from the dK/dV accumulators of the same layout.
+#pragma once
+
+#include "../flash_params.h"
+#include "../mask.h"
+#include "utils_sm80.cuh"  // ElemTraits
+#include "utils_sm90.cuh"  // kWarpRows
+
+namespace jax_flash::cuda::sm90 {
+
+// P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place, zero where the mask hides the pair. query0: the first
+// query of the accumulator's kSTiles * 8 columns; key0: the first of the warp's 16 keys.
+template <int kSTiles>
+__device__ __forceinline__ void probs_from_scores(float (&acc_s)[kSTiles * 4], const float2 (&lse_log2)[kSTiles],
+                                                  float scale_log2, const AttentionMask& mask, int query0, int key0,
+                                                  int seqlen_q, int g, int t) {
+#pragma unroll
+  for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc_s[4 * j + e] = exp2f(acc_s[4 * j + e] * scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x));
+    }
+  }
+  if (!mask.tile_fully_visible(query0, query0 + kSTiles * 8, key0, key0 + kWarpRows, seqlen_q)) {
+    int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mask.rows_seeing_key(key0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = query0 + 8 * j + 2 * t + (e & 1);
+        const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
+        acc_s[4 * j + e] = seen ? acc_s[4 * j + e] : 0.f;
+      }
+    }
+  }
+}
+
+// dS^T = P^T * (dP^T - dsum) in place of dP^T.
+template <int kSTiles>
+__device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4], const float (&acc_s)[kSTiles * 4],
+                                                   const float2 (&dsum)[kSTiles]) {
+#pragma unroll
+  for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
+    }
+  }
+}
+
+// Epilogue: dK = scale * acc_dk, dV = acc_dv for this thread's keys row0 + g (+8) below `keys`, columns
+// col0 + 8 j + 2 t (+1) below head_dim; gdK, gdV point at the key block's first row.
+template <typename T, int kTiles>
+__device__ __forceinline__ void store_kv_grads(T* gdK, T* gdV, int64_t kv_stride, const float (&acc_dk)[kTiles * 4],
+                                               const float (&acc_dv)[kTiles * 4], float scale, int row0, int keys,
+                                               int col0, int head_dim, int g, int t) {
+  using ET = ElemTraits<T>;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row < keys) {
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        const int col = col0 + j * 8 + 2 * t;
+        if (col < head_dim) {
+          *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) =
+              ET::pack(acc_dk[4 * j + 2 * r] * scale, acc_dk[4 * j + 2 * r + 1] * scale);
+          *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) =
+              ET::pack(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace jax_flash::cuda::sm90
