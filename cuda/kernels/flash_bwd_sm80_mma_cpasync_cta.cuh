@@ -61,7 +61,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int n_block = blockIdx.x;
   const int hk = blockIdx.y;
   const int b = blockIdx.z;
-  const int group = p.group_size();
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
@@ -77,9 +76,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
   const int64_t q_stride = p.q_row_stride();
 
-  int m_first, m_count;
-  query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
-  const int iters = m_count * group;
+  const auto walk = query_tile_walk<kBN, kBM>(mask, p, n0, hk);
+  const int iters = walk.iters();
   if (iters == 0) {  // no query sees these keys: zero gradients
     zero_kv_grads<kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
     return;
@@ -87,8 +85,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   // Loads the query-side tiles of iteration `it` into ring stage `stage`.
   auto load_query_side = [&](int it, int stage) {
-    load_query_side_async<kBM, kD, kThreads>(p, q_stride, b, hk * group + it / m_count,
-                                             (m_first + it % m_count) * kBM, s.q[stage], s.dout[stage],
+    load_query_side_async<kBM, kD, kThreads>(p, q_stride, b, walk.head(it), walk.row0(it),
+                                             s.q[stage], s.dout[stage],
                                              s.lse[stage], s.dsum[stage], tid);
   };
 
@@ -134,8 +132,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   for (int it = 0; it < iters; ++it) {
     const int stage = it & 1;
-    const int h = hk * group + it / m_count;
-    const int m0 = (m_first + it % m_count) * kBM;
+    const int h = walk.head(it);
+    const int m0 = walk.row0(it);
     const uint32_t q_b = q_b0 + stage * kStageBytes;
     const uint32_t do_b = do_b0 + stage * kStageBytes;
     cp_async_wait<0>();

@@ -12,7 +12,7 @@
 #include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"            // kWarpSize
 #include "kernel_traits_sm90.h"
-#include "softmax_bwd_sm90.cuh"
+#include "common_bwd_sm90.cuh"
 #include "utils_sm80.cuh"
 #include "utils_sm90.cuh"
 #include "wgmma_sm90.cuh"
@@ -46,29 +46,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using ET = ElemTraits<T>;
   using Storage = typename Traits::SharedStorage;
 
-  extern __shared__ unsigned char smem_raw[];
-  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Storage& smem = shared_storage<Storage>();
 
   const int n_block = blockIdx.x;
   const int hk = blockIdx.y;
   const int b = blockIdx.z;
-  const int group = p.group_size();
   const int tid = threadIdx.x;
 
   const AttentionMask mask = mask_for_batch(p, b);
 
   const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
 
-  int m_first, m_count;
-  query_tiles_for_keys<kBN, kBM>(mask, p, n0, &m_first, &m_count);
-  const int iters = m_count * group;
+  const auto walk = query_tile_walk<kBN, kBM>(mask, p, n0, hk);
+  const int iters = walk.iters();
   if (iters == 0) {  // no query sees these keys: zero gradients
     zero_kv_grads<Traits::kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
     return;
   }
-  // Iteration it works on query head h and query tile m0.
-  auto head_of = [&](int it) { return hk * group + it / m_count; };
-  auto row0_of = [&](int it) { return (m_first + it % m_count) * kBM; };
 
   constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
   if (tid == 0) {
@@ -110,9 +104,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int it = 0; it < iters; ++it) {
         int32_t* semaphore = nullptr;
         if constexpr (kDeterministic) {
-          const int m_block = row0_of(it) / kBM;
+          const int m_block = walk.row0(it) / kBM;
           const int turn = key_blocks_before(m_block);
-          semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + head_of(it)) * p.seqlen_q + m_block;
+          semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + m_block;
           if (lane0) {
             while (ld_acquire_gpu(semaphore) != turn) {
             }
@@ -126,7 +120,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
             for (int box = 0; box < Traits::kDqBoxes; ++box) {
               tma_reduce_add_4d(&tm_dq, smem.dq[wg] + box * kBM * Traits::kDqBoxCols,
-                                wg * kDqCols + box * Traits::kDqBoxCols, row0_of(it), head_of(it), b);
+                                wg * kDqCols + box * Traits::kDqBoxCols, walk.row0(it), walk.head(it), b);
             }
             bulk_commit_group();
           }
@@ -155,16 +149,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       prefetch_tensor_map(&tm_v);
       prefetch_tensor_map(&tm_do);
       prefetch_tensor_map(&tm_dq);
-      mbar_arrive_expect_tx(&smem.kv_full, Traits::kKVBytes);
-#pragma unroll
-      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-        tma_load_4d(smem.k + cb * kBN * kColBlock, &tm_k, &smem.kv_full, cb * kColBlock, n0, hk, b);
-        tma_load_4d(smem.v + cb * kBN * kColBlock, &tm_v, &smem.kv_full, cb * kColBlock, n0, hk, b);
-      }
+      load_kv_block<kBN, Traits::kColBlocks>(smem.k, smem.v, &smem.kv_full, &tm_k, &tm_v, n0, hk, b);
       for (int it = 0; it < iters; ++it) {
         const int s = it % kStages;
-        const int h = head_of(it);
-        const int m0 = row0_of(it);
+        const int h = walk.head(it);
+        const int m0 = walk.row0(it);
         if (it >= kStages) mbar_wait(&smem.qdo_empty[s], ((it / kStages) - 1) & 1);
         mbar_arrive_expect_tx(&smem.qdo_full[s], Traits::kQdOBytes);
 #pragma unroll
@@ -226,8 +215,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Rows past seqlen_q (their Q and dO load as zeros) get 0, which makes dS^T and the dV term 0. Loaded one
   // iteration ahead so the global-memory latency hides under the previous iteration.
   auto load_stat = [&](int it) {
-    const int row = row0_of(it) + wg_tid % kBM;
-    const int64_t idx = (int64_t(b) * p.heads_q + head_of(it)) * p.seqlen_q + row;
+    const int row = walk.row0(it) + wg_tid % kBM;
+    const int64_t idx = (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + row;
     return row < p.seqlen_q ? (wg_tid < kBM ? p.lse[idx] : p.dsum[idx]) : 0.f;
   };
   const float stat_scale = wg_tid < kBM ? kLog2eF : 1.f;  // lse is kept as lse * log2(e)
@@ -237,7 +226,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   for (int it = 0; it < iters; ++it) {
     const int s = it % kStages;
-    const int m0 = row0_of(it);
+    const int m0 = walk.row0(it);
     const uint32_t stage_off = s * kQdOStageBytes;
 
     // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory; two groups

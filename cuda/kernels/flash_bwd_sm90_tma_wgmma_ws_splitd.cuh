@@ -19,7 +19,7 @@
 #include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"  // kWarpSize
 #include "kernel_traits_sm90.h"
-#include "softmax_bwd_sm90.cuh"
+#include "common_bwd_sm90.cuh"
 #include "utils_sm80.cuh"
 #include "utils_sm90.cuh"
 #include "wgmma_sm90.cuh"
@@ -44,13 +44,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   using ET = ElemTraits<T>;
   using Storage = typename Traits::SharedStorage;
 
-  extern __shared__ unsigned char smem_raw[];
-  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Storage& smem = shared_storage<Storage>();
 
   const int n_block = blockIdx.x;
   const int hk = blockIdx.y;
   const int b = blockIdx.z;
-  const int group = p.group_size();
   const int tid = threadIdx.x;
 
   const AttentionMask mask = mask_for_batch(p, b);
@@ -58,17 +56,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
 
   // The query tiles that see either key block of the pair: both CTAs of a cluster take the same iterations.
-  int m_first, m_count;
-  query_tiles_for_keys<Traits::kClusterSize * kBN, kBM>(mask, p, (n_block & ~(Traits::kClusterSize - 1)) * kBN,
-                                                         &m_first, &m_count);
-  const int iters = m_count * group;
+  const auto walk =
+      query_tile_walk<Traits::kClusterSize * kBN, kBM>(mask, p, (n_block & ~(Traits::kClusterSize - 1)) * kBN, hk);
+  const int iters = walk.iters();
   if (iters == 0) {  // no query sees these keys (nor the peer's): zero gradients
     zero_kv_grads<Traits::kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
     return;
   }
-  // Iteration it works on query head h and query tile m0.
-  auto head_of = [&](int it) { return hk * group + it / m_count; };
-  auto row0_of = [&](int it) { return (m_first + it % m_count) * kBM; };
 
   constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
   if (tid == 0) {
@@ -98,15 +92,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
       prefetch_tensor_map(&tm_do);
-      mbar_arrive_expect_tx(&smem.kv_full, Traits::kKVBytes);
-#pragma unroll
-      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-        tma_load_4d(smem.k + cb * kBN * kColBlock, &tm_k, &smem.kv_full, cb * kColBlock, n0, hk, b);
-        tma_load_4d(smem.v + cb * kBN * kColBlock, &tm_v, &smem.kv_full, cb * kColBlock, n0, hk, b);
-      }
+      load_kv_block<kBN, Traits::kColBlocks>(smem.k, smem.v, &smem.kv_full, &tm_k, &tm_v, n0, hk, b);
       for (int it = 0; it < iters; ++it) {
-        const int h = head_of(it);
-        const int m0 = row0_of(it);
+        const int h = walk.head(it);
+        const int m0 = walk.row0(it);
         const int sq = it % kQStages;
         if (it >= kQStages) mbar_wait(&smem.q_empty[sq], ((it / kQStages) - 1) & 1);
         mbar_arrive_expect_tx(&smem.q_full[sq], Traits::kTileBytes);
@@ -191,8 +180,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   // get 0, which makes dS^T and the dV term 0. Loaded one iteration ahead.
   const bool stat_thread = wg_tid < 2 * kQueries;
   auto load_stat = [&](int it) {
-    const int row = row0_of(it) + q_col0 + wg_tid % kQueries;
-    const int64_t idx = (int64_t(b) * p.heads_q + head_of(it)) * p.seqlen_q + row;
+    const int row = walk.row0(it) + q_col0 + wg_tid % kQueries;
+    const int64_t idx = (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + row;
     return stat_thread && row < p.seqlen_q ? (wg_tid < kQueries ? p.lse[idx] : p.dsum[idx]) : 0.f;
   };
   const float stat_scale = wg_tid < kQueries ? kLog2eF : 1.f;  // lse is kept as lse * log2(e)
@@ -204,7 +193,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
     const int sq = it % kQStages;
     const int sd = it % kDoStages;
     const int par = it & 1;
-    const int m0 = row0_of(it);
+    const int m0 = walk.row0(it);
     const uint32_t q_off = sq * kTileBytes;
     const uint32_t do_off = sd * kTileBytes;
     const uint32_t pds_off = par * kPdsBufferBytes;
@@ -311,7 +300,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
       // Column tile j of both rows is float4 j of the peer's tile; loaded kLoadGroup at a time so the loaded
       // values never need registers beside all three accumulators.
       constexpr int kLoadGroup = 4;
-      const int h = head_of(it);
+      const int h = walk.head(it);
       const int m = m0 + row0 + g;  // and m + 8
       float* dq_row = p.dq_accum + ((int64_t(b) * p.seqlen_q + m) * p.heads_q + h) * p.head_dim + d_col0 + 2 * t;
       const int64_t dq_row8 = int64_t(8) * p.heads_q * p.head_dim;  // row m + 8

@@ -38,8 +38,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using ET = ElemTraits<T>;
   using Storage = typename Traits::SharedStorage;
 
-  extern __shared__ unsigned char smem_raw[];
-  Storage& smem = *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Storage& smem = shared_storage<Storage>();
 
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y;

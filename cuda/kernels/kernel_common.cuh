@@ -52,6 +52,26 @@ __device__ __forceinline__ KeyBlock<T> key_block(const FlashParams& p, int n_blo
   return {n0, imin(kBlockN, p.seqlen_k - n0), stride, off, static_cast<T*>(p.dk) + off, static_cast<T*>(p.dv) + off};
 }
 
+// A backward CTA's iterations: for each of the `group` query heads sharing kv head hk (head-major), the query
+// tiles [first, first + count) of kBlockM rows that can see keys [n0, n0 + kKeys).
+template <int kBlockM>
+struct QueryTileWalk {
+  int first;
+  int count;
+  int group;
+  int hk;
+  __device__ __forceinline__ int iters() const { return count * group; }
+  __device__ __forceinline__ int head(int it) const { return hk * group + it / count; }
+  __device__ __forceinline__ int row0(int it) const { return (first + it % count) * kBlockM; }
+};
+template <int kKeys, int kBlockM>
+__device__ __forceinline__ QueryTileWalk<kBlockM> query_tile_walk(const AttentionMask& mask, const FlashParams& p,
+                                                                  int n0, int hk) {
+  QueryTileWalk<kBlockM> walk{0, 0, p.group_size(), hk};
+  query_tiles_for_keys<kKeys, kBlockM>(mask, p, n0, &walk.first, &walk.count);
+  return walk;
+}
+
 // dK = dV = 0 for the first `keys` rows of a key block that no query sees (16-byte stores; head_dim is a multiple
 // of 8 16-bit elements), spread over the CTA's kThreads threads.
 template <int kThreads, typename T>

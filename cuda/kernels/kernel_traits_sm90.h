@@ -123,7 +123,6 @@ struct BwdKernelTraitsSm90 : Base {
     uint64_t qdo_empty[Base::kStages];  // consumers are done with the stage
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
-  static constexpr uint32_t kKVBytes = 2 * kBlockN * Base::kHeadDim * sizeof(T);    // K and V
   static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T);  // Q and dO tiles
 };
 
@@ -184,7 +183,6 @@ struct BwdSplitDKernelTraitsSm90 : Base {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
-  static constexpr uint32_t kKVBytes = 2 * Base::kBlockN * Base::kHeadDim * sizeof(T);
   static constexpr uint32_t kTileBytes = Base::kBlockM * Base::kHeadDim * sizeof(T);  // one Q or dO tile
 };
 

@@ -27,6 +27,13 @@ __device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int chunk) {
   return row * kSwizzleBytes + ((chunk ^ (row % kSwizzleRows)) * kSwizzleChunkBytes);
 }
 
+// The kernel's dynamic shared memory as a Storage struct, its start rounded up to 1024 bytes (the 128-byte swizzle
+// repeats every 1024 bytes); launchers ask for sizeof(Storage) + 1024.
+template <typename Storage>
+__device__ __forceinline__ Storage& shared_storage() {
+  extern __shared__ unsigned char smem_raw[];
+  return *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+}
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -133,10 +140,10 @@ __device__ __forceinline__ uint32_t map_to_cta(uint32_t addr, uint32_t rank) {
 }
 // Stores 16 bytes into shared memory of a CTA of the cluster (address from map_to_cta) and counts them on that
 // CTA's mbarrier `cluster_bar` as transaction bytes: the waiter of the barrier sees the data, no fence needed.
-__device__ __forceinline__ void st_async_f32x4(uint32_t addr, float a, float b, float c, float d, uint32_t cluster_bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
-                   addr),
-               "f"(a), "f"(b), "f"(c), "f"(d), "r"(cluster_bar)
+__device__ __forceinline__ void st_async_f32x4(uint32_t addr, float a, float b, float c, float d,
+                                               uint32_t cluster_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+               ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d), "r"(cluster_bar)
                : "memory");
 }
 __device__ __forceinline__ float4 ld_shared_f32x4(uint32_t addr) {

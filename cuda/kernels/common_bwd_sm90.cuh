@@ -1,14 +1,29 @@
-// Per-thread pieces the two sm_90a backward kernels share: P^T and dS^T from the S^T and dP^T accumulators of a
-// 64-key wgmma (m64nNk16 layout: column tile j holds keys g and g + 8 of the warp's 16 rows, queries 8 j + 2 t and
-// 8 j + 2 t + 1), and the dK/dV epilogue from the dK/dV accumulators of the same layout.
+// Pieces the two sm_90a backward kernels share: the producer's K/V loads; P^T and dS^T from the S^T and dP^T
+// accumulators of a 64-key wgmma (m64nNk16 layout: column tile j holds keys g and g + 8 of the warp's 16 rows,
+// queries 8 j + 2 t and 8 j + 2 t + 1); the dK/dV epilogue from accumulators of the same layout.
 #pragma once
 
 #include "../flash_params.h"
 #include "../mask.h"
-#include "utils_sm80.cuh"  // ElemTraits
+#include "kernel_traits_sm90.h"  // kColBlock
+#include "utils_sm80.cuh"        // ElemTraits
 #include "utils_sm90.cuh"  // kWarpRows
 
 namespace jax_flash::cuda::sm90 {
+
+// Producer thread: the key block's K and V (kBlockN rows from key n0 of kv head hk, batch b; kColBlocks TMA boxes
+// of 64 columns each) into shared memory, counted on kv_full.
+template <int kBlockN, int kColBlocks, typename T>
+__device__ __forceinline__ void load_kv_block(T* k, T* v, uint64_t* kv_full, const CUtensorMap* tm_k,
+                                              const CUtensorMap* tm_v, int n0, int hk, int b) {
+  constexpr uint32_t kBytes = 2 * kBlockN * kColBlocks * kColBlock * sizeof(T);
+  mbar_arrive_expect_tx(kv_full, kBytes);
+#pragma unroll
+  for (int cb = 0; cb < kColBlocks; ++cb) {
+    tma_load_4d(k + cb * kBlockN * kColBlock, tm_k, kv_full, cb * kColBlock, n0, hk, b);
+    tma_load_4d(v + cb * kBlockN * kColBlock, tm_v, kv_full, cb * kColBlock, n0, hk, b);
+  }
+}
 
 // P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place, zero where the mask hides the pair. query0: the first
 // query of the accumulator's kSTiles * 8 columns; key0: the first of the warp's 16 keys.
