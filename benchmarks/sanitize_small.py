@@ -15,6 +15,8 @@ CASES = [
     (2, 40, 70, 2, 1, 72, dict(query_seq_lengths=np.array([40, 9], np.int32),
                                key_value_seq_lengths=np.array([0, 50], np.int32))),
     (1, 129, 129, 1, 1, 200, dict(is_causal=True, local_window_size=20)),
+    # more forward work units than SMs: persistent CTAs take several tiles
+    (2, 640, 640, 32, 8, 128, dict(is_causal=True)),
 ]
 
 

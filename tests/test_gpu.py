@@ -46,6 +46,14 @@ CASES = {
     "d128_decode_row": dict(batch=4, seqlen_q=1, seqlen_k=4097, heads_q=8, heads_kv=1, head_dim=128),
     "d64_kv_length_zero": dict(batch=2, seqlen_q=65, seqlen_k=65, heads_q=2, heads_kv=2, head_dim=64,
                                kv_lens=(0, 64)),
+    # More work units than an H100 has SMs, so persistent CTAs take several tiles each (ring phases, Q reloads,
+    # O stores running on across tiles); causal pairs, tiles without keys, and the register-store epilogue (d256).
+    "d128_gqa_causal_many_tiles": dict(batch=2, seqlen_q=640, seqlen_k=640, heads_q=32, heads_kv=8, head_dim=128,
+                                       is_causal=True),
+    "d64_many_tiles_lengths": dict(batch=2, seqlen_q=1000, seqlen_k=555, heads_q=20, heads_kv=20, head_dim=64,
+                                   q_lens=(1000, 1), kv_lens=(555, 300)),
+    "d256_causal_many_tiles": dict(batch=2, seqlen_q=520, seqlen_k=520, heads_q=24, heads_kv=24, head_dim=256,
+                                   is_causal=True),
 }
 
 

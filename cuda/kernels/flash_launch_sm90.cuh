@@ -5,6 +5,7 @@
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
+#include <atomic>
 #include <initializer_list>
 
 #include "flash_bwd_sm90_tma_wgmma_ws.cuh"
@@ -74,20 +75,58 @@ cudaError_t make_bthd_tensor_maps(const FlashParams& p, std::initializer_list<Te
   return cudaSuccess;
 }
 
+// CTAs of `kernel` that fit on one SM with `smem_bytes` of dynamic shared memory, times the SMs of the current
+// device: the grid of a persistent kernel. Queried once per kernel and device (no synchronisation).
+template <auto kernel>
+cudaError_t resident_ctas(int threads, int smem_bytes, int* ctas) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  std::atomic<int>& slot = cache[dev % kMaxDevices];
+  int value = slot.load(std::memory_order_relaxed);
+  if (value == 0) {
+    int sms = 0, per_sm = 0;
+    if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) {
+      return e;
+    }
+    if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+        e != cudaSuccess) {
+      return e;
+    }
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    value = sms * per_sm;
+    slot.store(value, std::memory_order_relaxed);
+  }
+  *ctas = value;
+  return cudaSuccess;
+}
+
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, FwdTraitsSm90<kD>>;
   constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  CUtensorMap tm_q, tm_k, tm_v;
+  CUtensorMap tm_q, tm_k, tm_v, tm_o;
   if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
                                                    {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
+                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+                                                   {&tm_o, p.o, p.seqlen_q, p.heads_q, kWgmmaM}});
       e != cudaSuccess) {
     return e;
   }
-  const dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.heads_q, p.batch);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
+  // Persistent: as many CTAs as fit on the device at once (one per SM), or one per work unit if fewer.
+  const int units = FwdTileScheduler(p, Traits::kBlockM, Traits::kPersistent).units;
+  if (units == 0) return cudaSuccess;
+  int grid = units;
+  if constexpr (Traits::kPersistent) {
+    int ctas = 0;
+    if (cudaError_t e = resident_ctas<kernel>(Traits::kThreads, Traits::kSmemBytes, &ctas); e != cudaSuccess) {
+      return e;
+    }
+    grid = imin(units, ctas);
+  }
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_o);
   return cudaGetLastError();
 }
 

@@ -1,9 +1,12 @@
 // Tile choices of the sm_90a kernels (TMA + wgmma + warp specialisation), one traits struct per head-dim class.
 // Reasons next to each choice; measured results in NOTES.md.
 //
-// Forward CTA: one producer warpgroup (a single thread issues every TMA load; the warpgroup gives its registers
-// away with setmaxnreg) and kConsumerWarpgroups consumer warpgroups of 64 query rows each. K and V tiles of
-// kBlockN keys stream through a kStages-deep ring of shared-memory buffers guarded by mbarriers.
+// Forward CTA (tiles from FwdTileScheduler; with kPersistent one CTA per SM walks many, else a CTA per unit): one
+// producer warpgroup (a single thread issues every TMA load; the warpgroup gives its registers away with
+// setmaxnreg) and kConsumerWarpgroups consumer warpgroups of 64 query rows each. K and V tiles of kBlockN keys
+// stream through a kStages-deep ring of shared-memory buffers guarded by mbarriers; the ring runs on across a CTA's
+// tiles. With kStoreOSmem each consumer warpgroup writes its O tile to shared memory and one thread stores it with
+// TMA while the next tile starts.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +18,7 @@ inline constexpr int kWgmmaK = 16;       // reduction depth of one 16-bit wgmma
 inline constexpr int kColBlock = 64;     // 16-bit elements per 128-byte swizzled row: TMA box width
 inline constexpr int kPingPongBarrier = 1;  // named barriers 1, 2: consumer warpgroups take turns issuing (0 is
                                             // __syncthreads')
+inline constexpr int kEpilogueBarrier = 3;  // named barriers 3, 4: one consumer warpgroup's O tile in shared memory
 
 template <int kHeadDim_>
 struct FwdTraitsSm90;
@@ -26,6 +30,8 @@ struct FwdTraitsSm90<64> {
   static constexpr int kBlockN = 128;  // S accumulator 64 registers; small K/V tiles (16 KB) allow a deep ring
   static constexpr int kStages = 3;
   static constexpr bool kPingPong = true;  // softmax of one warpgroup under the other's GEMMs
+  static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
+  static constexpr bool kPersistent = true;
 };
 
 template <>
@@ -35,6 +41,8 @@ struct FwdTraitsSm90<128> {
   static constexpr int kBlockN = 128;  // S and O accumulators 64 registers each
   static constexpr int kStages = 2;    // Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB
   static constexpr bool kPingPong = true;
+  static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
+  static constexpr bool kPersistent = true;  // causal 4x4096x16: 461 vs 504 us a CTA per unit; non-causal +-1%
 };
 
 template <>
@@ -44,6 +52,10 @@ struct FwdTraitsSm90<256> {
   static constexpr int kBlockN = 64;   // O accumulator alone is 128 registers; Q 64 KB + 2 x 64 KB of K/V
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = true;
+  static constexpr bool kStoreOSmem = false;  // 192 KB in use; another 64 KB for O does not fit: stores from registers
+  // A CTA per unit: the persistent loop's extra live registers raised the spills (88 -> 128 B) and cost 8%
+  // (4x4096x8, 941 vs 868 us).
+  static constexpr bool kPersistent = false;
 };
 
 template <typename T, typename Base>
@@ -60,7 +72,9 @@ struct FwdKernelTraitsSm90 : Base {
     alignas(1024) T q[kBlockM * Base::kHeadDim];                    // [kColBlocks][kBlockM][64], swizzled
     alignas(1024) T k[Base::kStages][Base::kBlockN * Base::kHeadDim];  // [stage][kColBlocks][kBlockN][64]
     alignas(1024) T v[Base::kStages][Base::kBlockN * Base::kHeadDim];  // [stage][kColBlocks][kBlockN][64]
+    alignas(1024) T o[Base::kStoreOSmem ? kBlockM * Base::kHeadDim : 1];  // [warpgroup][kColBlocks][64][64], swizzled
     uint64_t q_full;
+    uint64_t q_empty;  // every S of the tile issued and done: the next tile's Q may load
     uint64_t k_full[Base::kStages];
     uint64_t v_full[Base::kStages];
     uint64_t k_empty[Base::kStages];

@@ -105,6 +105,15 @@ __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const 
       "r"(smem_addr(smem)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// Stores the shared-memory tile `smem` into the box at (c0, c1, c2, c3) of a 4-d tensor map; elements outside the
+// tensor are skipped. Tracked by this thread's bulk async-group.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(smem)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until at most kPending of this thread's bulk groups still read their shared-memory source.
 template <int kPending>
@@ -176,6 +185,14 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 // Orders this thread's ordinary shared-memory writes before later async-proxy (TMA, wgmma) reads.
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Stores four 8x8 16-bit matrices; register i holds matrix i in the mma accumulator layout (lane l: row l / 4,
+// columns 2 (l % 4), +1), and lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
 }
 
 // ---- wgmma ----------------------------------------------------------------------------------------------------

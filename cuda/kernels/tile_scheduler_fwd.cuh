@@ -1,0 +1,49 @@
+// The order in which the sm_90a forward kernel's CTAs take their (query block, query head, batch) tiles.
+//
+// Work comes in units, numbered with the query block fastest (heaviest, i.e. last, first) and (batch, head)
+// slowest, so the CTAs running at one time read a few heads' K and V and those stay in L2. A persistent grid takes
+// units round-robin (CTA c: units c, c + gridDim.x, ...), which only balances if units hold equal work: with a
+// causal mask query block m sees about m + 1 key tiles, so there a unit pairs the heaviest and the lightest block
+// of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the heavier first). Otherwise, and for a grid
+// of one CTA per unit (the hardware hands units to SMs as they free up, heaviest first), a unit is one block.
+#pragma once
+
+#include "../flash_params.h"
+
+namespace jax_flash::cuda {
+
+struct FwdTile {
+  int m_block;  // query block
+  int h;        // query head
+  int b;        // batch element
+};
+
+struct FwdTileScheduler {
+  int m_blocks;        // query blocks per (batch, head)
+  int units_per_head;  // m_blocks, or ceil(m_blocks / 2) when blocks are paired
+  int heads_q;
+  int units;  // units_per_head * heads_q * batch
+  bool paired;
+
+  JF_HD FwdTileScheduler(const FlashParams& p, int block_m, bool persistent)
+      : m_blocks(int((p.seqlen_q + block_m - 1) / block_m)),
+        units_per_head(persistent && p.causal ? (m_blocks + 1) / 2 : m_blocks),
+        heads_q(p.heads_q),
+        units(units_per_head * p.heads_q * p.batch),
+        paired(persistent && p.causal) {}
+
+  // Tiles in unit u: 2 for a pair, 1 for the middle block of an odd count or an unpaired block.
+  JF_HD int tiles(int u) const {
+    if (!paired) return 1;
+    const int j = u % units_per_head;
+    return m_blocks - 1 - j == j ? 1 : 2;
+  }
+  // Tile k (0 or 1) of unit u.
+  JF_HD FwdTile tile(int u, int k) const {
+    const int j = u % units_per_head;
+    const int hb = u / units_per_head;
+    return FwdTile{k == 0 ? m_blocks - 1 - j : j, hb % heads_q, hb / heads_q};
+  }
+};
+
+}  // namespace jax_flash::cuda
