@@ -31,7 +31,8 @@ struct FwdTraitsSm90<64> {
   static constexpr int kStages = 3;
   static constexpr bool kPingPong = true;  // softmax of one warpgroup under the other's GEMMs
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
-  static constexpr bool kPersistent = true;
+  static constexpr bool kPersistent = true;  // short sequences 0.90-0.93x cuDNN (0.77-0.87 a CTA per tile); long ones
+                                             // +-1% (4x4096x32: 1.340 vs 1.324 ms)
 };
 
 template <>
