@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# A/B of one kernel between builds, in one device call. Each wheel in dist/<name>/ is installed to /tmp/jf_<name>;
+# for every line "tag profile_one.py-arguments" of SHAPES_FILE (default: three d128 forward shapes) Nsight Compute
+# (clocks as found) profiles the first kernel matching REGEX under each build and prints its duration,
+# instructions, IPC, L2 hit rate and largest stall reasons; per-instruction SASS views go to $OUT/sass.tgz.
+#   bash benchmarks/ncu_ab.sh REGEX "nameA nameB" [SHAPES_FILE]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+regex=$1
+names=$2
+shapes=${3:-}
+OUT=${OUT:-$PWD/ncu_out}
+root=$PWD
+mkdir -p "$OUT/csv"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+for n in $names; do
+  python3 -m pip install -q --no-index --no-deps --target "/tmp/jf_$n" "dist/$n"/*.whl 2>&1 | grep -v WARNING
+done
+default_shapes="s512 --batch 32 --seqlen 512 --heads 16 --head-dim 128
+s4k --batch 4 --seqlen 4096 --heads 16 --head-dim 128
+s16k --batch 1 --seqlen 16384 --heads 16 --head-dim 128"
+while read -r tag args; do
+  [ -z "$tag" ] && continue
+  for n in $names; do
+    rep="/tmp/ncu_${n}_$tag"
+    (cd /tmp && PYTHONPATH="/tmp/jf_$n" ncu --clock-control none --set full --import-source yes -k "regex:$regex" -c 1 \
+        -f -o "$rep" python3 "$root/benchmarks/profile_one.py" $args) >"$rep.log" 2>&1 || { tail -5 "$rep.log"; continue; }
+    ncu -i "$rep.ncu-rep" --page raw --csv >"$rep.csv" 2>&1
+    python3 - "$rep.csv" "$n $tag" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+m = dict(zip(rows[0], rows[2]))
+g = lambda k: m.get(k, "?")
+print(f"{sys.argv[2]}: {g('gpu__time_duration.sum')} {rows[1][rows[0].index('gpu__time_duration.sum')]}, "
+      f"inst {g('smsp__inst_executed.sum')}, ipc {g('sm__inst_executed.avg.per_cycle_active')}, "
+      f"grid {g('launch__grid_size')}, L2 hit {g('lts__t_sector_hit_rate.pct')}%")
+prefix = "smsp__pcsamp_warps_issue_stalled_"
+stalls = {k[len(prefix):]: float(v.replace(",", "")) for k, v in m.items()
+          if k.startswith(prefix) and not k.endswith("not_issued") and v.replace(",", "").replace(".", "").isdigit()}
+total = sum(stalls.values()) or 1.0
+top = sorted(stalls.items(), key=lambda kv: -kv[1])[:8]
+print("  stalls: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in top))
+PY
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$OUT/csv/${n}_$tag.csv" 2>/dev/null
+  done
+done < <(if [ -n "$shapes" ]; then cat "$shapes"; else echo "$default_shapes"; fi)
+(cd "$OUT" && tar czf sass.tgz csv && rm -rf csv)
