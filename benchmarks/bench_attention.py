@@ -78,6 +78,20 @@ def shape_matrix(quick, on_gpu):
     return shapes
 
 
+def parse_shapes(spec):
+    """'4x4096x16x128,2x4096x32/8x128c' -> Shapes (B x S x Hq[/Hkv] x D, a trailing 'c' for causal)."""
+    shapes = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        causal = item.endswith("c")
+        try:
+            b, s, h, d = item.rstrip("c").split("x")
+            hq, _, hkv = h.partition("/")
+            shapes.append(Shape(int(b), int(s), int(hq), int(hkv or hq), int(d), causal))
+        except ValueError:
+            raise SystemExit(f"--shapes: cannot read {item!r}; expected BxSxHq[/Hkv]xD[c], e.g. 2x4096x32/8x128c")
+    return shapes
+
+
 def attention_fn(impl, causal, deterministic=False):
     if impl == "jax_flash":
         return lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal,
@@ -143,6 +157,8 @@ def run_case(shape, impl, dtype, args):
         row.update(fwd_ms=t_f * 1e3, fwd_tflops=shape.fwd_flops() / t_f / 1e12, fwd_latency_ms=lat * 1e3)
         row["rel_err"] = reference_error(out, q, k, v, shape.causal, args.ref_heads)
         del out
+        if args.fwd_only:
+            return row
         t_fb, _ = time_fn(fwd_bwd, (q, k, v, do), args.warmup, args.iters, args.min_time)
         t_b = max(t_fb - t_f, 1e-9)
         row.update(bwd_ms=t_b * 1e3, bwd_tflops=2.5 * shape.fwd_flops() / t_b / 1e12)
@@ -247,6 +263,9 @@ def main(argv=None):
     parser.add_argument("--ref-heads", type=int, default=2, help="query heads checked against the reference")
     parser.add_argument("--deterministic", action="store_true",
                         help="run jax_flash with deterministic=True (bitwise-reproducible backward)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated shapes BxSxHq[/Hkv]xD[c] instead of the built-in matrix")
+    parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
     parser.add_argument("--head-dims", default=None, help="comma-separated head dims: run only those shapes")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                         help="run nothing: write the table and plot of these result files (parts of one run)")
@@ -269,7 +288,7 @@ def main(argv=None):
                 dtype=dtype.name, deterministic=args.deterministic,
                 method="median over samples of back-to-back jit'd calls (wall clock to "
                 "block_until_ready on the last) per call; latency = median of single blocking calls")
-    shapes = shape_matrix(args.quick, on_gpu)
+    shapes = parse_shapes(args.shapes) if args.shapes else shape_matrix(args.quick, on_gpu)
     if args.head_dims:
         dims = {int(d) for d in args.head_dims.split(",")}
         shapes = [sh for sh in shapes if sh.head_dim in dims]
