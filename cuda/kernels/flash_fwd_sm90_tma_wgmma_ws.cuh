@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "../flash_params.h"
 #include "../mask.h"
@@ -202,8 +203,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Masks S (only warps whose 16 rows, from row0, do not see the whole key tile from n0), then the online-softmax
   // update: S becomes exp2 values, the running max and sum move on; returns the factors that rescale O for rows g
   // and g + 8.
-  auto softmax = [&](const AttentionMask& mask, int row0, int n0, float (&correction)[2]) {
-    if (!mask.tile_fully_visible(row0, row0 + kWarpRows, n0, n0 + kBN, p.seqlen_q)) {
+  auto softmax = [&](auto masked, const AttentionMask& mask, int row0, int n0, float (&correction)[2]) {
+    if (masked && !mask.tile_fully_visible(row0, row0 + kWarpRows, n0, n0 + kBN, p.seqlen_q)) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int lo = mask.lo(row0 + g + 8 * r);
@@ -360,10 +361,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wgmma_wait<0>();
     fence_regs(acc_s);
     if (lane0) mbar_arrive(&smem.k_empty[slot(kv_it)]);
-    softmax(mask, row0, n_begin * kBN, correction);
+    softmax(std::true_type{}, mask, row0, n_begin * kBN, correction);
     convert_p();
 
-    for (int i = 1; i < n_tiles; ++i) {
+    // Key tiles [full_begin, full_end) are visible to every row of the block: their steps carry no mask code.
+    int full_begin, full_end;
+    {
+      const int last = imin(m0 + kBM, p.seqlen_q) - 1;
+      if (mask.row_valid(last)) {
+        full_begin = imax((mask.lo(last) + kBN - 1) / kBN - n_begin, 1);
+        full_end = imax(imin(mask.hi(m0) / kBN - n_begin, n_tiles), full_begin);
+      } else {
+        full_begin = full_end = n_tiles;
+      }
+      full_begin = imin(full_begin, n_tiles);
+    }
+    auto step = [&](int i, auto masked) {
       const int ki = kv_it + i;  // S_i's K and PV_{i-1}'s V (ring position ki - 1)
       mbar_wait(&smem.k_full[slot(ki)], phase(ki));
       mbar_wait(&smem.v_full[slot(ki - 1)], phase(ki - 1));
@@ -375,14 +388,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_wait<1>();  // S_i done; PV_{i-1} may still run
       fence_regs(acc_s);
       if (lane0) mbar_arrive(&smem.k_empty[slot(ki)]);
-      softmax(mask, row0, (n_begin + i) * kBN, correction);
+      softmax(masked, mask, row0, (n_begin + i) * kBN, correction);
       wgmma_wait<0>();  // PV_{i-1} done: O and P's registers are free
       fence_regs(acc_o);
       fence_regs(a_p);
       if (lane0) mbar_arrive(&smem.v_empty[slot(ki - 1)]);
       rescale_o(correction);
       convert_p();
-    }
+    };
+    for (int i = 1; i < full_begin; ++i) step(i, std::true_type{});
+    for (int i = full_begin; i < full_end; ++i) step(i, std::false_type{});
+    for (int i = full_end; i < n_tiles; ++i) step(i, std::true_type{});
     if (lane0) mbar_arrive(&smem.q_empty);  // every S of the tile is done: the producer may load the next Q
 
     // Last PV.
