@@ -71,12 +71,12 @@ bool force_small_smem() { return std::strcmp(force_sm80_value(), "small-smem") =
 constexpr int kSmallSmemOptinBytes = 99 * 1024;  // sm_86 / sm_89
 
 // The sm_90a kernels run on compute capability 9.0 exactly (sm_90a code runs nowhere else). TMA needs 16-byte
-// aligned base addresses (XLA's buffers are) and at least one key.
+// aligned base addresses (XLA's buffers are; the forward also stores O through a tensor map) and at least one key.
 bool use_sm90(const FlashParams& p) {
 #if defined(JAX_FLASH_HAVE_SM90A)
   const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
   return current_cc() == 90 && !force_sm80() && p.seqlen_k > 0 && aligned(p.q) && aligned(p.k) && aligned(p.v) &&
-         aligned(p.dout);
+         aligned(p.o) && aligned(p.dout);
 #else
   (void)p;
   return false;

@@ -6,6 +6,7 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <atomic>
+#include <climits>
 #include <initializer_list>
 
 #include "flash_bwd_sm90_tma_wgmma_ws.cuh"
@@ -116,7 +117,9 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
     return e;
   }
   // Persistent: as many CTAs as fit on the device at once (one per SM), or one per work unit if fewer.
-  const int units = FwdTileScheduler(p, Traits::kBlockM, Traits::kPersistent).units;
+  const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent);
+  if (int64_t(sched.units_per_head) * p.heads_q * p.batch > INT_MAX) return cudaErrorInvalidConfiguration;
+  const int units = sched.units;
   if (units == 0) return cudaSuccess;
   int grid = units;
   if constexpr (Traits::kPersistent) {
