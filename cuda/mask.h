@@ -7,7 +7,8 @@
 //   first_row(c)          the smallest row that can see key c or a later key
 //   last_row(c)           one past the largest row that can see a key below c
 // and AttentionMask intersects them. Kernels ask the composite for the key blocks a query block needs (forward),
-// the query rows a key block needs (backward), and whether a tile is entirely visible (no per-element masking).
+// the query rows a key block needs (backward), and whether a tile (or which run of key blocks) is entirely
+// visible (no per-element masking).
 #pragma once
 
 #include <climits>
@@ -101,6 +102,21 @@ struct AttentionMask {
     const int last = imin(row_end, row_limit) - 1;
     if (last >= length.q_len) return false;
     return lo(last) <= key_begin && hi(row_begin) >= key_end;
+  }
+
+  // Key blocks of block_n keys, among blocks [n_begin, n_end), that every row of [row_begin, row_end) below
+  // row_limit sees entirely (tile_fully_visible for each): [*full_begin, *full_end), inside [n_begin, n_end),
+  // empty when *full_end == *full_begin. Blocks outside it need per-element masking. The range is contiguous
+  // because lo() and hi() never decrease.
+  JF_HD void unmasked_blocks(int row_begin, int row_end, int row_limit, int block_n, int n_begin, int n_end,
+                             int* full_begin, int* full_end) const {
+    const int last = imin(row_end, row_limit) - 1;
+    if (last < row_begin || last >= length.q_len) {
+      *full_begin = *full_end = n_end;
+      return;
+    }
+    *full_begin = imin(imax((lo(last) + block_n - 1) / block_n, n_begin), n_end);  // lo() >= 0
+    *full_end = imax(imin(hi(row_begin) / block_n, n_end), *full_begin);
   }
 };
 

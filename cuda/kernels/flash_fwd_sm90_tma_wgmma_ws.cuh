@@ -364,18 +364,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     softmax(std::true_type{}, mask, row0, n_begin * kBN, correction);
     convert_p();
 
-    // Key tiles [full_begin, full_end) are visible to every row of the block: their steps carry no mask code.
+    // Key tiles [full_begin, full_end) (from n_begin; the first one, already done, excluded) are visible to every
+    // row of the block: their steps carry no mask code.
     int full_begin, full_end;
-    {
-      const int last = imin(m0 + kBM, p.seqlen_q) - 1;
-      if (mask.row_valid(last)) {
-        full_begin = imax((mask.lo(last) + kBN - 1) / kBN - n_begin, 1);
-        full_end = imax(imin(mask.hi(m0) / kBN - n_begin, n_tiles), full_begin);
-      } else {
-        full_begin = full_end = n_tiles;
-      }
-      full_begin = imin(full_begin, n_tiles);
-    }
+    mask.unmasked_blocks(m0, m0 + kBM, p.seqlen_q, kBN, n_begin, n_begin + n_tiles, &full_begin, &full_end);
+    full_begin = imax(full_begin - n_begin, 1);
+    full_end = imax(full_end - n_begin, full_begin);
     auto step = [&](int i, auto masked) {
       const int ki = kv_it + i;  // S_i's K and PV_{i-1}'s V (ring position ki - 1)
       mbar_wait(&smem.k_full[slot(ki)], phase(ki));

@@ -52,6 +52,41 @@ int main() {
                 }
               }
             }
+            // unmasked_blocks: inside [n_begin, n_end), every (row, key) of its blocks visible, and exactly the
+            // blocks tile_fully_visible accepts.
+            for (int block_n = 1; block_n <= 4; ++block_n) {
+              for (int row_begin = 0; row_begin < kRows; row_begin += 2) {
+                for (int rows = 1; rows <= 5; rows += 2) {
+                  for (int n_begin = 0; n_begin * block_n <= kKeys; ++n_begin) {
+                    for (int n_end = n_begin; n_end * block_n <= kKeys + block_n; ++n_end) {
+                      const int row_end = row_begin + rows, row_limit = kRows - 1;
+                      int full_begin, full_end;
+                      mask.unmasked_blocks(row_begin, row_end, row_limit, block_n, n_begin, n_end, &full_begin,
+                                           &full_end);
+                      ++cases;
+                      if (full_begin < n_begin || full_end > n_end || full_end < full_begin) {
+                        fail("unmasked_blocks range", causal, left, right, q_len, kv_len, row_begin, n_begin);
+                      }
+                      for (int n = n_begin; n < n_end; ++n) {
+                        const bool inside = n >= full_begin && n < full_end;
+                        if (inside != mask.tile_fully_visible(row_begin, row_end, n * block_n, (n + 1) * block_n,
+                                                              row_limit)) {
+                          fail("unmasked_blocks vs tile_fully_visible", causal, left, right, q_len, kv_len,
+                               row_begin, n * block_n);
+                        }
+                        for (int i = row_begin; inside && i < row_end && i < row_limit; ++i) {
+                          for (int j = n * block_n; j < (n + 1) * block_n; ++j) {
+                            if (!mask.visible(i, j)) {
+                              fail("unmasked_blocks", causal, left, right, q_len, kv_len, i, j);
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            }
           }
         }
       }
