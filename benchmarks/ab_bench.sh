@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Timing A/B between builds, in one device call. Each wheel in dist/<name>/ is installed to /tmp/jf_<name>; every
 # round runs bench_attention.py under each build in turn (cuDNN once per round, as a clock reference) on SHAPES,
-# then prints per shape the median over rounds of each build's time and its ratio to the first build.
+# then prints per shape the median over rounds of each build's time and its ratio to the first build (also in
+# $OUT/ab_summary.txt; the per-run tables in $OUT/ab.tgz).
 #   bash benchmarks/ab_bench.sh "nameA nameB ..." SHAPES [ROUNDS=2] [extra bench_attention.py flags]
 # SHAPES as bench_attention.py --shapes takes them (BxSxHq[/Hkv]xD[c], comma-separated).
 set -uo pipefail
@@ -25,7 +26,7 @@ for r in $(seq 1 "$rounds"); do
     echo "round $r $n: $((SECONDS - t0)) s"
   done
 done
-python3 - "$OUT/ab" $names <<'PY'
+python3 - "$OUT/ab" $names <<'PY' | tee "$OUT/ab_summary.txt"
 import glob, json, statistics, sys
 d, names = sys.argv[1], sys.argv[2:]
 t = {}
@@ -56,3 +57,4 @@ for key, by in t.items():
         cells.append(f"{txt:>26}")
     print(f"{label:<26}" + "".join(cells))
 PY
+(cd "$OUT" && tar czf ab.tgz ab && rm -rf ab)  # one file back instead of three per build and round
