@@ -35,13 +35,24 @@ fi
 (cd /tmp && python3 -c 'import jax_flash; print("jax_flash", jax_flash.__version__, "cuda:", jax_flash.cuda_available())') | tee -a "$SUMMARY"
 
 status=0
-# 2. Tests (plain pytest so the source tree does not shadow the installed package).
+# 2. Tests (plain pytest so the source tree does not shadow the installed package). Where pytest-xdist is installed
+# (the GPU image has it) PYTEST_WORKERS processes share the GPU: compilation and the references are CPU-bound, so
+# the suite finishes in a fraction of the time. Where pytest-timeout is installed a test that runs past
+# TEST_TIMEOUT seconds (a kernel that hangs) fails alone instead of holding the whole run; PYTEST_LIMIT bounds
+# the whole suite.
+pytest_args=(-q -x -p no:cacheprovider)
+if python3 -c "import xdist" 2>/dev/null; then pytest_args+=(-n "${PYTEST_WORKERS:-4}"); fi
+if python3 -c "import pytest_timeout" 2>/dev/null; then
+  pytest_args+=(--timeout "${TEST_TIMEOUT:-150}" --timeout-method thread)
+fi
 if [ "$MODE" != bench ]; then
+  note "pytest ${pytest_args[*]}"
   t0=$SECONDS
   if [ "$MODE" = dev ]; then
-    pytest -q -x -p no:cacheprovider tests/test_gpu.py -m "not slow" 2>&1 | tee "$OUT/pytest.log" | tail -25
+    timeout "${PYTEST_LIMIT:-540}" pytest "${pytest_args[@]}" tests/test_gpu.py -m "not slow" 2>&1 |
+      tee "$OUT/pytest.log" | tail -25
   else
-    pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+    timeout "${PYTEST_LIMIT:-540}" pytest "${pytest_args[@]}" tests 2>&1 | tee "$OUT/pytest.log" | tail -25
   fi
   rc=${PIPESTATUS[0]}
   note "pytest: rc=$rc $(tail -1 "$OUT/pytest.log") ($((SECONDS - t0)) s)"
@@ -52,7 +63,8 @@ if [ "$MODE" != bench ]; then
      [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ]; then
     for force in 1 small-smem; do
       t0=$SECONDS
-      JAX_FLASH_FORCE_SM80=$force pytest -q -x -p no:cacheprovider tests/test_gpu.py -m "not slow" 2>&1 |
+      JAX_FLASH_FORCE_SM80=$force timeout "${PYTEST_LIMIT:-540}" pytest "${pytest_args[@]}" tests/test_gpu.py \
+        -m "not slow" 2>&1 |
         tee "$OUT/pytest-sm80-$force.log" | tail -5
       rc=${PIPESTATUS[0]}
       note "pytest (JAX_FLASH_FORCE_SM80=$force, tests/test_gpu.py): rc=$rc $(tail -1 "$OUT/pytest-sm80-$force.log") ($((SECONDS - t0)) s)"
