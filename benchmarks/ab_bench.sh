@@ -4,7 +4,8 @@
 # then prints per shape the median over rounds of each build's time and its ratio to the first build (also in
 # $OUT/ab_summary.txt; the per-run tables in $OUT/ab.tgz).
 #   bash benchmarks/ab_bench.sh "nameA nameB ..." SHAPES [ROUNDS=2] [extra bench_attention.py flags]
-# SHAPES as bench_attention.py --shapes takes them (BxSxHq[/Hkv]xD[c], comma-separated).
+# SHAPES as bench_attention.py --shapes takes them (BxSxHq[/Hkv]xD[c], comma-separated). One build's run longer than
+# RUN_LIMIT seconds (default 200: an experimental kernel that hangs) is stopped and the rest go on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 names=$1; shapes=$2; rounds=${3:-2}; shift $(( $# < 3 ? $# : 3 ))
@@ -20,7 +21,7 @@ for r in $(seq 1 "$rounds"); do
   for n in $names; do
     impls=jax_flash; [ $first = 1 ] && impls=jax_flash,cudnn; first=0
     t0=$SECONDS
-    (cd /tmp && PYTHONPATH="/tmp/jf_$n" python3 "$root/benchmarks/bench_attention.py" --impls $impls --shapes "$shapes" \
+    (cd /tmp && PYTHONPATH="/tmp/jf_$n" timeout "${RUN_LIMIT:-200}" python3 "$root/benchmarks/bench_attention.py" --impls $impls --shapes "$shapes" \
         --iters 10 --min-time 0.15 --ref-heads 1 --out "$OUT/ab" --name "$n-r$r" "$@" >"/tmp/ab_$n-r$r.log" 2>&1) ||
       tail -5 "/tmp/ab_$n-r$r.log"
     echo "round $r $n: $((SECONDS - t0)) s"
