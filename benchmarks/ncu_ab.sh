@@ -10,7 +10,6 @@ regex=$1
 names=$2
 shapes=${3:-}
 OUT=${OUT:-$PWD/ncu_out}
-root=$PWD
 mkdir -p "$OUT/csv"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 for n in $names; do
@@ -22,11 +21,10 @@ s16k --batch 1 --seqlen 16384 --heads 16 --head-dim 128"
 while read -r tag args; do
   [ -z "$tag" ] && continue
   for n in $names; do
-    rep="/tmp/ncu_${n}_$tag"
-    (cd /tmp && PYTHONPATH="/tmp/jf_$n" ncu --clock-control none --set full --import-source yes -k "regex:$regex" -c 1 \
-        -f -o "$rep" python3 "$root/benchmarks/profile_one.py" $args) >"$rep.log" 2>&1 || { tail -5 "$rep.log"; continue; }
-    ncu -i "$rep.ncu-rep" --page raw --csv >"$rep.csv" 2>&1
-    python3 - "$rep.csv" "$n $tag" <<'PY'
+    name="${n}_$tag"
+    PYTHONPATH="/tmp/jf_$n" NAME="$name" OUT=/tmp/ncu_ab bash benchmarks/ncu_kernel.sh "$regex" $args >/dev/null ||
+      { echo "$n $tag: profiling failed"; tail -5 "/tmp/ncu_ab/$name-run.log"; continue; }
+    python3 - "/tmp/ncu_ab/$name-raw.csv" "$n $tag" <<'PY'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 m = dict(zip(rows[0], rows[2]))
@@ -41,7 +39,7 @@ total = sum(stalls.values()) or 1.0
 top = sorted(stalls.items(), key=lambda kv: -kv[1])[:8]
 print("  stalls: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in top))
 PY
-    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$OUT/csv/${n}_$tag.csv" 2>/dev/null
+    cp "/tmp/ncu_ab/$name-sass.csv" "$OUT/csv/$name.csv"
   done
 done < <(if [ -n "$shapes" ]; then cat "$shapes"; else echo "$default_shapes"; fi)
 (cd "$OUT" && tar czf sass.tgz csv && rm -rf csv)
