@@ -30,16 +30,15 @@ done
 python3 - "$OUT/ab" $names <<'PY' | tee "$OUT/ab_summary.txt"
 import glob, json, statistics, sys
 d, names = sys.argv[1], sys.argv[2:]
-t = {}
-for n in names + ["cudnn"]:
-    for path in sorted(glob.glob(f"{d}/*-r*.json")):
-        for r in json.load(open(path))["rows"]:
-            build = path.split("/")[-1].rsplit("-r", 1)[0]
-            who = "cudnn" if r["impl"] == "cudnn" else build
-            if who != n or r["error"]:
-                continue
-            key = (r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"])
-            t.setdefault(key, {}).setdefault(n, []).append((r["fwd_ms"], r["bwd_ms"], r["rel_err"]))
+t = {}  # shape -> build (or "cudnn") -> [(fwd_ms, bwd_ms, rel_err) per round]
+for path in sorted(glob.glob(f"{d}/*-r*.json")):
+    build = path.split("/")[-1].rsplit("-r", 1)[0]
+    for r in json.load(open(path))["rows"]:
+        if r["error"]:
+            continue
+        key = (r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"])
+        who = "cudnn" if r["impl"] == "cudnn" else build
+        t.setdefault(key, {}).setdefault(who, []).append((r["fwd_ms"], r["bwd_ms"], r["rel_err"]))
 cols = names + ["cudnn"]
 print("median ms over rounds (fwd[/bwd]); x = first build's time / this one's; err = forward rel. error")
 print(f"{'shape':<26}" + "".join(f"{c:>26}" for c in cols))
