@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kGroups = Traits::kConsumerWarpgroups;
   constexpr bool kPingPong = Traits::kPingPong && kGroups >= 2;
   const int my_turn = kPingPongBarrier + cw;
-  const int their_turn = kPingPongBarrier + (cw + 1) % kGroups;
+  const int their_turn = kPingPongBarrier + (kGroups == 2 ? cw ^ 1 : (cw + 1) % kGroups);
   constexpr int kPairThreads = 2 * kWarpgroupThreads;  // the waiting warpgroup and the one that releases it
   auto begin_issue = [&] {
     if constexpr (kPingPong) named_barrier_sync(my_turn, kPairThreads);
