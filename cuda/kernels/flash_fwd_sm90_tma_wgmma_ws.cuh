@@ -135,8 +135,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // ---- consumers -----------------------------------------------------------------------------------------------
   // Per key tile i the warpgroup issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} back to back, then runs the softmax
-  // of S_i while the PV product is still on the tensor cores (intra-warpgroup overlap). With kPingPong the two
-  // consumer warpgroups also take turns issuing their products, so one's softmax overlaps the other's GEMMs.
+  // of S_i while the PV product is still on the tensor cores (intra-warpgroup overlap). With kPingPong the
+  // consumer warpgroups also take turns issuing their products, so one's softmax overlaps the others' GEMMs.
   setmaxnreg_inc<Traits::kConsumerRegs>();
   const int cw = warpgroup - 1;                 // consumer warpgroup: query rows [64 cw, 64 cw + 64) of the block
   const int wg_tid = tid % kWarpgroupThreads;
@@ -159,14 +159,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;  // 16-element K slices per 128-byte row
 
-  // Ping-pong: warpgroup cw waits on barrier kPingPongBarrier + cw before issuing, then releases the other. Both
-  // warpgroups take the same issue steps for every tile (S_0, then (S_i, PV_{i-1}), then PV_{n-1}), so the turns
-  // alternate across tiles; warpgroup 1 lets warpgroup 0 go first, and warpgroup 0 takes that opening arrival back
-  // after its last tile, so both barriers end balanced.
-  constexpr bool kPingPong = Traits::kPingPong && Traits::kConsumerWarpgroups == 2;
+  // Ping-pong: warpgroup cw waits on barrier kPingPongBarrier + cw before issuing, then releases the next one
+  // (cyclically). Every warpgroup takes the same issue steps for every tile (S_0, then (S_i, PV_{i-1}), then
+  // PV_{n-1}), so the turns go round across tiles; the last warpgroup lets warpgroup 0 go first, and warpgroup 0
+  // takes that opening arrival back after its last tile, so every barrier ends balanced.
+  constexpr int kGroups = Traits::kConsumerWarpgroups;
+  constexpr bool kPingPong = Traits::kPingPong && kGroups >= 2;
   const int my_turn = kPingPongBarrier + cw;
-  const int their_turn = kPingPongBarrier + (cw ^ 1);
-  constexpr int kPairThreads = 2 * kWarpgroupThreads;
+  const int their_turn = kPingPongBarrier + (kGroups == 2 ? cw ^ 1 : (cw + 1) % kGroups);
+  constexpr int kPairThreads = 2 * kWarpgroupThreads;  // the waiting warpgroup and the one that releases it
   auto begin_issue = [&] {
     if constexpr (kPingPong) named_barrier_sync(my_turn, kPairThreads);
   };
@@ -174,7 +175,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (kPingPong) named_barrier_arrive(their_turn, kPairThreads);
   };
   if constexpr (kPingPong) {
-    if (cw == 1) named_barrier_arrive(their_turn, kPairThreads);
+    if (cw == kGroups - 1) named_barrier_arrive(their_turn, kPairThreads);
   }
 
   auto issue_s = [&](int slot) {  // S = Q K^T (64 x kBN), both operands in shared memory
@@ -413,7 +414,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (wg_tid == 0) bulk_wait_group<0>();  // shared memory must outlive the last store's reads
   }
   if constexpr (kPingPong) {
-    if (cw == 0) named_barrier_sync(my_turn, kPairThreads);  // warpgroup 1's opening arrival
+    if (cw == 0) named_barrier_sync(my_turn, kPairThreads);  // the last warpgroup's opening arrival
   }
 #else
   __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0

@@ -16,9 +16,11 @@ namespace jax_flash::cuda::sm90 {
 inline constexpr int kWgmmaM = 64;       // rows of one wgmma (a warpgroup's query rows)
 inline constexpr int kWgmmaK = 16;       // reduction depth of one 16-bit wgmma
 inline constexpr int kColBlock = 64;     // 16-bit elements per 128-byte swizzled row: TMA box width
-inline constexpr int kPingPongBarrier = 1;  // named barriers 1, 2: consumer warpgroups take turns issuing (0 is
+inline constexpr int kMaxConsumerWarpgroups = 3;
+inline constexpr int kPingPongBarrier = 1;  // named barriers 1..3: consumer warpgroups take turns issuing (0 is
                                             // __syncthreads')
-inline constexpr int kEpilogueBarrier = 3;  // named barriers 3, 4: one consumer warpgroup's O tile in shared memory
+inline constexpr int kEpilogueBarrier = kPingPongBarrier + kMaxConsumerWarpgroups;  // 4..6: one consumer
+                                                                                    // warpgroup's O tile in smem
 
 template <int kHeadDim_>
 struct FwdTraitsSm90;
@@ -26,11 +28,16 @@ struct FwdTraitsSm90;
 template <>
 struct FwdTraitsSm90<64> {
   static constexpr int kHeadDim = 64;
-  static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kBlockN = 128;  // S accumulator 64 registers; small K/V tiles (16 KB) allow a deep ring
+  // Three consumer warpgroups (192-row tiles, 160 registers each): at head dim 64 a key tile's exponentials cost
+  // as much as its two GEMMs, so a third warpgroup's softmax can run while two others' GEMMs are queued.
+  static constexpr int kConsumerWarpgroups = 3;
+  // 96 keys: S 48 + P 24 + O 32 accumulator registers fit the 160 with 4 B of spills on the peeled loop (128 keys
+  // spill 136 B). On the unpeeled loop (session 6) the 16k shape ran 9% faster than 2 x 64 rows x 128 keys and
+  // 4k shapes 10-22% slower.
+  static constexpr int kBlockN = 96;
   static constexpr int kStages = 3;
   static constexpr bool kPingPong = true;  // softmax of one warpgroup under the other's GEMMs
-  static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
+  static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x 24 + O 24 KB = 120 KB
   static constexpr bool kPersistent = true;  // short sequences 0.90-0.93x cuDNN (0.77-0.87 a CTA per tile); long ones
                                              // +-1% (4x4096x32: 1.340 vs 1.324 ms)
 };
@@ -64,9 +71,13 @@ struct FwdKernelTraitsSm90 : Base {
   static constexpr int kBlockM = Base::kConsumerWarpgroups * kWgmmaM;
   static constexpr int kThreads = (Base::kConsumerWarpgroups + 1) * 128;
   static constexpr int kColBlocks = Base::kHeadDim / kColBlock;  // TMA boxes per tile row
-  // setmaxnreg budgets: 2 x 128 x 240 + 128 x 24 <= 64K registers; the consumers need all 240 at d128.
+  // setmaxnreg budgets: the producer keeps 24, the consumers share the rest of the 64K registers (multiples of 8,
+  // at most 240): 240 with two consumer warpgroups (d128 needs them all), 160 with three.
+  static_assert(Base::kConsumerWarpgroups >= 1 && Base::kConsumerWarpgroups <= kMaxConsumerWarpgroups);
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kRegsPerThreadSlot = 64 * 1024 / 128;  // the register file over a warpgroup's threads
+  static constexpr int kConsumerRegsFit = (kRegsPerThreadSlot - kProducerRegs) / Base::kConsumerWarpgroups / 8 * 8;
+  static constexpr int kConsumerRegs = kConsumerRegsFit < 240 ? kConsumerRegsFit : 240;
 
   // Every tile starts on a 1024-byte boundary (the 128-byte swizzle repeats every 8 rows).
   struct alignas(1024) SharedStorage {
