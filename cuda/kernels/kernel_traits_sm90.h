@@ -31,13 +31,13 @@ struct FwdTraitsSm90<64> {
   // Three consumer warpgroups (192-row tiles, 160 registers each): at head dim 64 a key tile's exponentials cost
   // as much as its two GEMMs, so a third warpgroup's softmax can run while two others' GEMMs are queued.
   static constexpr int kConsumerWarpgroups = 3;
-  // 96 keys: S 48 + P 24 + O 32 accumulator registers fit the 160 with 4 B of spills on the peeled loop (128 keys
-  // spill 136 B). On the unpeeled loop (session 6) the 16k shape ran 9% faster than 2 x 64 rows x 128 keys and
-  // 4k shapes 10-22% slower.
-  static constexpr int kBlockN = 96;
+  // 128 keys: S 64 + P 32 + O 32 accumulator registers spill 136 B of the 160 (96 keys: 4 B), yet measured faster
+  // (session 8 A/B, bf16, H100: 1x16384x32 4.621 vs 4.715 ms at 96 keys and 5.046 with two warpgroups; 4x4096x32
+  // 1.278 vs 1.323 and 1.342; 32x512x32 0.242 vs 0.286 and 0.246; causal 4x4096x32 0.751 vs 0.749 and 0.760).
+  static constexpr int kBlockN = 128;
   static constexpr int kStages = 3;
   static constexpr bool kPingPong = true;  // softmax of one warpgroup under the other's GEMMs
-  static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x 24 + O 24 KB = 120 KB
+  static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x (K 16 + V 16) + O 24 KB = 144 KB
   static constexpr bool kPersistent = true;  // short sequences 0.90-0.93x cuDNN (0.77-0.87 a CTA per tile); long ones
                                              // +-1% (4x4096x32: 1.340 vs 1.324 ms)
 };
