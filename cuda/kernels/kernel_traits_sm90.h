@@ -103,7 +103,7 @@ struct BwdTraitsSm90<64> {
   static constexpr int kHeadDim = 64;
   // 128 queries per iteration (FA3's choice at this head dim): with 64 the GEMMs of an iteration are small beside its
   // fixed costs (barriers, statistics, the dQ hand-over). S^T and dP^T 64 registers each, dK + dV 64, dQ 32.
-  // K 16 + V 16 + 2 x (Q 16 + dO 16) + 2 x dS^T 32 + dQ 2 x 16 KB = 192 KB
+  // K 16 + V 16 + 2 x (Q 16 + dO 16) + 2 x dS^T 32 + dQ 2 x 16 + statistics 4 KB = 196 KB
   static constexpr int kBlockM = 128;
   static constexpr int kStages = 2;
 };
@@ -150,6 +150,7 @@ struct BwdKernelTraitsSm90 : Base {
     uint64_t qdo_empty[Base::kStages];  // consumers are done with the stage
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
   static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T);  // Q and dO tiles
 };
 
