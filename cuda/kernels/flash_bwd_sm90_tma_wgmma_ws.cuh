@@ -215,8 +215,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr uint32_t kDsColBlockBytes = kBN * kSwizzleBytes;
   const uint64_t desc_ds = make_desc_sw128(
       smem_addr(smem.ds[0]) + (Traits::kDqSplitRows ? cw * kDsColBlockBytes : 0), kDsColBlockBytes);
-  // dS^T stores: rows key_row0 + g (+8), 16-byte chunk c XOR g (the row modulo 8), 4-byte word t.
-  const uint32_t ds_thread = (key_row0 + g) * kSwizzleBytes + 4 * t;
+  // dS^T stores with stmatrix: lane l gives row l % 8 of matrix l / 8 (matrix q4 of a 16-query step: key rows
+  // + 8 (q4 % 2), chunk + (q4 / 2)). Its row's 16-byte chunk is (step chunk + q4 / 2) XOR (row % 8); the step's
+  // chunk (even, 2 kk mod 8) only flips bits the lane's own offset leaves clear, so one base serves every step.
+  const int ds_mat = lane / 8;
+  const int ds_row = key_row0 + lane % 8 + 8 * (ds_mat % 2);
+  const uint32_t ds_lane = swizzled_chunk_offset(ds_row, ds_mat / 2);
   // dQ stores: rows 16 warp + g (+8) of each box of kDqRows rows, chunk c XOR g, 8-byte pair t % 2.
   const uint32_t dq_thread = smem_addr(smem.dq[cw]) + (warp * kWarpRows + g) * kSwizzleBytes + (t % 2) * 8;
   static_assert(kWarpRows % kSwizzleRows == 0 && kSwizzleRows == 8, "row g + 8 r of a warp's slice is g modulo 8");
@@ -308,17 +312,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // dS^T -> shared memory ([64-query column block][key][64 queries], 128-byte swizzled rows) for dQ; fragment
     // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
-    const uint32_t ds_base = smem_addr(smem.ds[it & 1]) + ds_thread;
+    const uint32_t ds_base = smem_addr(smem.ds[it & 1]);
 #pragma unroll
     for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-#pragma unroll
-      for (int q4 = 0; q4 < 4; ++q4) {
-        const int chunk = 2 * kk + (q4 >> 1);  // 16-byte chunk of the query row, 8 per column block
-        constexpr int kChunksPerRow = kSwizzleBytes / kSwizzleChunkBytes;
-        st_shared_u32(ds_base + (chunk / kChunksPerRow) * kDsColBlockBytes + (q4 & 1) * kSwizzleRows * kSwizzleBytes +
-                          ((chunk % kChunksPerRow) ^ g) * kSwizzleChunkBytes,
-                      a_ds[kk][q4]);
-      }
+      constexpr int kStepsPerColBlock = kColBlock / kWgmmaK;  // 16-query steps in a 64-query column block
+      const uint32_t addr = ds_base + (kk / kStepsPerColBlock) * kDsColBlockBytes +
+                            (ds_lane ^ ((kk % kStepsPerColBlock) * 2 * kSwizzleChunkBytes));
+      stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
     }
     fence_proxy_async_smem();
     named_barrier_sync(kDsBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
