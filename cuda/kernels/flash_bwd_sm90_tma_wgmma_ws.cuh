@@ -227,16 +227,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Row statistics of query tile `it`, kStatsPerThread values per thread: value i of thread wg_tid is entry
   // wg_tid + 128 i of [lse of the kBM rows, dsum of the kBM rows]. Rows past seqlen_q (their Q and dO load as zeros)
   // get 0, which makes dS^T and the dV term 0. Loaded one iteration ahead so the global-memory latency hides under
-  // the previous iteration.
+  // the previous iteration: the values stay raw until they are stored (scaling them at the load would wait for it).
   auto load_stats = [&](int it, float (&out)[kStatsPerThread]) {
 #pragma unroll
     for (int i = 0; i < kStatsPerThread; ++i) {
       const int entry = wg_tid + i * kWarpgroupThreads;
       const int row = walk.row0(it) + entry % kBM;
       const int64_t idx = (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + row;
-      out[i] = row < p.seqlen_q ? (entry < kBM ? p.lse[idx] * kLog2eF : p.dsum[idx]) : 0.f;  // lse * log2(e)
+      out[i] = row < p.seqlen_q ? (entry < kBM ? p.lse[idx] : p.dsum[idx]) : 0.f;
     }
   };
+  float stat_scale[kStatsPerThread];  // lse is kept as lse * log2(e), dsum as is
+#pragma unroll
+  for (int i = 0; i < kStatsPerThread; ++i) stat_scale[i] = wg_tid + i * kWarpgroupThreads < kBM ? kLog2eF : 1.f;
 
   float stat_next[kStatsPerThread];
   load_stats(0, stat_next);
@@ -270,7 +273,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const uint32_t stats = smem_addr(smem.stats[cw][it & 1]);
 #pragma unroll
     for (int i = 0; i < kStatsPerThread; ++i) {
-      st_shared_f32(stats + (wg_tid + i * kWarpgroupThreads) * sizeof(float), stat_next[i]);
+      st_shared_f32(stats + (wg_tid + i * kWarpgroupThreads) * sizeof(float), stat_next[i] * stat_scale[i]);
     }
     if (it + 1 < iters) load_stats(it + 1, stat_next);
     named_barrier_sync(kStatsBarrier + cw, kWarpgroupThreads);
