@@ -39,8 +39,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kStages = Traits::kStages;
   constexpr int kSTiles = kBM / 8;      // 8-wide column tiles of S^T (queries)
   constexpr int kDTiles = kD / 8;       // 8-wide column tiles of dK, dV
+  constexpr int kDqRows = Traits::kDqRows;
   constexpr int kDqCols = Traits::kDqCols;
   constexpr int kDqTiles = kDqCols / 8;
+  constexpr int kStatsPerThread = Traits::kStatsPerThread;
   constexpr int kDqWgThreads = kWarpgroupThreads + kWarpSize;  // a consumer warpgroup and the dQ writer warp
   static_assert(Traits::kDqBoxCols * sizeof(float) == kSwizzleBytes, "a dQ box row is one swizzled row");
   using ET = ElemTraits<T>;
@@ -119,8 +121,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           if (lane0) {
 #pragma unroll
             for (int box = 0; box < Traits::kDqBoxes; ++box) {
-              tma_reduce_add_4d(&tm_dq, smem.dq[wg] + box * kBM * Traits::kDqBoxCols,
-                                wg * kDqCols + box * Traits::kDqBoxCols, walk.row0(it), walk.head(it), b);
+              // Warpgroup wg's dQ: rows [64 wg, +64) and every column, or every row and columns [wg kDqCols, +).
+              const int row0 = walk.row0(it) + (Traits::kDqSplitRows ? wg * kDqRows : 0);
+              const int col0 = Traits::kDqSplitRows ? 0 : wg * kDqCols;
+              tma_reduce_add_4d(&tm_dq, smem.dq[wg] + box * kDqRows * Traits::kDqBoxCols,
+                                col0 + box * Traits::kDqBoxCols, row0, walk.head(it), b);
             }
             bulk_commit_group();
           }
@@ -195,9 +200,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   static_assert(sizeof(smem.dout[0]) == kQdOStageBytes, "Q and dO stages have one size");
   const uint32_t k_rows = smem_addr(smem.k) + cw * kWgmmaM * kSwizzleBytes;  // this warpgroup's 64 keys
   const uint32_t v_rows = smem_addr(smem.v) + cw * kWgmmaM * kSwizzleBytes;
-  // dQ = dS K, B = K read N-major: columns [cw * kDqCols, +kDqCols), their 64-wide block, then bytes into the row.
-  const uint32_t k_cols = smem_addr(smem.k) + (cw * kDqCols / kColBlock) * kKVColBlockBytes +
-                          (cw * kDqCols % kColBlock) * sizeof(T);
+  // dQ = dS K, B = K read N-major: columns [dq_col0, +kDqCols), their 64-wide block, then bytes into the row.
+  const int dq_col0 = Traits::kDqSplitRows ? 0 : cw * kDqCols;
+  const uint32_t k_cols = smem_addr(smem.k) + (dq_col0 / kColBlock) * kKVColBlockBytes +
+                          (dq_col0 % kColBlock) * sizeof(T);
   const uint64_t desc_k_rows = make_desc_sw128(k_rows, kKMajorLeadingBytes);          // A of S^T
   const uint64_t desc_v_rows = make_desc_sw128(v_rows, kKMajorLeadingBytes);          // A of dP^T
   const uint64_t desc_k_cols = make_desc_sw128(k_cols, kKVColBlockBytes);             // B of dQ
@@ -205,23 +211,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint64_t desc_do_k = make_desc_sw128(smem_addr(smem.dout[0]), kKMajorLeadingBytes);  // B of dP^T
   const uint64_t desc_q_n = make_desc_sw128(smem_addr(smem.q[0]), kQColBlockBytes);          // B of dK
   const uint64_t desc_do_n = make_desc_sw128(smem_addr(smem.dout[0]), kQColBlockBytes);      // B of dV
-  const uint64_t desc_ds = make_desc_sw128(smem_addr(smem.ds[0]), kBN * kSwizzleBytes);      // A of dQ (M-major)
-  // dS^T stores: rows key_row0 + g (+8), 16-byte chunk c XOR g (the row modulo 8), 4-byte word t.
-  const uint32_t ds_thread = (key_row0 + g) * kSwizzleBytes + 4 * t;
-  // dQ stores: rows 16 warp + g (+8) of each box, chunk c XOR g, 8-byte pair t % 2.
+  // A of dQ (M-major): dS^T's 64-query column block of this warpgroup's dQ rows (the only one with 64 queries).
+  constexpr uint32_t kDsColBlockBytes = kBN * kSwizzleBytes;
+  const uint64_t desc_ds = make_desc_sw128(
+      smem_addr(smem.ds[0]) + (Traits::kDqSplitRows ? cw * kDsColBlockBytes : 0), kDsColBlockBytes);
+  // dS^T stores with stmatrix: lane l gives row l % 8 of matrix l / 8 (matrix q4 of a 16-query step: key rows
+  // + 8 (q4 % 2), chunk + (q4 / 2)). Its row's 16-byte chunk is (step chunk + q4 / 2) XOR (row % 8); the step's
+  // chunk (even, 2 kk mod 8) only flips bits the lane's own offset leaves clear, so one base serves every step.
+  const int ds_mat = lane / 8;
+  const int ds_row = key_row0 + lane % 8 + 8 * (ds_mat % 2);
+  const uint32_t ds_lane = swizzled_chunk_offset(ds_row, ds_mat / 2);
+  // dQ stores: rows 16 warp + g (+8) of each box of kDqRows rows, chunk c XOR g, 8-byte pair t % 2.
   const uint32_t dq_thread = smem_addr(smem.dq[cw]) + (warp * kWarpRows + g) * kSwizzleBytes + (t % 2) * 8;
   static_assert(kWarpRows % kSwizzleRows == 0 && kSwizzleRows == 8, "row g + 8 r of a warp's slice is g modulo 8");
-  // Row statistics of query tile `it`, one value per thread: lse of row wg_tid, then dsum of row wg_tid - kBM.
-  // Rows past seqlen_q (their Q and dO load as zeros) get 0, which makes dS^T and the dV term 0. Loaded one
-  // iteration ahead so the global-memory latency hides under the previous iteration.
-  auto load_stat = [&](int it) {
-    const int row = walk.row0(it) + wg_tid % kBM;
-    const int64_t idx = (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + row;
-    return row < p.seqlen_q ? (wg_tid < kBM ? p.lse[idx] : p.dsum[idx]) : 0.f;
+  // Row statistics of query tile `it`, kStatsPerThread values per thread: value i of thread wg_tid is entry
+  // wg_tid + 128 i of [lse of the kBM rows, dsum of the kBM rows]. Rows past seqlen_q (their Q and dO load as zeros)
+  // get 0, which makes dS^T and the dV term 0. Loaded one iteration ahead so the global-memory latency hides under
+  // the previous iteration: the values stay raw until they are stored (scaling them at the load would wait for it).
+  auto load_stats = [&](int it, float (&out)[kStatsPerThread]) {
+#pragma unroll
+    for (int i = 0; i < kStatsPerThread; ++i) {
+      const int entry = wg_tid + i * kWarpgroupThreads;
+      const int row = walk.row0(it) + entry % kBM;
+      const int64_t idx = (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + row;
+      out[i] = row < p.seqlen_q ? (entry < kBM ? p.lse[idx] : p.dsum[idx]) : 0.f;
+    }
   };
-  const float stat_scale = wg_tid < kBM ? kLog2eF : 1.f;  // lse is kept as lse * log2(e)
+  float stat_scale[kStatsPerThread];  // lse is kept as lse * log2(e), dsum as is
+#pragma unroll
+  for (int i = 0; i < kStatsPerThread; ++i) stat_scale[i] = wg_tid + i * kWarpgroupThreads < kBM ? kLog2eF : 1.f;
 
-  float stat_next = load_stat(0);
+  float stat_next[kStatsPerThread];
+  load_stats(0, stat_next);
   mbar_wait(&smem.kv_full, 0);
 
   for (int it = 0; it < iters; ++it) {
@@ -250,8 +271,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
 
     const uint32_t stats = smem_addr(smem.stats[cw][it & 1]);
-    st_shared_f32(stats + wg_tid * sizeof(float), stat_next * stat_scale);
-    if (it + 1 < iters) stat_next = load_stat(it + 1);
+#pragma unroll
+    for (int i = 0; i < kStatsPerThread; ++i) {
+      st_shared_f32(stats + (wg_tid + i * kWarpgroupThreads) * sizeof(float), stat_next[i] * stat_scale[i]);
+    }
+    if (it + 1 < iters) load_stats(it + 1, stat_next);
     named_barrier_sync(kStatsBarrier + cw, kWarpgroupThreads);
     // This thread's queries 8 j + 2 t, +1: lse * log2(e) as pairs (dsum is read later, to keep registers free).
     float2 lse_log2[kSTiles];
@@ -289,23 +313,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     wgmma_commit();
 
-    // dS^T -> shared memory (rows of kBM queries = one 128-byte swizzled row) for dQ; fragment q4 holds key
-    // row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
-    const uint32_t ds_base = smem_addr(smem.ds[it & 1]) + ds_thread;
+    // dS^T -> shared memory ([64-query column block][key][64 queries], 128-byte swizzled rows) for dQ; fragment
+    // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
+    const uint32_t ds_base = smem_addr(smem.ds[it & 1]);
 #pragma unroll
     for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-#pragma unroll
-      for (int q4 = 0; q4 < 4; ++q4) {
-        const int chunk = 2 * kk + (q4 >> 1);
-        st_shared_u32(ds_base + (q4 & 1) * kSwizzleRows * kSwizzleBytes + (chunk ^ g) * kSwizzleChunkBytes,
-                      a_ds[kk][q4]);
-      }
+      constexpr int kStepsPerColBlock = kColBlock / kWgmmaK;  // 16-query steps in a 64-query column block
+      const uint32_t addr = ds_base + (kk / kStepsPerColBlock) * kDsColBlockBytes +
+                            (ds_lane ^ ((kk % kStepsPerColBlock) * 2 * kSwizzleChunkBytes));
+      stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
     }
     fence_proxy_async_smem();
     named_barrier_sync(kDsBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
 
-    // dQ (kBM x kDqCols of this warpgroup) = dS K over all kBN keys: A = dS read M-major from dS^T, B = K read
-    // N-major. Then dK += dS^T Q (B = Q read N-major).
+    // dQ (kDqRows x kDqCols of this warpgroup) = dS K over all kBN keys: A = dS read M-major from dS^T, B = K
+    // read N-major. Then dK += dS^T Q (B = Q read N-major).
     float acc_dq[kDqTiles * 4];
     const uint64_t desc_ds_cur = desc_advance(desc_ds, (it & 1) * kDsBufferBytes);
     wgmma_fence();
@@ -321,7 +343,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     wgmma_commit();
 
-    // dQ -> shared memory (float32, [box][kBM rows][32 columns], 128-byte swizzled) while dK runs; the writer warp
+    // dQ -> shared memory (float32, [box][kDqRows rows][32 columns], 128-byte swizzled) while dK runs; the writer warp
     // adds it to the accumulator.
     wgmma_wait<1>();
     fence_regs(acc_dv);
@@ -334,7 +356,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int chunk = (j * 8 % Traits::kDqBoxCols) / 4 + t / 2;  // 16-byte chunk of columns 8 j + 2 t, +1
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        st_shared_f32x2(dq_thread + box * kBM * kSwizzleBytes + r * kSwizzleRows * kSwizzleBytes +
+        st_shared_f32x2(dq_thread + box * kDqRows * kSwizzleBytes + r * kSwizzleRows * kSwizzleBytes +
                             (chunk ^ g) * kSwizzleChunkBytes,
                         acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
       }

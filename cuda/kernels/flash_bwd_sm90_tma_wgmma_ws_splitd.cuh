@@ -212,10 +212,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
       }
       wgmma_commit();
     };
-    wgmma_fence();
+    // Each fence after its wait: a fence followed by the wait's loop made ptxas inject its own (C7519).
     mbar_wait(&smem.q_full[sq], (it / kQStages) & 1);
+    wgmma_fence();
     issue_keys_times_queries(acc_s, desc_k_rows, desc_advance(desc_q_k, q_off));
     mbar_wait(&smem.do_full[sd], (it / kDoStages) & 1);
+    wgmma_fence();
     issue_keys_times_queries(acc_dp, desc_v_rows, desc_advance(desc_do_k, do_off));
 
     const uint32_t stats = smem_addr(smem.stats[cw][par]);

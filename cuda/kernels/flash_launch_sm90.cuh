@@ -151,11 +151,11 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
   if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
-  // The float32 dQ accumulator (dq_accum has q's layout), reduced into in boxes of kDqBoxCols x kBlockM.
+  // The float32 dQ accumulator (dq_accum has q's layout), reduced into in boxes of kDqBoxCols x kDqRows.
   CUtensorMap tm_dq;
   if (cudaError_t e = encode_bthd_tensor_map(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sizeof(float), p.dq_accum,
                                              p.batch, p.seqlen_q, p.heads_q, p.head_dim, Traits::kDqBoxCols,
-                                             Traits::kBlockM);
+                                             Traits::kDqRows);
       e != cudaSuccess) {
     return e;
   }

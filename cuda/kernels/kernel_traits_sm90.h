@@ -13,6 +13,7 @@
 
 namespace jax_flash::cuda::sm90 {
 
+inline constexpr int kWarpgroupThreads = 128;  // four warps issue one wgmma together
 inline constexpr int kWgmmaM = 64;       // rows of one wgmma (a warpgroup's query rows)
 inline constexpr int kWgmmaK = 16;       // reduction depth of one 16-bit wgmma
 inline constexpr int kColBlock = 64;     // 16-bit elements per 128-byte swizzled row: TMA box width
@@ -69,7 +70,7 @@ struct FwdTraitsSm90<256> {
 template <typename T, typename Base>
 struct FwdKernelTraitsSm90 : Base {
   static constexpr int kBlockM = Base::kConsumerWarpgroups * kWgmmaM;
-  static constexpr int kThreads = (Base::kConsumerWarpgroups + 1) * 128;
+  static constexpr int kThreads = (Base::kConsumerWarpgroups + 1) * kWarpgroupThreads;
   static constexpr int kColBlocks = Base::kHeadDim / kColBlock;  // TMA boxes per tile row
   // setmaxnreg budgets: the producer keeps 24, the consumers share the rest of the 64K registers (multiples of 8,
   // at most 240): 240 with two consumer warpgroups (d128 needs them all), 160 with three.
@@ -103,14 +104,18 @@ struct FwdKernelTraitsSm90 : Base {
 // Per query tile of kBlockM rows a consumer warpgroup computes S^T and dP^T (64 keys x kBlockM, wgmma from shared
 // memory), P^T (under the dP^T GEMM) and dS^T in registers, issues dV += P^T dO (A from registers), writes dS^T to
 // shared memory, and after a barrier between the two warpgroups issues dQ = dS K over all 128 keys (its half of the
-// dQ columns) and dK += dS^T Q; dQ goes to shared memory for the writer while dK runs.
+// dQ columns with 64 query rows, its 64 rows with 128) and dK += dS^T Q; dQ goes to shared memory for the writer
+// while dK runs.
 template <int kHeadDim_>
 struct BwdTraitsSm90;
 
 template <>
 struct BwdTraitsSm90<64> {
   static constexpr int kHeadDim = 64;
-  static constexpr int kBlockM = 64;  // K 16 KB + V 16 KB + 2 x (Q 8 KB + dO 8 KB) + 2 x dS^T 16 KB + dQ 16 KB
+  // 128 queries per iteration (FA3's choice at this head dim): with 64 the GEMMs of an iteration are small beside its
+  // fixed costs (barriers, statistics, the dQ hand-over). S^T and dP^T 64 registers each, dK + dV 64, dQ 32.
+  // K 16 + V 16 + 2 x (Q 16 + dO 16) + 2 x dS^T 32 + dQ 2 x 16 + statistics 4 KB = 196 KB
+  static constexpr int kBlockM = 128;
   static constexpr int kStages = 2;
 };
 
@@ -125,30 +130,38 @@ template <typename T, typename Base>
 struct BwdKernelTraitsSm90 : Base {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kBlockN = kConsumerWarpgroups * kWgmmaM;  // keys per CTA
-  static constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
+  static constexpr int kThreads = (kConsumerWarpgroups + 1) * kWarpgroupThreads;
   static constexpr int kColBlocks = Base::kHeadDim / kColBlock;
-  static constexpr int kDqCols = Base::kHeadDim / kConsumerWarpgroups;  // dQ columns per consumer warpgroup
+  // dQ of the query tile, split between the consumer warpgroups: with 64 queries each takes half the columns; with
+  // two wgmma M of queries each takes its 64 rows and every column.
+  static constexpr bool kDqSplitRows = Base::kBlockM > kWgmmaM;
+  static constexpr int kDqRows = kDqSplitRows ? kWgmmaM : Base::kBlockM;  // dQ rows per consumer warpgroup
+  static constexpr int kDqCols = kDqSplitRows ? Base::kHeadDim : Base::kHeadDim / kConsumerWarpgroups;
   static constexpr int kDqBoxCols = 32;  // float32 columns in one 128-byte swizzled row: one TMA reduction box
   static constexpr int kDqBoxes = kDqCols / kDqBoxCols;
+  static constexpr int kStatsPerThread = 2 * Base::kBlockM / kWarpgroupThreads;  // lse and dsum of the rows
   // setmaxnreg budgets: 2 x 128 x 240 + 128 x 24 <= 64K registers.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static_assert(Base::kBlockM == kColBlock, "dS^T rows are one 128-byte swizzled row of kBlockM queries");
+  static_assert(Base::kBlockM % kColBlock == 0, "dS^T rows are whole 128-byte swizzled rows of 64 queries");
+  static_assert(!kDqSplitRows || Base::kBlockM == kConsumerWarpgroups * kWgmmaM, "one wgmma M of dQ rows each");
   static_assert(kDqCols % kDqBoxCols == 0, "dQ columns of a warpgroup are whole reduction boxes");
+  static_assert(2 * Base::kBlockM % kWarpgroupThreads == 0, "every thread stages the same number of statistics");
 
   struct alignas(1024) SharedStorage {
     alignas(1024) T k[kBlockN * Base::kHeadDim];                          // [kColBlocks][kBlockN][64]
     alignas(1024) T v[kBlockN * Base::kHeadDim];                          // [kColBlocks][kBlockN][64]
     alignas(1024) T q[Base::kStages][Base::kBlockM * Base::kHeadDim];     // [stage][kColBlocks][kBlockM][64]
     alignas(1024) T dout[Base::kStages][Base::kBlockM * Base::kHeadDim];  // [stage][kColBlocks][kBlockM][64]
-    alignas(1024) T ds[2][kBlockN * Base::kBlockM];                       // [parity][key][kBlockM], swizzled
-    alignas(1024) float dq[kConsumerWarpgroups][Base::kBlockM * kDqCols];  // [wg][kDqBoxes][kBlockM][32], swizzled
+    alignas(1024) T ds[2][kBlockN * Base::kBlockM];  // [parity][kQueryColBlocks][key][64], swizzled
+    alignas(1024) float dq[kConsumerWarpgroups][kDqRows * kDqCols];  // [wg][kDqBoxes][kDqRows][32], swizzled
     float stats[kConsumerWarpgroups][2][2 * Base::kBlockM];  // [wg][parity]: lse * log2(e) of the rows, then dsum
     uint64_t kv_full;
     uint64_t qdo_full[Base::kStages];   // Q and dO tiles landed (TMA)
     uint64_t qdo_empty[Base::kStages];  // consumers are done with the stage
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
   static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T);  // Q and dO tiles
 };
 
@@ -178,7 +191,7 @@ template <typename T, typename Base>
 struct BwdSplitDKernelTraitsSm90 : Base {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kClusterSize = 2;  // CTAs sharing dQ reductions (one per consumer warpgroup)
-  static constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
+  static constexpr int kThreads = (kConsumerWarpgroups + 1) * kWarpgroupThreads;
   static constexpr int kColBlocks = Base::kHeadDim / kColBlock;
   static constexpr int kWgQueries = Base::kBlockM / kConsumerWarpgroups;  // S^T, dP^T columns of a warpgroup
   static constexpr int kWgCols = Base::kHeadDim / kConsumerWarpgroups;    // dK, dV, dQ columns of a warpgroup

@@ -9,13 +9,14 @@
 
 #include <cstdint>
 
+#include "kernel_traits_sm90.h"  // kWarpgroupThreads
+
 namespace jax_flash::cuda::sm90 {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define JAX_FLASH_SM90A 1
 #endif
 
-inline constexpr int kWarpgroupThreads = 128;
 inline constexpr int kSwizzleBytes = 128;   // TMA SWIZZLE_128B: rows of 128 bytes, 16-byte chunks XOR (row % 8)
 inline constexpr int kSwizzleRows = 8;      // rows in one swizzle period
 inline constexpr int kSwizzleChunkBytes = 16;  // the unit the swizzle permutes
