@@ -108,13 +108,19 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, FwdTraitsSm90<kD>>;
   constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  CUtensorMap tm_q, tm_k, tm_v, tm_o;
+  CUtensorMap tm_q, tm_k, tm_v;
+  CUtensorMap tm_o{};  // O in boxes of one warpgroup's rows; read only by the shared-memory (TMA store) epilogue
   if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
                                                    {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                   {&tm_o, p.o, p.seqlen_q, p.heads_q, kWgmmaM}});
+                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
       e != cudaSuccess) {
     return e;
+  }
+  if constexpr (Traits::kStoreOSmem) {
+    if (cudaError_t e = make_bthd_tensor_map<T>(&tm_o, p.o, p.batch, p.seqlen_q, p.heads_q, p.head_dim, kWgmmaM);
+        e != cudaSuccess) {
+      return e;
+    }
   }
   // Persistent: as many CTAs as fit on the device at once (one per SM), or one per work unit if fewer.
   const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent);
