@@ -5,7 +5,6 @@
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
-#include <atomic>
 #include <climits>
 #include <initializer_list>
 
@@ -80,27 +79,20 @@ cudaError_t make_bthd_tensor_maps(const FlashParams& p, std::initializer_list<Te
 // device: the grid of a persistent kernel. Queried once per kernel and device (no synchronisation).
 template <auto kernel>
 cudaError_t resident_ctas(int threads, int smem_bytes, int* ctas) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  std::atomic<int>& slot = cache[dev % kMaxDevices];
-  int value = slot.load(std::memory_order_relaxed);
-  if (value == 0) {
-    int sms = 0, per_sm = 0;
-    if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) {
-      return e;
-    }
-    if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
-        e != cudaSuccess) {
-      return e;
-    }
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
-    value = sms * per_sm;
-    slot.store(value, std::memory_order_relaxed);
-  }
-  *ctas = value;
-  return cudaSuccess;
+  return once_per_device(
+      [&](int dev, int* value) {
+        int sms = 0, per_sm = 0;
+        if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) {
+          return e;
+        }
+        if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+            e != cudaSuccess) {
+          return e;
+        }
+        *value = sms * per_sm;
+        return per_sm < 1 ? cudaErrorInvalidConfiguration : cudaSuccess;
+      },
+      ctas);
 }
 
 template <typename T, int kD>
