@@ -73,23 +73,9 @@ template <typename T, int kTiles>
 __device__ __forceinline__ void store_kv_grads(T* gdK, T* gdV, int64_t kv_stride, const float (&acc_dk)[kTiles * 4],
                                                const float (&acc_dv)[kTiles * 4], float scale, int row0, int keys,
                                                int col0, int head_dim, int g, int t) {
-  using ET = ElemTraits<T>;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + 8 * r;
-    if (row < keys) {
-#pragma unroll
-      for (int j = 0; j < kTiles; ++j) {
-        const int col = col0 + j * 8 + 2 * t;
-        if (col < head_dim) {
-          *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) =
-              ET::pack(acc_dk[4 * j + 2 * r] * scale, acc_dk[4 * j + 2 * r + 1] * scale);
-          *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) =
-              ET::pack(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]);
-        }
-      }
-    }
-  }
+  const float dk_scale[2] = {scale, scale}, dv_scale[2] = {1.f, 1.f};
+  store_acc_fragment<T, kTiles>(gdK, kv_stride, acc_dk, dk_scale, row0, keys, col0, head_dim, g, t);
+  store_acc_fragment<T, kTiles>(gdV, kv_stride, acc_dv, dv_scale, row0, keys, col0, head_dim, g, t);
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -5,7 +5,6 @@
 
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
-#include <atomic>
 #include <climits>
 #include <initializer_list>
 
@@ -80,27 +79,20 @@ cudaError_t make_bthd_tensor_maps(const FlashParams& p, std::initializer_list<Te
 // device: the grid of a persistent kernel. Queried once per kernel and device (no synchronisation).
 template <auto kernel>
 cudaError_t resident_ctas(int threads, int smem_bytes, int* ctas) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  std::atomic<int>& slot = cache[dev % kMaxDevices];
-  int value = slot.load(std::memory_order_relaxed);
-  if (value == 0) {
-    int sms = 0, per_sm = 0;
-    if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) {
-      return e;
-    }
-    if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
-        e != cudaSuccess) {
-      return e;
-    }
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
-    value = sms * per_sm;
-    slot.store(value, std::memory_order_relaxed);
-  }
-  *ctas = value;
-  return cudaSuccess;
+  return once_per_device(
+      [&](int dev, int* value) {
+        int sms = 0, per_sm = 0;
+        if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) {
+          return e;
+        }
+        if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+            e != cudaSuccess) {
+          return e;
+        }
+        *value = sms * per_sm;
+        return per_sm < 1 ? cudaErrorInvalidConfiguration : cudaSuccess;
+      },
+      ctas);
 }
 
 template <typename T, int kD>
@@ -108,13 +100,19 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, FwdTraitsSm90<kD>>;
   constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  CUtensorMap tm_q, tm_k, tm_v, tm_o;
+  CUtensorMap tm_q, tm_k, tm_v;
+  CUtensorMap tm_o{};  // O in boxes of one warpgroup's rows; read only by the shared-memory (TMA store) epilogue
   if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_q, p.q, p.seqlen_q, p.heads_q, Traits::kBlockM},
                                                    {&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                   {&tm_o, p.o, p.seqlen_q, p.heads_q, kWgmmaM}});
+                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
       e != cudaSuccess) {
     return e;
+  }
+  if constexpr (Traits::kStoreOSmem) {
+    if (cudaError_t e = make_bthd_tensor_map<T>(&tm_o, p.o, p.batch, p.seqlen_q, p.heads_q, p.head_dim, kWgmmaM);
+        e != cudaSuccess) {
+      return e;
+    }
   }
   // Persistent: as many CTAs as fit on the device at once (one per SM), or one per work unit if fewer.
   const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent);

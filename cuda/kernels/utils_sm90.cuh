@@ -1,5 +1,6 @@
 // PTX wrappers for the sm_90a kernels: mbarriers, TMA (cp.async.bulk.tensor), wgmma fences and shared-memory
-// matrix descriptors, register reallocation (setmaxnreg) and named barriers. Device code only. The helpers emit
+// matrix descriptors, register reallocation (setmaxnreg) and named barriers; and the store of a wgmma accumulator
+// fragment to global memory. Device code only. The helpers emit
 // sm_90a instructions, so kernels that call them guard their bodies with JAX_FLASH_SM90A (the translation units
 // are also compiled for sm_80, where those bodies compile to a trap).
 #pragma once
@@ -10,6 +11,7 @@
 #include <cstdint>
 
 #include "kernel_traits_sm90.h"  // kWarpgroupThreads
+#include "utils_sm80.cuh"        // ElemTraits
 
 namespace jax_flash::cuda::sm90 {
 
@@ -260,6 +262,30 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 }
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// This thread's part of an m64nN wgmma accumulator (rows g and g + 8 of its warp's 16 from row0, columns
+// col0 + 8 j + 2 t and +1), times row_scale of its row, to a row-major 16-bit tensor whose tile starts at dst:
+// rows below `rows`, columns below `cols`.
+template <typename T, int kTiles>
+__device__ __forceinline__ void store_acc_fragment(T* dst, int64_t stride, const float (&acc)[kTiles * 4],
+                                                   const float (&row_scale)[2], int row0, int rows, int col0,
+                                                   int cols, int g, int t) {
+  using ET = ElemTraits<T>;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row < rows) {
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        const int col = col0 + j * 8 + 2 * t;
+        if (col < cols) {
+          *reinterpret_cast<uint32_t*>(dst + row * stride + col) =
+              ET::pack(acc[4 * j + 2 * r] * row_scale[r], acc[4 * j + 2 * r + 1] * row_scale[r]);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace jax_flash::cuda::sm90
