@@ -95,9 +95,9 @@ cudaError_t resident_ctas(int threads, int smem_bytes, int* ctas) {
       ctas);
 }
 
-template <typename T, int kD>
-cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
-  using Traits = FwdKernelTraitsSm90<T, FwdTraitsSm90<kD>>;
+template <typename T, typename TileTraits>
+cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
+  using Traits = FwdKernelTraitsSm90<T, TileTraits>;
   constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v;
@@ -129,6 +129,18 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_o);
   return cudaGetLastError();
+}
+
+// The forward of head-dim class kD: its wide-tile variant (FwdWideTraitsSm90) for attention without a causal or
+// window mask where one exists, else its default tiles.
+template <typename T, int kD>
+cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
+  if constexpr (FwdWideTraitsSm90<kD>::kAvailable) {
+    if (!p.causal && p.window_left < 0 && p.window_right < 0) {
+      return launch_fwd_sm90_tiles<T, FwdWideTraitsSm90<kD>>(p, stream);
+    }
+  }
+  return launch_fwd_sm90_tiles<T, FwdTraitsSm90<kD>>(p, stream);
 }
 
 // Q and dO in tiles of kBlockM rows, K and V in tiles of kBlockN: the loads of every sm_90a backward kernel.

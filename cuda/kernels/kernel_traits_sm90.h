@@ -29,16 +29,11 @@ struct FwdTraitsSm90;
 template <>
 struct FwdTraitsSm90<64> {
   static constexpr int kHeadDim = 64;
-  // Three consumer warpgroups (192-row tiles, 160 registers each): at head dim 64 a key tile's exponentials cost
-  // as much as its two GEMMs, so a third warpgroup's softmax can run while two others' GEMMs are queued.
-  static constexpr int kConsumerWarpgroups = 3;
-  // 128 keys: S 64 + P 32 + O 32 accumulator registers spill 136 B of the 160 (96 keys: 4 B), yet measured faster
-  // (session 8 A/B, bf16, H100: 1x16384x32 4.621 vs 4.715 ms at 96 keys and 5.046 with two warpgroups; 4x4096x32
-  // 1.278 vs 1.323 and 1.342; 32x512x32 0.242 vs 0.286 and 0.246; causal 4x4096x32 0.751 vs 0.749 and 0.760).
-  static constexpr int kBlockN = 128;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kBlockN = 128;  // S accumulator 64 registers; small K/V tiles (16 KB) allow a deep ring
   static constexpr int kStages = 3;
   static constexpr bool kPingPong = true;  // softmax of one warpgroup under the other's GEMMs
-  static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x (K 16 + V 16) + O 24 KB = 144 KB
+  static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
   static constexpr bool kPersistent = true;  // short sequences 0.90-0.93x cuDNN (0.77-0.87 a CTA per tile); long ones
                                              // +-1% (4x4096x32: 1.340 vs 1.324 ms)
 };
@@ -52,6 +47,28 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kPingPong = true;
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // causal 4x4096x16: 461 vs 504 us a CTA per unit; non-causal +-1%
+};
+
+// A second tile choice for attention without a causal or window mask (every key tile but the last unmasked), used
+// where it measured faster; kAvailable says whether a head dim has one. With a causal or window mask the taller
+// tiles waste more of the diagonal's work: the three-warpgroup d64 forward ran 32x512x32 causal in 0.296 ms
+// against 0.200 with two (session 8 A/B), 16x1024x32 causal 0.339 vs 0.288.
+template <int kHeadDim_>
+struct FwdWideTraitsSm90 {
+  static constexpr bool kAvailable = false;
+};
+
+template <>
+struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
+  static constexpr bool kAvailable = true;
+  // Three consumer warpgroups (192-row tiles, 160 registers each): at head dim 64 a key tile's exponentials cost
+  // as much as its two GEMMs, so a third warpgroup's softmax can run while two others' GEMMs are queued.
+  static constexpr int kConsumerWarpgroups = 3;
+  // 128 keys: S 64 + P 32 + O 32 accumulator registers spill 136 B of the 160 (96 keys: 4 B), yet measured faster
+  // (session 8 A/B, bf16, H100: 1x16384x32 4.621 vs 4.715 ms at 96 keys and 5.046 with two warpgroups; 4x4096x32
+  // 1.278 vs 1.323 and 1.342; 32x512x32 0.242 vs 0.286 and 0.246).
+  static constexpr int kBlockN = 128;
+  static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x (K 16 + V 16) + O 24 KB = 144 KB
 };
 
 template <>
