@@ -264,14 +264,11 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// This thread's part of an m64nN wgmma accumulator (rows g and g + 8 of its warp's 16 from row0, columns
-// col0 + 8 j + 2 t and +1), times row_scale of its row, to a row-major 16-bit tensor whose tile starts at dst:
-// rows below `rows`, columns below `cols`.
-template <typename T, int kTiles>
-__device__ __forceinline__ void store_acc_fragment(T* dst, int64_t stride, const float (&acc)[kTiles * 4],
-                                                   const float (&row_scale)[2], int row0, int rows, int col0,
-                                                   int cols, int g, int t) {
-  using ET = ElemTraits<T>;
+// Visits this thread's part of an m64nN wgmma accumulator: rows g and g + 8 (r = 0, 1) of its warp's 16 from row0,
+// columns col0 + 8 j + 2 t and +1 (accumulator entries i = 4 j + 2 r and i + 1), those below `rows` and `cols`:
+// f(row, col, i, r).
+template <int kTiles, typename F>
+__device__ __forceinline__ void for_each_acc_pair(int row0, int rows, int col0, int cols, int g, int t, F&& f) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + g + 8 * r;
@@ -279,13 +276,22 @@ __device__ __forceinline__ void store_acc_fragment(T* dst, int64_t stride, const
 #pragma unroll
       for (int j = 0; j < kTiles; ++j) {
         const int col = col0 + j * 8 + 2 * t;
-        if (col < cols) {
-          *reinterpret_cast<uint32_t*>(dst + row * stride + col) =
-              ET::pack(acc[4 * j + 2 * r] * row_scale[r], acc[4 * j + 2 * r + 1] * row_scale[r]);
-        }
+        if (col < cols) f(row, col, 4 * j + 2 * r, r);
       }
     }
   }
+}
+
+// This thread's part of an m64nN wgmma accumulator, times row_scale of its row, to a row-major 16-bit tensor whose
+// tile starts at dst: rows below `rows`, columns below `cols`.
+template <typename T, int kTiles>
+__device__ __forceinline__ void store_acc_fragment(T* dst, int64_t stride, const float (&acc)[kTiles * 4],
+                                                   const float (&row_scale)[2], int row0, int rows, int col0,
+                                                   int cols, int g, int t) {
+  using ET = ElemTraits<T>;
+  for_each_acc_pair<kTiles>(row0, rows, col0, cols, g, t, [&](int row, int col, int i, int r) {
+    *reinterpret_cast<uint32_t*>(dst + row * stride + col) = ET::pack(acc[i] * row_scale[r], acc[i + 1] * row_scale[r]);
+  });
 }
 
 }  // namespace jax_flash::cuda::sm90
