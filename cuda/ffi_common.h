@@ -116,9 +116,11 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   p->scale = scale;
   p->scale_log2 = scale * kLog2e;
   p->causal = is_causal;
-  const int64_t wmax = int64_t(p->seqlen_q) + p->seqlen_k;  // a window this wide is unbounded
-  p->window_left = window_left < 0 || window_left > wmax ? -1 : static_cast<int>(window_left);
-  p->window_right = window_right < 0 || window_right > wmax ? -1 : static_cast<int>(window_right);
+  // A window side that no (row, key) pair can reach is unbounded (-1), so such calls take the kernels' unmasked
+  // paths: key j >= i - left holds for every row i < seqlen_q once left >= seqlen_q - 1, and j <= i + right for
+  // every key j < seqlen_k once right >= seqlen_k - 1.
+  p->window_left = window_left < 0 || window_left >= p->seqlen_q - 1 ? -1 : static_cast<int>(window_left);
+  p->window_right = window_right < 0 || window_right >= p->seqlen_k - 1 ? -1 : static_cast<int>(window_right);
   p->q_lens = q_lens.typed_data();
   p->kv_lens = kv_lens.typed_data();
   p->q = q.untyped_data();

@@ -111,6 +111,7 @@ struct FwdKernelTraitsSm90 : Base {
     uint64_t v_empty[Base::kStages];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the dynamic base
+  static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
   static constexpr uint32_t kQBytes = kBlockM * Base::kHeadDim * sizeof(T);
   static constexpr uint32_t kKVBytes = Base::kBlockN * Base::kHeadDim * sizeof(T);  // one K (or V) tile
 };
