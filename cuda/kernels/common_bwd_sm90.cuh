@@ -74,22 +74,10 @@ __device__ __forceinline__ void store_kv_grads(T* gdK, T* gdV, int64_t kv_stride
                                                const float (&acc_dv)[kTiles * 4], float scale, int row0, int keys,
                                                int col0, int head_dim, int g, int t) {
   using ET = ElemTraits<T>;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + 8 * r;
-    if (row < keys) {
-#pragma unroll
-      for (int j = 0; j < kTiles; ++j) {
-        const int col = col0 + j * 8 + 2 * t;
-        if (col < head_dim) {
-          *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) =
-              ET::pack(acc_dk[4 * j + 2 * r] * scale, acc_dk[4 * j + 2 * r + 1] * scale);
-          *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) =
-              ET::pack(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]);
-        }
-      }
-    }
-  }
+  for_each_acc_pair<kTiles>(row0, keys, col0, head_dim, g, t, [&](int row, int col, int i, int) {
+    *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) = ET::pack(acc_dk[i] * scale, acc_dk[i + 1] * scale);
+    *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) = ET::pack(acc_dv[i], acc_dv[i + 1]);
+  });
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -261,4 +261,22 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Visits this thread's part of an m64nN wgmma accumulator: rows g and g + 8 (r = 0, 1) of its warp's 16 from row0,
+// columns col0 + 8 j + 2 t and +1 (accumulator entries i = 4 j + 2 r and i + 1), those below `rows` and `cols`:
+// f(row, col, i, r).
+template <int kTiles, typename F>
+__device__ __forceinline__ void for_each_acc_pair(int row0, int rows, int col0, int cols, int g, int t, F&& f) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row < rows) {
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) {
+        const int col = col0 + j * 8 + 2 * t;
+        if (col < cols) f(row, col, 4 * j + 2 * r, r);
+      }
+    }
+  }
+}
+
 }  // namespace jax_flash::cuda::sm90
