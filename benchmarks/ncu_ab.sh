@@ -2,7 +2,8 @@
 # A/B of one kernel between builds, in one device call. Each wheel in dist/<name>/ is installed to /tmp/jf_<name>;
 # for every line "tag profile_one.py-arguments" of SHAPES_FILE (default: three d128 forward shapes) Nsight Compute
 # (clocks as found) profiles the first kernel matching REGEX under each build and prints its duration,
-# instructions, IPC, L2 hit rate and largest stall reasons; per-instruction SASS views go to $OUT/sass.tgz.
+# instructions, IPC, L2 hit rate, largest stall reasons and the busy share of the tensor, MUFU, FMA and ALU pipes and
+# of DRAM; per-instruction SASS views go to $OUT/sass.tgz.
 #   bash benchmarks/ncu_ab.sh REGEX "nameA nameB" [SHAPES_FILE]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,12 @@ stalls = {k[len(prefix):]: float(v.replace(",", "")) for k, v in m.items()
 total = sum(stalls.values()) or 1.0
 top = sorted(stalls.items(), key=lambda kv: -kv[1])[:8]
 print("  stalls: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in top))
+# Where the cycles go: busy share of the tensor, MUFU (exp), FMA and ALU pipes and of DRAM, per active cycle.
+busy = {k: g(k) for k in m if k.endswith("pct_of_peak_sustained_active") and
+        any(p in k for p in ("pipe_tensor", "pipe_xu", "pipe_fma_cycles", "pipe_alu_cycles"))}
+busy["dram"] = g("dram__throughput.avg.pct_of_peak_sustained_elapsed")
+print("  busy %: " + ", ".join(f"{k.replace('sm__', '').replace('.avg.pct_of_peak_sustained_active', '')} {v}"
+                               for k, v in sorted(busy.items())))
 PY
     cp "/tmp/ncu_ab/$name-sass.csv" "$OUT/csv/$name.csv"
   done

@@ -6,6 +6,9 @@ Helpers reach the test modules through the ``attention_checks`` fixture; test mo
 
 import dataclasses
 import functools
+import pathlib
+import shutil
+import subprocess
 import types
 
 import jax
@@ -182,3 +185,21 @@ def attention_checks():
 def fresh_warnings(monkeypatch):
     """Forget which fallback reasons jax_flash already warned about."""
     monkeypatch.setattr(jax_flash.attention, "_WARNED", set())
+
+
+@pytest.fixture
+def run_cpp_check(tmp_path):
+    """Builds tests/cpp/<name>.cc against cuda/ with the system C++ compiler (skips without one), runs it and
+    returns (exit status, stdout); the checks print "ok <cases>" or their first failures and exit 1 on any."""
+
+    def run(name):
+        if shutil.which("c++") is None:
+            pytest.skip("needs a C++ compiler")
+        root = pathlib.Path(__file__).resolve().parent.parent
+        exe = tmp_path / name
+        subprocess.run(["c++", "-std=c++17", "-O1", f"-I{root / 'cuda'}", str(root / "tests" / "cpp" / f"{name}.cc"),
+                        "-o", str(exe)], check=True, capture_output=True, text=True)
+        result = subprocess.run([str(exe)], capture_output=True, text=True)
+        return result.returncode, result.stdout
+
+    return run

@@ -74,7 +74,6 @@ __device__ __forceinline__ void store_kv_grads(T* gdK, T* gdV, int64_t kv_stride
                                                const float (&acc_dv)[kTiles * 4], float scale, int row0, int keys,
                                                int col0, int head_dim, int g, int t) {
   using ET = ElemTraits<T>;
-  // dK and dV of one position together: one bounds check and one address for both.
   for_each_acc_pair<kTiles>(row0, keys, col0, head_dim, g, t, [&](int row, int col, int i, int) {
     *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) = ET::pack(acc_dk[i] * scale, acc_dk[i + 1] * scale);
     *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) = ET::pack(acc_dv[i], acc_dv[i + 1]);

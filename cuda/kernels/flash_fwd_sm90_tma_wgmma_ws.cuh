@@ -305,7 +305,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else {
       const int64_t q_stride = p.q_row_stride();
       T* gO = static_cast<T*>(p.o) + tile.b * p.q_batch_stride() + m0 * q_stride + int64_t(tile.h) * p.head_dim;
-      store_acc_fragment<T, kOTiles>(gO, q_stride, acc_o, inv, warp_row0, rows_valid, 0, p.head_dim, g, t);
+      for_each_acc_pair<kOTiles>(warp_row0, rows_valid, 0, p.head_dim, g, t, [&](int row, int col, int i, int r) {
+        *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) = ET::pack(acc_o[i] * inv[r], acc_o[i + 1] * inv[r]);
+      });
     }
   };
 

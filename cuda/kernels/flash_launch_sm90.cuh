@@ -116,7 +116,7 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
   }
   // Persistent: as many CTAs as fit on the device at once (one per SM), or one per work unit if fewer.
   const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent);
-  if (int64_t(sched.units_per_head) * p.heads_q * p.batch > INT_MAX) return cudaErrorInvalidConfiguration;
+  if (!sched.units_fit()) return cudaErrorInvalidConfiguration;
   const int units = sched.units;
   if (units == 0) return cudaSuccess;
   int grid = units;

@@ -8,6 +8,9 @@
 // of one CTA per unit (the hardware hands units to SMs as they free up, heaviest first), a unit is one block.
 #pragma once
 
+#include <climits>
+#include <cstdint>
+
 #include "../flash_params.h"
 
 namespace jax_flash::cuda {
@@ -22,15 +25,19 @@ struct FwdTileScheduler {
   int m_blocks;        // query blocks per (batch, head)
   int units_per_head;  // m_blocks, or ceil(m_blocks / 2) when blocks are paired
   int heads_q;
-  int units;  // units_per_head * heads_q * batch
+  int64_t units_wide;  // units_per_head * heads_q * batch; launches refuse counts above INT_MAX (units_fit)
+  int units;           // the same as an int, what the kernel walks
   bool paired;
 
   JF_HD FwdTileScheduler(const FlashParams& p, int block_m, bool persistent)
       : m_blocks(int((p.seqlen_q + block_m - 1) / block_m)),
         units_per_head(persistent && p.causal ? (m_blocks + 1) / 2 : m_blocks),
         heads_q(p.heads_q),
-        units(units_per_head * p.heads_q * p.batch),
+        units_wide(int64_t(units_per_head) * p.heads_q * p.batch),
+        units(int(units_wide)),
         paired(persistent && p.causal) {}
+
+  JF_HD bool units_fit() const { return units_wide <= INT_MAX; }
 
   // Tiles in unit u: 2 for a pair, 1 for the middle block of an odd count or an unpaired block.
   JF_HD int tiles(int u) const {

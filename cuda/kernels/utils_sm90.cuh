@@ -1,6 +1,6 @@
 // PTX wrappers for the sm_90a kernels: mbarriers, TMA (cp.async.bulk.tensor), wgmma fences and shared-memory
-// matrix descriptors, register reallocation (setmaxnreg) and named barriers; and the store of a wgmma accumulator
-// fragment to global memory. Device code only. The helpers emit
+// matrix descriptors, register reallocation (setmaxnreg) and named barriers; and a visitor over a wgmma
+// accumulator fragment. Device code only. The helpers emit
 // sm_90a instructions, so kernels that call them guard their bodies with JAX_FLASH_SM90A (the translation units
 // are also compiled for sm_80, where those bodies compile to a trap).
 #pragma once
@@ -11,7 +11,6 @@
 #include <cstdint>
 
 #include "kernel_traits_sm90.h"  // kWarpgroupThreads
-#include "utils_sm80.cuh"        // ElemTraits
 
 namespace jax_flash::cuda::sm90 {
 
@@ -280,18 +279,6 @@ __device__ __forceinline__ void for_each_acc_pair(int row0, int rows, int col0, 
       }
     }
   }
-}
-
-// This thread's part of an m64nN wgmma accumulator, times row_scale of its row, to a row-major 16-bit tensor whose
-// tile starts at dst: rows below `rows`, columns below `cols`.
-template <typename T, int kTiles>
-__device__ __forceinline__ void store_acc_fragment(T* dst, int64_t stride, const float (&acc)[kTiles * 4],
-                                                   const float (&row_scale)[2], int row0, int rows, int col0,
-                                                   int cols, int g, int t) {
-  using ET = ElemTraits<T>;
-  for_each_acc_pair<kTiles>(row0, rows, col0, cols, g, t, [&](int row, int col, int i, int r) {
-    *reinterpret_cast<uint32_t*>(dst + row * stride + col) = ET::pack(acc[i] * row_scale[r], acc[i + 1] * row_scale[r]);
-  });
 }
 
 }  // namespace jax_flash::cuda::sm90
