@@ -1,5 +1,6 @@
 // PTX wrappers for the sm_90a kernels: mbarriers, TMA (cp.async.bulk.tensor), wgmma fences and shared-memory
-// matrix descriptors, register reallocation (setmaxnreg) and named barriers. Device code only. The helpers emit
+// matrix descriptors, register reallocation (setmaxnreg) and named barriers; and a visitor over a wgmma
+// accumulator fragment. Device code only. The helpers emit
 // sm_90a instructions, so kernels that call them guard their bodies with JAX_FLASH_SM90A (the translation units
 // are also compiled for sm_80, where those bodies compile to a trap).
 #pragma once
