@@ -3,7 +3,7 @@
 # for every line "tag profile_one.py-arguments" of SHAPES_FILE (default: three d128 forward shapes) Nsight Compute
 # (clocks as found) profiles the first kernel matching REGEX under each build and prints its duration,
 # instructions, IPC, L2 hit rate, largest stall reasons and the busy share of the tensor, MUFU, FMA and ALU pipes and
-# of DRAM; per-instruction SASS views go to $OUT/sass.tgz.
+# of DRAM; per-instruction SASS views and the details pages go to $OUT/sass.tgz.
 #   bash benchmarks/ncu_ab.sh REGEX "nameA nameB" [SHAPES_FILE]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,13 +40,15 @@ total = sum(stalls.values()) or 1.0
 top = sorted(stalls.items(), key=lambda kv: -kv[1])[:8]
 print("  stalls: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in top))
 # Where the cycles go: busy share of the tensor, MUFU (exp), FMA and ALU pipes and of DRAM, per active cycle.
-busy = {k: g(k) for k in m if k.endswith("pct_of_peak_sustained_active") and
-        any(p in k for p in ("pipe_tensor", "pipe_xu", "pipe_fma_cycles", "pipe_alu_cycles"))}
-busy["dram"] = g("dram__throughput.avg.pct_of_peak_sustained_elapsed")
+pipes = ("pipe_tensor_cycles_active", "inst_executed_pipe_xu", "pipe_fma_cycles_active", "pipe_alu_cycles_active")
+busy = {k: g(k) for k in m if k in {f"sm__{p}.avg.pct_of_peak_sustained_active" for p in pipes}}
+busy["dram"] = m.get("dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                     g("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"))
 print("  busy %: " + ", ".join(f"{k.replace('sm__', '').replace('.avg.pct_of_peak_sustained_active', '')} {v}"
                                for k, v in sorted(busy.items())))
 PY
     cp "/tmp/ncu_ab/$name-sass.csv" "$OUT/csv/$name.csv"
+    cp "/tmp/ncu_ab/$name-details.txt" "$OUT/csv/$name-details.txt"
   done
 done < <(if [ -n "$shapes" ]; then cat "$shapes"; else echo "$default_shapes"; fi)
 (cd "$OUT" && tar czf sass.tgz csv && rm -rf csv)

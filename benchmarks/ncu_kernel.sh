@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 regex=$1
 shift
 name=${NAME:-$(echo "$regex" | tr -c 'A-Za-z0-9_\n' '_')}
-(cd /tmp && ncu --clock-control none --set full --import-source yes -k "regex:$regex" -c 1 -o "$OUT/$name" \
+(cd /tmp && ncu -f --clock-control none --set full --import-source yes -k "regex:$regex" -c 1 -o "$OUT/$name" \
   python3 "$OLDPWD/benchmarks/profile_one.py" "$@") >"$OUT/$name-run.log" 2>&1 || { tail -20 "$OUT/$name-run.log"; exit 1; }
 ncu -i "$OUT/$name.ncu-rep" --page details >"$OUT/$name-details.txt" 2>&1
 ncu -i "$OUT/$name.ncu-rep" --page raw --csv >"$OUT/$name-raw.csv" 2>&1
