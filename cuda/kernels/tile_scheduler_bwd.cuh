@@ -1,0 +1,41 @@
+// The order in which the sm_90a backward kernels' CTAs take their (key block, kv head, batch) work.
+//
+// One CTA per key block of one (batch, kv head) on a 1-D grid whose key-block index varies slowest. The hardware
+// starts CTAs in increasing linear order, so every (batch, kv head)'s first key blocks start before any later ones:
+// under a causal mask those are the heaviest (the most query tiles see them, and with GQA each CTA walks the tiles
+// of all `group` query heads sharing its kv head), and starting the longest CTAs first keeps the last wave short.
+// kCluster consecutive CTAs are neighbouring key blocks of one (batch, kv head) (the head-dim-256 kernel's pairs),
+// and a key block's lower neighbours always start before it (the deterministic dQ order relies on that).
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "../flash_params.h"
+
+namespace jax_flash::cuda {
+
+// The grid of a backward launch whose key blocks hold block_n keys; kCluster CTAs per cluster.
+template <int kCluster>
+struct BwdGrid {
+  int64_t key_blocks;  // a multiple of kCluster: a block past seqlen_k loads zeros, sees no query, writes nothing
+  int heads_kv;
+  int batch;
+  JF_HD static BwdGrid make(const FlashParams& p, int block_n) {
+    const int64_t blocks = (int64_t(p.seqlen_k) + block_n - 1) / block_n;
+    return {(blocks + kCluster - 1) / kCluster * kCluster, p.heads_kv, p.batch};
+  }
+  JF_HD int64_t ctas() const { return key_blocks * heads_kv * batch; }
+  JF_HD bool fits() const { return ctas() <= INT_MAX; }  // gridDim.x limit; launches refuse larger grids
+  // CTA `id`'s key block, kv head and batch element (a grid that fits: every value is an int).
+  JF_HD void coord(int id, int* n_block, int* hk, int* b) const {
+    const int member = id % kCluster;
+    int rest = id / kCluster;
+    *hk = rest % heads_kv;
+    rest /= heads_kv;
+    *b = rest % batch;
+    *n_block = rest / batch * kCluster + member;
+  }
+};
+
+}  // namespace jax_flash::cuda
