@@ -1,8 +1,9 @@
-"""cuda/kernels/tile_scheduler_{fwd,bwd}.cuh, the sm_90a kernels' work order: C++ checks on small shapes, built with
-the system C++ compiler; skipped without one. Forward: every tile exactly once, pairs heaviest first, unit counts
-above INT_MAX refused. Backward: every (key block, kv head, batch) exactly once, key blocks never decreasing with
-the CTA index (heaviest first under a causal mask), clusters of neighbouring key blocks, grids above INT_MAX
-refused."""
+"""cuda/kernels/tile_scheduler_{common,fwd,bwd}.cuh, the sm_90a kernels' work order: C++ checks on small shapes,
+built with the system C++ compiler; skipped without one. Heavy-first order: every (block, head) once, heads in
+contiguous groups (the last whole), no unit lighter than a later one of its group. Forward: every tile exactly once,
+pairs heaviest first, a CTA per unit under a causal mask in heavy-first order, unit counts above INT_MAX refused.
+Backward: every (key block, kv head, batch) once in heavy-first order, clusters of neighbouring key blocks, each
+(batch, kv head)'s key blocks in increasing order, grids above INT_MAX refused."""
 
 
 def test_scheduler_visits_every_tile_once(run_cpp_check):
@@ -11,7 +12,7 @@ def test_scheduler_visits_every_tile_once(run_cpp_check):
     assert stdout.startswith("ok ")
 
 
-def test_backward_grid_covers_every_key_block_once_in_order(run_cpp_check):
+def test_heavy_first_order_and_backward_grid(run_cpp_check):
     returncode, stdout = run_cpp_check("tile_scheduler_bwd_check")
     assert returncode == 0, stdout
     assert stdout.startswith("ok ")

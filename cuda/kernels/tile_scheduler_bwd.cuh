@@ -1,17 +1,17 @@
 // The order in which the sm_90a backward kernels' CTAs take their (key block, kv head, batch) work.
 //
-// One CTA per key block of one (batch, kv head) on a 1-D grid whose key-block index varies slowest. The hardware
-// starts CTAs in increasing linear order, so every (batch, kv head)'s first key blocks start before any later ones:
-// under a causal mask those are the heaviest (the most query tiles see them, and with GQA each CTA walks the tiles
-// of all `group` query heads sharing its kv head), and starting the longest CTAs first keeps the last wave short.
-// kCluster consecutive CTAs are neighbouring key blocks of one (batch, kv head) (the head-dim-256 kernel's pairs),
-// and a key block's lower neighbours always start before it (the deterministic dQ order relies on that).
+// One CTA per key block of one (batch, kv head) on a 1-D grid in heaviest-first order (tile_scheduler_common.cuh):
+// under a causal mask a (batch, kv head)'s first key blocks are the heaviest (the most query tiles see them, and
+// with GQA each CTA walks the tiles of all `group` query heads sharing its kv head). kCluster consecutive CTAs are
+// neighbouring key blocks of one (batch, kv head) (the head-dim-256 kernel's pairs), and a key block's lower
+// neighbours always start before it (the deterministic dQ order relies on that).
 #pragma once
 
 #include <climits>
 #include <cstdint>
 
 #include "../flash_params.h"
+#include "tile_scheduler_common.cuh"
 
 namespace jax_flash::cuda {
 
@@ -29,12 +29,11 @@ struct BwdGrid {
   JF_HD bool fits() const { return ctas() <= INT_MAX; }  // gridDim.x limit; launches refuse larger grids
   // CTA `id`'s key block, kv head and batch element (a grid that fits: every value is an int).
   JF_HD void coord(int id, int* n_block, int* hk, int* b) const {
-    const int member = id % kCluster;
-    int rest = id / kCluster;
-    *hk = rest % heads_kv;
-    rest /= heads_kv;
-    *b = rest % batch;
-    *n_block = rest / batch * kCluster + member;
+    int cluster, head;
+    HeavyFirstOrder::make(int(key_blocks / kCluster), heads_kv * batch).at(id / kCluster, &cluster, &head);
+    *n_block = cluster * kCluster + id % kCluster;
+    *hk = head % heads_kv;
+    *b = head / heads_kv;
   }
 };
 

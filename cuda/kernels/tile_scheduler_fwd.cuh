@@ -4,14 +4,16 @@
 // slowest, so the CTAs running at one time read a few heads' K and V and those stay in L2. A persistent grid takes
 // units round-robin (CTA c: units c, c + gridDim.x, ...), which only balances if units hold equal work: with a
 // causal mask query block m sees about m + 1 key tiles, so there a unit pairs the heaviest and the lightest block
-// of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the heavier first). Otherwise, and for a grid
-// of one CTA per unit (the hardware hands units to SMs as they free up, heaviest first), a unit is one block.
+// of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the heavier first). Otherwise a unit is one
+// block. A grid of one CTA per unit under a causal mask takes its units in heaviest-first order across heads
+// (tile_scheduler_common.cuh): the hardware hands units to SMs as they free up, so the grid should end on light ones.
 #pragma once
 
 #include <climits>
 #include <cstdint>
 
 #include "../flash_params.h"
+#include "tile_scheduler_common.cuh"
 
 namespace jax_flash::cuda {
 
@@ -28,14 +30,19 @@ struct FwdTileScheduler {
   int64_t units_wide;  // units_per_head * heads_q * batch; launches refuse counts above INT_MAX (units_fit)
   int units;           // the same as an int, what the kernel walks
   bool paired;
+  bool heavy_first;  // a CTA per unit under a causal mask: units in HeavyFirstOrder over every (batch, head)
+  int group_units;   // HeavyFirstOrder's group size in units (a parameter for the CPU check)
 
-  JF_HD FwdTileScheduler(const FlashParams& p, int block_m, bool persistent)
+  JF_HD FwdTileScheduler(const FlashParams& p, int block_m, bool persistent,
+                         int group_units_ = kHeavyFirstGroupUnits)
       : m_blocks(int((p.seqlen_q + block_m - 1) / block_m)),
         units_per_head(persistent && p.causal ? (m_blocks + 1) / 2 : m_blocks),
         heads_q(p.heads_q),
         units_wide(int64_t(units_per_head) * p.heads_q * p.batch),
         units(int(units_wide)),
-        paired(persistent && p.causal) {}
+        paired(persistent && p.causal),
+        heavy_first(!persistent && p.causal),
+        group_units(group_units_) {}
 
   JF_HD bool units_fit() const { return units_wide <= INT_MAX; }
 
@@ -47,8 +54,9 @@ struct FwdTileScheduler {
   }
   // Tile k (0 or 1) of unit u.
   JF_HD FwdTile tile(int u, int k) const {
-    const int j = u % units_per_head;
-    const int hb = u / units_per_head;
+    int j = u % units_per_head;
+    int hb = u / units_per_head;
+    if (heavy_first) HeavyFirstOrder::make(m_blocks, units / m_blocks, group_units).at(u, &j, &hb);
     return FwdTile{k == 0 ? m_blocks - 1 - j : j, hb % heads_q, hb / heads_q};
   }
 };

@@ -1,8 +1,10 @@
-// Check of cuda/kernels/tile_scheduler_bwd.cuh on the CPU: for small shapes and cluster sizes 1 and 2, the grid's
-// CTAs cover each (key block, kv head, batch) exactly once, a cluster's CTAs are neighbouring key blocks of one
-// (batch, kv head) in rank order, key blocks never decrease with the CTA index (every lower key block, the heavier
-// one under a causal mask, starts first), and fits() refuses grids above INT_MAX. Prints "ok <cases>" or the
-// first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+// Check of cuda/kernels/tile_scheduler_{common,bwd}.cuh on the CPU. HeavyFirstOrder, for small shapes and group
+// sizes: every (block, head) exactly once; heads in contiguous groups, the last one whole; inside a group no unit
+// is lighter (higher block rank) than a later one. BwdGrid, for cluster sizes 1 and 2: every (key block, kv head,
+// batch) exactly once, a cluster's CTAs neighbouring key blocks of one (batch, kv head) in rank order, each
+// (batch, kv head)'s key blocks in increasing order (the deterministic dQ order needs it), and grids above INT_MAX
+// refused. Prints "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <vector>
@@ -11,6 +13,57 @@
 
 using jax_flash::FlashParams;
 using jax_flash::cuda::BwdGrid;
+using jax_flash::cuda::HeavyFirstOrder;
+
+long check_order(long* bad) {
+  long cases = 0;
+  for (int blocks = 1; blocks <= 6; ++blocks) {
+    for (int heads = 1; heads <= 7; ++heads) {
+      for (int group_units = 1; group_units <= 20; ++group_units) {
+        const auto o = HeavyFirstOrder::make(blocks, heads, group_units);
+        ++cases;
+        auto fail = [&](const char* what) {
+          if (++*bad <= 5) std::printf("%s: blocks=%d heads=%d group_units=%d\n", what, blocks, heads, group_units);
+        };
+        if (o.group < 1 || o.group > heads) fail("group size out of range");
+        std::vector<int> seen(size_t(blocks) * heads, 0), head_at, block_at;
+        for (int u = 0; u < blocks * heads; ++u) {
+          int block, head;
+          o.at(u, &block, &head);
+          if (block < 0 || block >= blocks || head < 0 || head >= heads) {
+            fail("unit out of range");
+            break;
+          }
+          ++seen[size_t(head) * blocks + block];
+          head_at.push_back(head), block_at.push_back(block);
+        }
+        if (int(head_at.size()) != blocks * heads) continue;
+        for (int c : seen) {
+          if (c != 1) {
+            fail("a (block, head) not covered exactly once");
+            break;
+          }
+        }
+        // Groups: the first of heads % group heads (a whole group if that is 0), then whole groups; each a
+        // contiguous run of all blocks of its heads, block ranks never decreasing inside it.
+        const int expect_group = std::min(heads, std::max(1, (group_units + blocks - 1) / blocks));
+        if (o.group != expect_group) fail("group size");
+        const int first = heads % o.group ? heads % o.group : o.group;
+        for (int u = 0, size = first; u < blocks * heads; u += size * blocks, size = o.group) {
+          std::vector<int> count(heads, 0);
+          for (int w = u; w < u + size * blocks; ++w) {
+            ++count[head_at[w]];
+            if (w > u && block_at[w] < block_at[w - 1]) fail("a heavier unit after a lighter one in a group");
+          }
+          int heads_in = 0;
+          for (int c : count) heads_in += c == blocks ? 1 : 0;
+          if (heads_in != size) fail("a group does not hold all blocks of its heads");
+        }
+      }
+    }
+  }
+  return cases;
+}
 
 template <int kCluster>
 long check(long* bad) {
@@ -37,7 +90,7 @@ long check(long* bad) {
             fail("CTA count", batch, heads, seqlen_k, block_n);
           }
           std::vector<int> seen(size_t(g.key_blocks) * heads * batch, 0);
-          int prev_n = 0;
+          std::vector<int> last_block(size_t(heads) * batch, -1);
           int first_n = 0, first_hk = 0, first_b = 0;
           for (int id = 0; id < int(g.ctas()); ++id) {
             int n, hk, b;
@@ -47,8 +100,14 @@ long check(long* bad) {
               continue;
             }
             ++seen[(size_t(b) * heads + hk) * g.key_blocks + n];
-            if (n / kCluster < prev_n / kCluster) fail("key blocks out of order", batch, heads, seqlen_k, block_n);
-            prev_n = n;
+            int rank, head;  // the grid is HeavyFirstOrder over clusters of key blocks and (batch, kv head) pairs
+            HeavyFirstOrder::make(int(g.key_blocks / kCluster), heads * batch).at(id / kCluster, &rank, &head);
+            if (n != rank * kCluster + id % kCluster || hk != head % heads || b != head / heads) {
+              fail("not the heavy-first order", batch, heads, seqlen_k, block_n);
+            }
+            int& last = last_block[size_t(b) * heads + hk];
+            if (n <= last) fail("a key block before a lower one", batch, heads, seqlen_k, block_n);
+            last = n;
             if (id % kCluster == 0) {
               first_n = n, first_hk = hk, first_b = b;
               if (n % kCluster != 0) fail("cluster not aligned", batch, heads, seqlen_k, block_n);
@@ -83,7 +142,7 @@ long check(long* bad) {
 
 int main() {
   long bad = 0;
-  const long cases = check<1>(&bad) + check<2>(&bad);
+  const long cases = check_order(&bad) + check<1>(&bad) + check<2>(&bad);
   if (bad) {
     std::printf("%ld failures in %ld cases\n", bad, cases);
     return 1;

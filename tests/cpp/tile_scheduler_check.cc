@@ -1,7 +1,8 @@
-// Check of cuda/kernels/tile_scheduler_fwd.cuh on the CPU: for small shapes, walking every unit visits each
-// (query block, head, batch) tile exactly once, a paired unit holds its (batch, head)'s heaviest remaining block
-// first, and units_fit() refuses unit counts above INT_MAX. Prints "ok <cases>" or the first failures; exit 1 on
-// any. Built and run by tests/test_tile_scheduler.py.
+// Check of cuda/kernels/tile_scheduler_fwd.cuh on the CPU: for small shapes and group sizes, walking every unit
+// visits each (query block, head, batch) tile exactly once, a paired unit holds its (batch, head)'s heaviest
+// remaining block first, a grid of one CTA per unit under a causal mask takes its units in HeavyFirstOrder (checked
+// on its own in tile_scheduler_bwd_check.cc), and units_fit() refuses unit counts above INT_MAX. Prints
+// "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
 #include <climits>
 #include <cstdio>
 #include <vector>
@@ -11,6 +12,7 @@
 using jax_flash::FlashParams;
 using jax_flash::cuda::FwdTile;
 using jax_flash::cuda::FwdTileScheduler;
+using jax_flash::cuda::HeavyFirstOrder;
 
 int main() {
   long cases = 0, bad = 0;
@@ -26,31 +28,41 @@ int main() {
         for (int block_m = 1; block_m <= 3; ++block_m) {
           for (int persistent = 0; persistent < 2; ++persistent) {
             for (int causal = 0; causal < 2; ++causal) {
-              FlashParams p{};
-              p.batch = batch, p.seqlen_q = seqlen_q, p.heads_q = heads, p.causal = causal;
-              const FwdTileScheduler s(p, block_m, persistent);
-              ++cases;
-              const int m_blocks = (seqlen_q + block_m - 1) / block_m;
-              if (!s.units_fit() || s.units != s.units_wide) fail("unit count", batch, heads, seqlen_q, block_m,
-                                                                  persistent, causal);
-              std::vector<int> seen(size_t(m_blocks) * heads * batch, 0);
-              for (int u = 0; u < s.units; ++u) {
-                for (int k = 0; k < s.tiles(u); ++k) {
-                  const FwdTile t = s.tile(u, k);
-                  if (t.m_block < 0 || t.m_block >= m_blocks || t.h < 0 || t.h >= heads || t.b < 0 || t.b >= batch) {
-                    fail("tile out of range", batch, heads, seqlen_q, block_m, persistent, causal);
-                    continue;
+              for (int group_units : {1, 2, 5, 512}) {
+                FlashParams p{};
+                p.batch = batch, p.seqlen_q = seqlen_q, p.heads_q = heads, p.causal = causal;
+                const FwdTileScheduler s(p, block_m, persistent, group_units);
+                ++cases;
+                const int m_blocks = (seqlen_q + block_m - 1) / block_m;
+                if (!s.units_fit() || s.units != s.units_wide) fail("unit count", batch, heads, seqlen_q, block_m,
+                                                                    persistent, causal);
+                std::vector<int> seen(size_t(m_blocks) * heads * batch, 0);
+                for (int u = 0; u < s.units; ++u) {
+                  for (int k = 0; k < s.tiles(u); ++k) {
+                    const FwdTile t = s.tile(u, k);
+                    if (t.m_block < 0 || t.m_block >= m_blocks || t.h < 0 || t.h >= heads || t.b < 0 || t.b >= batch) {
+                      fail("tile out of range", batch, heads, seqlen_q, block_m, persistent, causal);
+                      continue;
+                    }
+                    ++seen[(size_t(t.b) * heads + t.h) * m_blocks + t.m_block];
                   }
-                  ++seen[(size_t(t.b) * heads + t.h) * m_blocks + t.m_block];
+                  if (s.tiles(u) == 2 && s.tile(u, 0).m_block <= s.tile(u, 1).m_block) {
+                    fail("pair not heaviest first", batch, heads, seqlen_q, block_m, persistent, causal);
+                  }
+                  if (!persistent && causal) {
+                    int rank, hb;
+                    HeavyFirstOrder::make(m_blocks, heads * batch, group_units).at(u, &rank, &hb);
+                    const FwdTile t = s.tile(u, 0);
+                    if (t.m_block != m_blocks - 1 - rank || t.h != hb % heads || t.b != hb / heads) {
+                      fail("not the heavy-first order", batch, heads, seqlen_q, block_m, persistent, causal);
+                    }
+                  }
                 }
-                if (s.tiles(u) == 2 && s.tile(u, 0).m_block <= s.tile(u, 1).m_block) {
-                  fail("pair not heaviest first", batch, heads, seqlen_q, block_m, persistent, causal);
-                }
-              }
-              for (int n : seen) {
-                if (n != 1) {
-                  fail("tile not visited exactly once", batch, heads, seqlen_q, block_m, persistent, causal);
-                  break;
+                for (int n : seen) {
+                  if (n != 1) {
+                    fail("tile not visited exactly once", batch, heads, seqlen_q, block_m, persistent, causal);
+                    break;
+                  }
                 }
               }
             }

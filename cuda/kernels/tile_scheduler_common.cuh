@@ -1,0 +1,44 @@
+// Heaviest-first work order for grids of one CTA per unit of work, shared by the forward and backward schedulers.
+//
+// The hardware starts CTAs in increasing linear order on whichever SM frees up first, so a grid ends well when its
+// last CTAs are its lightest. Units here are (block, head) pairs whose work falls with the block index (rank 0 is
+// the heaviest block of every head under a causal mask). Heads come in groups; inside a group the block index
+// varies slowest, so each group starts all its heads' heavy blocks before any light one. One group spanning every
+// head would be the ideal order, but the CTAs running together would then each read a different head's operands
+// (K/V in the forward, Q/dO in the backward) and fewer of those reads would hit in L2; groups of about
+// kHeavyFirstGroupUnits units keep a few heads per wave, and the first group takes the remainder so the last is
+// whole and fills the final waves heaviest first (benchmarks/bwd_schedule_model.py models the tail).
+#pragma once
+
+#include "../flash_params.h"
+
+namespace jax_flash::cuda {
+
+inline constexpr int kHeavyFirstGroupUnits = 512;  // about four waves of 132 SMs
+
+struct HeavyFirstOrder {
+  int blocks;  // per head
+  int heads;
+  int group;   // heads per group (the first group: heads % group of them, or a whole group)
+
+  JF_HD static HeavyFirstOrder make(int blocks, int heads, int group_units = kHeavyFirstGroupUnits) {
+    const int per_group = blocks > 0 ? (group_units + blocks - 1) / blocks : 1;
+    return {blocks, heads, per_group < 1 ? 1 : per_group > heads ? heads : per_group};
+  }
+  // Unit u (< blocks * heads) is block rank *block (0: heaviest) of head *head.
+  JF_HD void at(int u, int* block, int* head) const {
+    const int first = heads % group != 0 ? heads % group : group;
+    int size = first, base = 0, r = u;
+    if (u >= first * blocks) {
+      const int v = u - first * blocks;
+      const int g = v / (group * blocks);
+      r = v - g * group * blocks;
+      size = group;
+      base = first + g * group;
+    }
+    *block = r / size;
+    *head = base + r % size;
+  }
+};
+
+}  // namespace jax_flash::cuda
