@@ -56,9 +56,9 @@ CASES = {
     "d64_gqa_wide_sq_ne_sk": dict(batch=2, seqlen_q=401, seqlen_k=333, heads_q=8, heads_kv=2, head_dim=64),
     "d256_causal_many_tiles": dict(batch=2, seqlen_q=520, seqlen_k=520, heads_q=24, heads_kv=24, head_dim=256,
                                    is_causal=True),
-    # Heavy-first order (tile_scheduler_common.cuh) in several groups of heads: 48 (batch, head) pairs of 33 query
-    # blocks (forward, a CTA per unit at d256) and of 33 clusters of key-block pairs (backward), 16 pairs a group.
-    "d256_causal_heavy_first_groups": dict(batch=2, seqlen_q=4200, seqlen_k=4200, heads_q=24, heads_kv=24,
+    # Heavy-first order (tile_scheduler_common.cuh) in two groups of heads (19, then 29): 48 (batch, head) pairs of
+    # 18 query blocks (forward, a CTA per unit at d256) and of 18 clusters of key-block pairs (backward).
+    "d256_causal_heavy_first_groups": dict(batch=2, seqlen_q=2200, seqlen_k=2200, heads_q=24, heads_kv=24,
                                            head_dim=256, is_causal=True),
 }
 
