@@ -7,7 +7,7 @@
 // head would be the ideal order, but the CTAs running together would then each read a different head's operands
 // (K/V in the forward, Q/dO in the backward) and fewer of those reads would hit in L2; groups of about
 // kHeavyFirstGroupUnits units keep a few heads per wave, and the first group takes the remainder so the last is
-// whole and fills the final waves heaviest first (benchmarks/bwd_schedule_model.py models the tail).
+// whole and fills the final waves heaviest first (benchmarks/schedule_model.py models the tail).
 #pragma once
 
 #include "../flash_params.h"
@@ -21,6 +21,7 @@ struct HeavyFirstOrder {
   int heads;
   int group;   // heads per group (the first group: heads % group of them, or a whole group)
 
+  // blocks >= 1 and heads >= 1 (the launchers run no grid without work), so group >= 1.
   JF_HD static HeavyFirstOrder make(int blocks, int heads, int group_units = kHeavyFirstGroupUnits) {
     const int per_group = blocks > 0 ? (group_units + blocks - 1) / blocks : 1;
     return {blocks, heads, per_group < 1 ? 1 : per_group > heads ? heads : per_group};

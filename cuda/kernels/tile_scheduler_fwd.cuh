@@ -1,12 +1,13 @@
 // The order in which the sm_90a forward kernel's CTAs take their (query block, query head, batch) tiles.
 //
-// Work comes in units, numbered with the query block fastest (heaviest, i.e. last, first) and (batch, head)
-// slowest, so the CTAs running at one time read a few heads' K and V and those stay in L2. A persistent grid takes
-// units round-robin (CTA c: units c, c + gridDim.x, ...), which only balances if units hold equal work: with a
-// causal mask query block m sees about m + 1 key tiles, so there a unit pairs the heaviest and the lightest block
-// of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the heavier first). Otherwise a unit is one
-// block. A grid of one CTA per unit under a causal mask takes its units in heaviest-first order across heads
-// (tile_scheduler_common.cuh): the hardware hands units to SMs as they free up, so the grid should end on light ones.
+// Work comes in units, in a persistent grid or without a causal mask numbered with the query block fastest
+// (heaviest, i.e. last, first) and (batch, head) slowest, so the CTAs running at one time read a few heads' K and V
+// and those stay in L2. A persistent grid takes units round-robin (CTA c: units c, c + gridDim.x, ...), which only
+// balances if units hold equal work: with a causal mask query block m sees about m + 1 key tiles, so there a unit
+// pairs the heaviest and the lightest block of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the
+// heavier first). Otherwise a unit is one block. A grid of one CTA per unit under a causal mask takes its units in
+// heaviest-first order across heads (tile_scheduler_common.cuh): the hardware hands units to SMs as they free up,
+// so the grid should end on light ones.
 #pragma once
 
 #include <climits>
