@@ -11,7 +11,8 @@ reference computed on a slice of heads.
     python benchmarks/bench_attention.py --quick    # a handful of shapes
 
 Writes <out>/<device>-<date>.json (one row per shape x implementation), a markdown table with jax_flash/cudnn
-ratios (.md) and a plot of TFLOP/s against sequence length (.png).
+ratios (.md) and a plot of TFLOP/s against sequence length (.png). While it runs, <stem>.partial.json holds the
+shapes done so far (removed at the end), so a run stopped early can still be tabulated with --merge.
 """
 
 import argparse
@@ -177,6 +178,7 @@ def markdown(rows, meta):
         by.setdefault((r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"]), {})[r["impl"]] = r
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
     lines = [f"# Attention benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
+             (f"Partial run: {meta['partial']}. " if meta.get("partial") else "") +
              ("jax_flash with deterministic=True; " if meta.get("deterministic") else "") +
              f"dtype {meta['dtype']}; fwd / bwd TFLOP/s (fwd ms, pipelined; fwd latency ms of one blocking call); "
              "ratio = jax_flash / cudnn; err = forward relative error vs float32.", "",
@@ -210,13 +212,19 @@ def markdown(rows, meta):
 
 
 def plot(rows, meta, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Plots TFLOP/s against sequence length for the matrix's fixed-token MHA shapes; False if there are none or
+    matplotlib (the `bench` extra) is missing."""
     mha = [r for r in rows if r["Hq"] == r["Hkv"] and r["B"] * r["Sq"] == TOKENS and not r["error"]]
     dims = sorted({r["D"] for r in mha})
     if not dims:
         return False
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install 'jax_flash[bench]')", flush=True)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 2 * len(dims), figsize=(5 * 2 * len(dims), 8), squeeze=False)
     for col, (d, causal) in enumerate((d, c) for d in dims for c in (False, True)):
         for row_i, key in enumerate(("fwd_tflops", "bwd_tflops")):
@@ -293,6 +301,7 @@ def main(argv=None):
         dims = {int(d) for d in args.head_dims.split(",")}
         shapes = [sh for sh in shapes if sh.head_dim in dims]
     rows = []
+    stem = os.path.join(args.out, args.name or f"{meta['device'].replace(' ', '_')}-{date}")
     print(f"{meta['device']} | jax {jax.__version__} | {len(shapes)} shapes x {impls}", flush=True)
     if on_gpu:
         warm_up_device()
@@ -307,7 +316,19 @@ def main(argv=None):
                                       f"bwd {fmt(row['bwd_tflops'])} TFLOP/s, err {fmt(row['rel_err'], '.1e')}")
             print(f"[{n}/{len(shapes)}] {shape.label:<28} {impl:<9} {status}  ({time.perf_counter() - t0:.0f}s)",
                   flush=True)
-    return write_results(rows, meta, os.path.join(args.out, args.name or f"{meta['device'].replace(' ', '_')}-{date}"))
+        write_partial(rows, meta, stem, n, len(shapes))
+    status = write_results(rows, meta, stem)
+    os.remove(stem + ".partial.json")
+    return status
+
+
+def write_partial(rows, meta, stem, done, total):
+    """Writes <stem>.partial.json after each shape, so a run stopped early (a time limit, a crash) keeps what it
+    measured: `--merge <stem>.partial.json` tabulates it. The complete run removes it."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".partial.json.tmp", "w") as f:
+        json.dump(dict(meta=dict(meta, partial=f"{done} of {total} shapes"), rows=rows), f, indent=1)
+    os.replace(stem + ".partial.json.tmp", stem + ".partial.json")
 
 
 def write_results(rows, meta, stem):

@@ -1,0 +1,51 @@
+"""benchmarks/bench_attention.py on the CPU: a complete run writes its table and removes the partial file; a run
+stopped after its first shape leaves that shape's rows in <stem>.partial.json, which --merge tabulates."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_attention.py"
+
+
+@pytest.fixture
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ARGS = ["--impls", "jax_flash", "--shapes", "1x16x2x64,1x24x2x64c", "--warmup", "1", "--iters", "1",
+        "--min-time", "0", "--ref-heads", "1"]
+
+
+def test_complete_run_writes_results_and_removes_partial(bench, tmp_path):
+    assert bench.main(ARGS + ["--out", str(tmp_path), "--name", "run"]) == 0
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert [(r["Sq"], r["causal"]) for r in rows] == [(16, False), (24, True)]
+    assert all(r["error"] is None and r["fwd_ms"] > 0 for r in rows)
+    assert (tmp_path / "run.md").exists()
+    assert not (tmp_path / "run.partial.json").exists()
+
+
+def test_stopped_run_keeps_finished_shapes(bench, tmp_path, monkeypatch):
+    run_case = bench.run_case
+    calls = []
+
+    def stop_on_second_shape(shape, *args):
+        calls.append(shape)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run_case(shape, *args)
+
+    monkeypatch.setattr(bench, "run_case", stop_on_second_shape)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(ARGS + ["--out", str(tmp_path), "--name", "run"])
+    assert not (tmp_path / "run.json").exists()
+    partial = json.loads((tmp_path / "run.partial.json").read_text())
+    assert partial["meta"]["partial"] == "1 of 2 shapes"
+    assert [(r["Sq"], r["causal"]) for r in partial["rows"]] == [(16, False)]
+    assert bench.main(["--merge", str(tmp_path / "run.partial.json"), "--out", str(tmp_path), "--name", "merged"]) == 0
+    assert "Partial run: 1 of 2 shapes." in (tmp_path / "merged.md").read_text()
