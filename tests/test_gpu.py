@@ -60,8 +60,8 @@ CASES = {
     # 18 query blocks (forward, a CTA per unit at d256) and of 18 clusters of key-block pairs (backward).
     "d256_causal_heavy_first_groups": dict(batch=2, seqlen_q=2200, seqlen_k=2200, heads_q=24, heads_kv=24,
                                            head_dim=256, is_causal=True),
-    # Causal d64 over >= 4096 query rows also runs the three-warpgroup forward: GQA, Sq != Sk.
-    "d64_causal_long_wide": dict(batch=1, seqlen_q=4099, seqlen_k=4500, heads_q=4, heads_kv=2, head_dim=64,
+    # Causal d64 over >= 8192 query rows also runs the three-warpgroup forward: GQA, Sq != Sk.
+    "d64_causal_long_wide": dict(batch=1, seqlen_q=8195, seqlen_k=8300, heads_q=4, heads_kv=2, head_dim=64,
                                  is_causal=True),
 }
 

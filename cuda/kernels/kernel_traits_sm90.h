@@ -72,9 +72,9 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
   // 1.278 vs 1.323 and 1.342; 32x512x32 0.242 vs 0.286 and 0.246).
   static constexpr int kBlockN = 128;
   static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x (K 16 + V 16) + O 24 KB = 144 KB
-  // Causal 4x4096x32: 0.751 vs 0.760 ms with two warpgroups (session 8 A/B); 1x16384x32: 1.01x cuDNN against
-  // 0.94x (session 8's and session 6's runs). Shorter causal sequences lose (above).
-  static constexpr int kCausalMinRows = 4096;
+  // Causal 1x16384x32: 2.54 vs 2.63 ms with two warpgroups (session 10 A/B, +3.5 %); 4x4096x32 a wash (0.751 vs
+  // 0.760 in session 8, 0.759 vs 0.742 in session 10), so from 8192 rows. Shorter causal sequences lose (above).
+  static constexpr int kCausalMinRows = 8192;
 };
 
 template <>

@@ -5,9 +5,9 @@
 // and those stay in L2. A persistent grid takes units round-robin (CTA c: units c, c + gridDim.x, ...), which only
 // balances if units hold equal work: with a causal mask query block m sees about m + 1 key tiles, so there a unit
 // pairs the heaviest and the lightest block of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the
-// heavier first). Otherwise a unit is one block. A grid of one CTA per unit under a causal mask takes its units in
-// heaviest-first order across heads (tile_scheduler_common.cuh): the hardware hands units to SMs as they free up,
-// so the grid should end on light ones.
+// heavier first). Otherwise a unit is one block. A grid of one CTA per unit under a causal mask (no window) with
+// enough query blocks per head takes its units in heaviest-first order across heads (tile_scheduler_common.cuh):
+// the hardware hands units to SMs as they free up, so the grid should end on light ones.
 #pragma once
 
 #include <climits>
@@ -31,19 +31,22 @@ struct FwdTileScheduler {
   int64_t units_wide;  // units_per_head * heads_q * batch; launches refuse counts above INT_MAX (units_fit)
   int units;           // the same as an int, what the kernel walks
   bool paired;
-  bool heavy_first;  // a CTA per unit under a causal mask: units in HeavyFirstOrder over every (batch, head)
-  int group_units;   // HeavyFirstOrder's group size in units (a parameter for the CPU check)
+  int group_units;   // a CTA per unit: heavy_first_group_units() (0: heads one after another); persistent: 0
+  bool heavy_first;  // group_units > 0: units in HeavyFirstOrder over every (batch, head)
 
+  // The last two parameters are for the CPU check (tests/cpp/tile_scheduler_check.cc).
   JF_HD FwdTileScheduler(const FlashParams& p, int block_m, bool persistent,
-                         int group_units_ = kHeavyFirstGroupUnits)
+                         int group_units_ = kHeavyFirstGroupUnits, int min_blocks = kHeavyFirstMinBlocks)
       : m_blocks(int((p.seqlen_q + block_m - 1) / block_m)),
         units_per_head(persistent && p.causal ? (m_blocks + 1) / 2 : m_blocks),
         heads_q(p.heads_q),
         units_wide(int64_t(units_per_head) * p.heads_q * p.batch),
         units(int(units_wide)),
         paired(persistent && p.causal),
-        heavy_first(!persistent && p.causal),
-        group_units(group_units_) {}
+        group_units(persistent ? 0
+                               : heavy_first_group_units(m_blocks, p.causal && p.window_left < 0, group_units_,
+                                                         min_blocks)),
+        heavy_first(group_units > 0) {}
 
   JF_HD bool units_fit() const { return units_wide <= INT_MAX; }
 

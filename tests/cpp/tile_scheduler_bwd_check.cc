@@ -1,9 +1,11 @@
-// Check of cuda/kernels/tile_scheduler_{common,bwd}.cuh on the CPU. HeavyFirstOrder, for small shapes and group
-// sizes: every (block, head) exactly once; heads in contiguous groups, the last one whole; inside a group no unit
-// is lighter (higher block rank) than a later one. BwdGrid, for cluster sizes 1 and 2: every (key block, kv head,
-// batch) exactly once, a cluster's CTAs neighbouring key blocks of one (batch, kv head) in rank order, each
-// (batch, kv head)'s key blocks in increasing order (the deterministic dQ order needs it), and grids above INT_MAX
-// refused. Prints "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+// Check of cuda/kernels/tile_scheduler_{common,bwd}.cuh on the CPU. HeavyFirstOrder, for small shapes and group sizes:
+// every (block, head) exactly once; heads in contiguous groups, the last one whole; inside a group no unit is lighter
+// (higher block rank) than a later one. BwdGrid, for cluster sizes 1 and 2, with and without a causal mask and a
+// window: every (key block, kv head, batch) exactly once, heads grouped (HeavyFirstOrder) only under a causal mask
+// without a window with enough key-block clusters per head, else one after another, a cluster's CTAs neighbouring key
+// blocks of one (batch, kv head) in rank order, each (batch, kv head)'s key blocks in increasing order (the
+// deterministic dQ order needs it), and grids above INT_MAX refused. Prints "ok <cases>" or the first failures; exit 1
+// on any. Built and run by tests/test_tile_scheduler.py.
 #include <algorithm>
 #include <climits>
 #include <cstdio>
@@ -68,19 +70,27 @@ long check_order(long* bad) {
 template <int kCluster>
 long check(long* bad) {
   long cases = 0;
+  int variant = 0;  // (causal, window, min_blocks) of the case, for the failure message
   auto fail = [&](const char* what, int batch, int heads, int sk, int bn) {
     if (++*bad <= 5) {
-      std::printf("%s: cluster=%d batch=%d heads_kv=%d seqlen_k=%d block_n=%d\n", what, kCluster, batch, heads, sk,
-                  bn);
+      std::printf("%s: cluster=%d batch=%d heads_kv=%d seqlen_k=%d block_n=%d variant=%d\n", what, kCluster, batch,
+                  heads, sk, bn, variant);
     }
   };
   for (int batch = 1; batch <= 3; ++batch) {
     for (int heads = 1; heads <= 3; ++heads) {
       for (int seqlen_k = 1; seqlen_k <= 9; ++seqlen_k) {
-        for (int block_n = 1; block_n <= 3; ++block_n) {
+        for (int v = 0; v < 3 * 8; ++v) {
+          const int block_n = 1 + v % 3;
+          variant = v / 3;
+          const bool causal = variant % 2;
+          const int window_left = variant / 2 % 2 ? 1 : -1;
+          const int min_blocks = variant / 4 ? 3 : 1;
+          const int group_units = 4;
           FlashParams p{};
           p.batch = batch, p.heads_kv = heads, p.seqlen_k = seqlen_k;
-          const auto g = BwdGrid<kCluster>::make(p, block_n);
+          p.causal = causal, p.window_left = window_left, p.window_right = -1;
+          const auto g = BwdGrid<kCluster>::make(p, block_n, group_units, min_blocks);
           ++cases;
           const int blocks = (seqlen_k + block_n - 1) / block_n;
           if (g.key_blocks % kCluster != 0 || g.key_blocks < blocks || g.key_blocks >= blocks + kCluster) {
@@ -100,8 +110,12 @@ long check(long* bad) {
               continue;
             }
             ++seen[(size_t(b) * heads + hk) * g.key_blocks + n];
-            int rank, head;  // the grid is HeavyFirstOrder over clusters of key blocks and (batch, kv head) pairs
-            HeavyFirstOrder::make(int(g.key_blocks / kCluster), heads * batch).at(id / kCluster, &rank, &head);
+            // HeavyFirstOrder over clusters of key blocks and (batch, kv head) pairs, grouped across heads only
+            // under a causal mask without a window with min_blocks clusters or more, else head after head.
+            const int clusters = int(g.key_blocks / kCluster);
+            const bool grouped = causal && window_left < 0 && clusters >= min_blocks;
+            int rank = id / kCluster % clusters, head = id / kCluster / clusters;
+            if (grouped) HeavyFirstOrder::make(clusters, heads * batch, group_units).at(id / kCluster, &rank, &head);
             if (n != rank * kCluster + id % kCluster || hk != head % heads || b != head / heads) {
               fail("not the heavy-first order", batch, heads, seqlen_k, block_n);
             }

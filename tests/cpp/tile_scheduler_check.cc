@@ -1,8 +1,9 @@
 // Check of cuda/kernels/tile_scheduler_fwd.cuh on the CPU: for small shapes and group sizes, walking every unit
 // visits each (query block, head, batch) tile exactly once, a paired unit holds its (batch, head)'s heaviest
-// remaining block first, a grid of one CTA per unit under a causal mask takes its units in HeavyFirstOrder (checked
-// on its own in tile_scheduler_bwd_check.cc), and units_fit() refuses unit counts above INT_MAX. Prints
-// "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+// remaining block first, a grid of one CTA per unit under a causal mask without a window and with min_blocks query
+// blocks or more takes its units in HeavyFirstOrder (checked on its own in tile_scheduler_bwd_check.cc) while any
+// other grid of one CTA per unit takes the heads one after another, and units_fit() refuses unit counts above
+// INT_MAX. Prints "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
 #include <climits>
 #include <cstdio>
 #include <vector>
@@ -15,6 +16,7 @@ using jax_flash::cuda::FwdTileScheduler;
 using jax_flash::cuda::HeavyFirstOrder;
 
 int main() {
+  constexpr int kGroupUnits[] = {1, 2, 5, 512};
   long cases = 0, bad = 0;
   auto fail = [&](const char* what, int b, int h, int sq, int bm, int persistent, int causal) {
     if (++bad <= 5) {
@@ -28,10 +30,14 @@ int main() {
         for (int block_m = 1; block_m <= 3; ++block_m) {
           for (int persistent = 0; persistent < 2; ++persistent) {
             for (int causal = 0; causal < 2; ++causal) {
-              for (int group_units : {1, 2, 5, 512}) {
+              for (int variant = 0; variant < 16; ++variant) {
+                const int group_units = kGroupUnits[variant % 4];
+                const int min_blocks = variant / 4 % 2 ? 3 : 1;
+                const int window_left = variant / 8 ? 1 : -1;
                 FlashParams p{};
                 p.batch = batch, p.seqlen_q = seqlen_q, p.heads_q = heads, p.causal = causal;
-                const FwdTileScheduler s(p, block_m, persistent, group_units);
+                p.window_left = window_left, p.window_right = -1;
+                const FwdTileScheduler s(p, block_m, persistent, group_units, min_blocks);
                 ++cases;
                 const int m_blocks = (seqlen_q + block_m - 1) / block_m;
                 if (!s.units_fit() || s.units != s.units_wide) fail("unit count", batch, heads, seqlen_q, block_m,
@@ -49,9 +55,11 @@ int main() {
                   if (s.tiles(u) == 2 && s.tile(u, 0).m_block <= s.tile(u, 1).m_block) {
                     fail("pair not heaviest first", batch, heads, seqlen_q, block_m, persistent, causal);
                   }
-                  if (!persistent && causal) {
-                    int rank, hb;
-                    HeavyFirstOrder::make(m_blocks, heads * batch, group_units).at(u, &rank, &hb);
+                  if (!persistent) {
+                    // Grouped across heads only under a causal mask without a window, min_blocks blocks or more.
+                    const bool grouped = causal && window_left < 0 && m_blocks >= min_blocks;
+                    int rank = u % m_blocks, hb = u / m_blocks;  // otherwise heads one after another
+                    if (grouped) HeavyFirstOrder::make(m_blocks, heads * batch, group_units).at(u, &rank, &hb);
                     const FwdTile t = s.tile(u, 0);
                     if (t.m_block != m_blocks - 1 - rank || t.h != hb % heads || t.b != hb / heads) {
                       fail("not the heavy-first order", batch, heads, seqlen_q, block_m, persistent, causal);
