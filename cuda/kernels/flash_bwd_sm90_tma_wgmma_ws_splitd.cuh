@@ -19,7 +19,6 @@
 #include "kernel_common.cuh"
 #include "kernel_traits_sm80.h"  // kWarpSize
 #include "kernel_traits_sm90.h"
-#include "tile_scheduler_bwd.cuh"
 #include "common_bwd_sm90.cuh"
 #include "utils_sm80.cuh"
 #include "utils_sm90.cuh"
@@ -47,8 +46,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
 
   Storage& smem = shared_storage<Storage>();
 
-  int n_block, hk, b;
-  BwdGrid<Traits::kClusterSize>::make(p, kBN).coord(blockIdx.x, &n_block, &hk, &b);
+  const int n_block = blockIdx.x;
+  const int hk = blockIdx.y;
+  const int b = blockIdx.z;
   const int tid = threadIdx.x;
 
   const AttentionMask mask = mask_for_batch(p, b);

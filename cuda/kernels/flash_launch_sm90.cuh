@@ -170,9 +170,8 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
-  const auto grid = BwdGrid<1>::make(p, Traits::kBlockN);
-  if (!grid.fits()) return cudaErrorInvalidConfiguration;
-  kernel<<<unsigned(grid.ctas()), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq);
+  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq);
   return cudaGetLastError();
 }
 
@@ -186,9 +185,9 @@ cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t strea
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
   if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
   // Whole clusters: a key block past seqlen_k loads zeros, sees no query and writes nothing.
-  const auto grid = BwdGrid<Traits::kClusterSize>::make(p, Traits::kBlockN);
-  if (!grid.fits()) return cudaErrorInvalidConfiguration;
-  kernel<<<unsigned(grid.ctas()), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+  const int key_blocks = ceil_div(p.seqlen_k, Traits::kBlockN);
+  const dim3 grid(ceil_div(key_blocks, Traits::kClusterSize) * Traits::kClusterSize, p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
   return cudaGetLastError();
 }
 

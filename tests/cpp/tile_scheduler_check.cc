@@ -1,9 +1,11 @@
-// Check of cuda/kernels/tile_scheduler_fwd.cuh on the CPU: for small shapes and group sizes, walking every unit
-// visits each (query block, head, batch) tile exactly once, a paired unit holds its (batch, head)'s heaviest
-// remaining block first, a grid of one CTA per unit under a causal mask without a window and with min_blocks query
-// blocks or more takes its units in HeavyFirstOrder (checked on its own in tile_scheduler_bwd_check.cc) while any
-// other grid of one CTA per unit takes the heads one after another, and units_fit() refuses unit counts above
+// Check of cuda/kernels/tile_scheduler_fwd.cuh on the CPU, for small shapes and group sizes. HeavyFirstOrder: every
+// (block, head) exactly once; heads in contiguous groups, the last one whole; inside a group no unit is lighter (higher
+// block rank) than a later one. FwdTileScheduler: walking every unit visits each (query block, head, batch) tile
+// exactly once, a paired unit holds its (batch, head)'s heaviest remaining block first, a grid of one CTA per unit
+// under a causal mask without a window and with min_blocks query blocks or more takes its units in HeavyFirstOrder
+// while any other grid of one CTA per unit takes the heads one after another, and units_fit() refuses unit counts above
 // INT_MAX. Prints "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <vector>
@@ -15,9 +17,61 @@ using jax_flash::cuda::FwdTile;
 using jax_flash::cuda::FwdTileScheduler;
 using jax_flash::cuda::HeavyFirstOrder;
 
+// HeavyFirstOrder on its own, for small shapes and group sizes.
+long check_order(long* bad) {
+  long cases = 0;
+  for (int blocks = 1; blocks <= 6; ++blocks) {
+    for (int heads = 1; heads <= 7; ++heads) {
+      for (int group_units = 1; group_units <= 20; ++group_units) {
+        const auto o = HeavyFirstOrder::make(blocks, heads, group_units);
+        ++cases;
+        auto fail = [&](const char* what) {
+          if (++*bad <= 5) std::printf("%s: blocks=%d heads=%d group_units=%d\n", what, blocks, heads, group_units);
+        };
+        if (o.group < 1 || o.group > heads) fail("group size out of range");
+        std::vector<int> seen(size_t(blocks) * heads, 0), head_at, block_at;
+        for (int u = 0; u < blocks * heads; ++u) {
+          int block, head;
+          o.at(u, &block, &head);
+          if (block < 0 || block >= blocks || head < 0 || head >= heads) {
+            fail("unit out of range");
+            break;
+          }
+          ++seen[size_t(head) * blocks + block];
+          head_at.push_back(head), block_at.push_back(block);
+        }
+        if (int(head_at.size()) != blocks * heads) continue;
+        for (int c : seen) {
+          if (c != 1) {
+            fail("a (block, head) not covered exactly once");
+            break;
+          }
+        }
+        // Groups: the first of heads % group heads (a whole group if that is 0), then whole groups; each a
+        // contiguous run of all blocks of its heads, block ranks never decreasing inside it.
+        const int expect_group = std::min(heads, std::max(1, (group_units + blocks - 1) / blocks));
+        if (o.group != expect_group) fail("group size");
+        const int first = heads % o.group ? heads % o.group : o.group;
+        for (int u = 0, size = first; u < blocks * heads; u += size * blocks, size = o.group) {
+          std::vector<int> count(heads, 0);
+          for (int w = u; w < u + size * blocks; ++w) {
+            ++count[head_at[w]];
+            if (w > u && block_at[w] < block_at[w - 1]) fail("a heavier unit after a lighter one in a group");
+          }
+          int heads_in = 0;
+          for (int c : count) heads_in += c == blocks ? 1 : 0;
+          if (heads_in != size) fail("a group does not hold all blocks of its heads");
+        }
+      }
+    }
+  }
+  return cases;
+}
+
 int main() {
   constexpr int kGroupUnits[] = {1, 2, 5, 512};
-  long cases = 0, bad = 0;
+  long bad = 0;
+  long cases = check_order(&bad);
   auto fail = [&](const char* what, int b, int h, int sq, int bm, int persistent, int causal) {
     if (++bad <= 5) {
       std::printf("%s: batch=%d heads=%d seqlen_q=%d block_m=%d persistent=%d causal=%d\n", what, b, h, sq, bm,
