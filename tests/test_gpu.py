@@ -56,6 +56,13 @@ CASES = {
     "d64_gqa_wide_sq_ne_sk": dict(batch=2, seqlen_q=401, seqlen_k=333, heads_q=8, heads_kv=2, head_dim=64),
     "d256_causal_many_tiles": dict(batch=2, seqlen_q=520, seqlen_k=520, heads_q=24, heads_kv=24, head_dim=256,
                                    is_causal=True),
+    # Heavy-first order (tile_scheduler_fwd.cuh) in two groups of heads (19, then 29): 48 (batch, head) pairs of
+    # 18 query blocks (the d256 forward, a CTA per unit).
+    "d256_causal_heavy_first_groups": dict(batch=2, seqlen_q=2200, seqlen_k=2200, heads_q=24, heads_kv=24,
+                                           head_dim=256, is_causal=True),
+    # Causal d64 over >= 8192 query rows also runs the three-warpgroup forward: GQA, Sq != Sk.
+    "d64_causal_long_wide": dict(batch=1, seqlen_q=8195, seqlen_k=8300, heads_q=4, heads_kv=2, head_dim=64,
+                                 is_causal=True),
 }
 
 

@@ -1,5 +1,4 @@
 // Kernel selection: compute capability, dtype, head-dim class.
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -20,19 +19,21 @@ namespace {
 
 constexpr int kMaxGridYZ = 65535;
 
-// A (non-negative) attribute of the current device, queried once per device.
+// A (non-negative) attribute of the current device, queried once per device (once_per_device caches nonzero
+// values, so it holds the attribute + 1).
 template <cudaDeviceAttr kAttr>
 cudaError_t cached_device_attribute(int* value) {
-  static std::atomic<int> cache[64];  // value + 1; 0: not queried yet
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  int v = cache[dev % 64].load(std::memory_order_relaxed) - 1;
-  if (v < 0) {
-    if (cudaError_t e = cudaDeviceGetAttribute(&v, kAttr, dev); e != cudaSuccess) return e;
-    cache[dev % 64].store(v + 1, std::memory_order_relaxed);
-  }
-  *value = v;
-  return cudaSuccess;
+  int stored = 0;
+  const cudaError_t e = once_per_device(
+      [](int dev, int* v) {
+        int attr = 0;
+        const cudaError_t err = cudaDeviceGetAttribute(&attr, kAttr, dev);
+        *v = attr + 1;
+        return err;
+      },
+      &stored);
+  if (e == cudaSuccess) *value = stored - 1;
+  return e;
 }
 
 // Compute capability (major * 10 + minor) of the current device; 0 on error.

@@ -131,12 +131,13 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The forward of head-dim class kD: its wide-tile variant (FwdWideTraitsSm90) for attention without a causal or
-// window mask where one exists, else its default tiles.
+// The forward of head-dim class kD: its wide-tile variant (FwdWideTraitsSm90) where one exists for attention
+// without a window mask, either unmasked or causal over at least kCausalMinRows query rows; else its default tiles.
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   if constexpr (FwdWideTraitsSm90<kD>::kAvailable) {
-    if (!p.causal && p.window_left < 0 && p.window_right < 0) {
+    const bool long_causal = p.causal && p.seqlen_q >= FwdWideTraitsSm90<kD>::kCausalMinRows;
+    if ((!p.causal || long_causal) && p.window_left < 0 && p.window_right < 0) {
       return launch_fwd_sm90_tiles<T, FwdWideTraitsSm90<kD>>(p, stream);
     }
   }

@@ -9,6 +9,7 @@
 // TMA while the next tile starts.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 namespace jax_flash::cuda::sm90 {
@@ -52,10 +53,12 @@ struct FwdTraitsSm90<128> {
 // A second tile choice for attention without a causal or window mask (every key tile but the last unmasked), used
 // where it measured faster; kAvailable says whether a head dim has one. With a causal or window mask the taller
 // tiles waste more of the diagonal's work: the three-warpgroup d64 forward ran 32x512x32 causal in 0.296 ms
-// against 0.200 with two (session 8 A/B), 16x1024x32 causal 0.339 vs 0.288.
+// against 0.200 with two (session 8 A/B), 16x1024x32 causal 0.339 vs 0.288. Causal attention over at least
+// kCausalMinRows query rows takes the wide tiles too: there the diagonal tiles are a small share of the work.
 template <int kHeadDim_>
 struct FwdWideTraitsSm90 {
   static constexpr bool kAvailable = false;
+  static constexpr int kCausalMinRows = INT_MAX;
 };
 
 template <>
@@ -69,6 +72,9 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
   // 1.278 vs 1.323 and 1.342; 32x512x32 0.242 vs 0.286 and 0.246).
   static constexpr int kBlockN = 128;
   static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x (K 16 + V 16) + O 24 KB = 144 KB
+  // Causal 1x16384x32: 2.54 vs 2.63 ms with two warpgroups (session 10 A/B, +3.5 %); 4x4096x32 a wash (0.751 vs
+  // 0.760 in session 8, 0.759 vs 0.742 in session 10), so from 8192 rows. Shorter causal sequences lose (above).
+  static constexpr int kCausalMinRows = 8192;
 };
 
 template <>

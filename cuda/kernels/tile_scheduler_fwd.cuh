@@ -1,11 +1,12 @@
 // The order in which the sm_90a forward kernel's CTAs take their (query block, query head, batch) tiles.
 //
-// Work comes in units, numbered with the query block fastest (heaviest, i.e. last, first) and (batch, head)
-// slowest, so the CTAs running at one time read a few heads' K and V and those stay in L2. A persistent grid takes
-// units round-robin (CTA c: units c, c + gridDim.x, ...), which only balances if units hold equal work: with a
-// causal mask query block m sees about m + 1 key tiles, so there a unit pairs the heaviest and the lightest block
-// of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the heavier first). Otherwise, and for a grid
-// of one CTA per unit (the hardware hands units to SMs as they free up, heaviest first), a unit is one block.
+// Work comes in units, in a persistent grid or without a causal mask numbered with the query block fastest
+// (heaviest, i.e. last, first) and (batch, head) slowest, so the CTAs running at one time read a few heads' K and V
+// and those stay in L2. A persistent grid takes units round-robin (CTA c: units c, c + gridDim.x, ...), which only
+// balances if units hold equal work: with a causal mask query block m sees about m + 1 key tiles, so there a unit
+// pairs the heaviest and the lightest block of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the
+// heavier first). Otherwise a unit is one block. A grid of one CTA per unit under a causal mask (no window) with
+// enough query blocks per head takes its units in heaviest-first order across heads (HeavyFirstOrder below).
 #pragma once
 
 #include <climits>
@@ -14,6 +15,58 @@
 #include "../flash_params.h"
 
 namespace jax_flash::cuda {
+
+// Heaviest-first order for the grid of one CTA per unit (the head-dim-256 forward): the hardware starts CTAs in
+// increasing linear order on whichever SM frees up first, so a grid ends well when its last CTAs are its lightest.
+// Units are (block, head) pairs whose work falls with the block rank (rank 0 is the heaviest block of every head
+// under a causal mask). Heads come in groups; inside a group the rank varies slowest, so each group starts all its
+// heads' heavy blocks before any light one. One group spanning every head would be the ideal order, but the CTAs
+// running together would then each read a different head's K/V and fewer of those reads would hit in L2; groups of
+// about kHeavyFirstGroupUnits units keep a few heads per wave, and the first group takes the remainder so the last
+// is whole and fills the final waves heaviest first (benchmarks/schedule_model.py models the tail).
+//
+// Grouping only pays where a head has many blocks of falling work; heavy_first_group_units() gives one head per
+// group (the heads one after another, each heaviest block first) otherwise. Measured on the H100 (session 10 A/B):
+// causal 4x4096x8 d256 forward +3.7 % (twice); with groups for every shape 16x1024x8 d256 causal (8 query blocks
+// per head) lost 23 %: a group then spans so many heads that their K/V no longer stay in L2. The same order for the
+// backward grids measured 0 +- 4 % on causal shapes (GQA 2x4096x32/8 +0 % and -4 % in two runs) and -1..2 %
+// unmasked, so the backward keeps its plain grid.
+inline constexpr int kHeavyFirstGroupUnits = 512;  // about four waves of 132 SMs
+inline constexpr int kHeavyFirstMinBlocks = 16;    // blocks per head below which heads are not grouped (above)
+
+// HeavyFirstOrder's group size in units for heads of `blocks` blocks: group_units where the work falls with the
+// block rank (a causal mask without a window) and a head has at least min_blocks blocks, else 0 (one head per
+// group). The last two parameters are for the CPU check.
+JF_HD int heavy_first_group_units(int blocks, bool work_falls, int group_units = kHeavyFirstGroupUnits,
+                                  int min_blocks = kHeavyFirstMinBlocks) {
+  return work_falls && blocks >= min_blocks ? group_units : 0;
+}
+
+struct HeavyFirstOrder {
+  int blocks;  // per head
+  int heads;
+  int group;   // heads per group (the first group: heads % group of them, or a whole group)
+
+  // blocks >= 1 and heads >= 1 (the launchers run no grid without work), so group >= 1; group_units 0 gives 1.
+  JF_HD static HeavyFirstOrder make(int blocks, int heads, int group_units = kHeavyFirstGroupUnits) {
+    const int per_group = blocks > 0 ? (group_units + blocks - 1) / blocks : 1;
+    return {blocks, heads, per_group < 1 ? 1 : per_group > heads ? heads : per_group};
+  }
+  // Unit u (< blocks * heads) is block rank *block (0: heaviest) of head *head.
+  JF_HD void at(int u, int* block, int* head) const {
+    const int first = heads % group != 0 ? heads % group : group;
+    int size = first, base = 0, r = u;
+    if (u >= first * blocks) {
+      const int v = u - first * blocks;
+      const int g = v / (group * blocks);
+      r = v - g * group * blocks;
+      size = group;
+      base = first + g * group;
+    }
+    *block = r / size;
+    *head = base + r % size;
+  }
+};
 
 struct FwdTile {
   int m_block;  // query block
@@ -28,14 +81,22 @@ struct FwdTileScheduler {
   int64_t units_wide;  // units_per_head * heads_q * batch; launches refuse counts above INT_MAX (units_fit)
   int units;           // the same as an int, what the kernel walks
   bool paired;
+  int group_units;   // a CTA per unit: heavy_first_group_units() (0: heads one after another); persistent: 0
+  bool heavy_first;  // group_units > 0: units in HeavyFirstOrder over every (batch, head)
 
-  JF_HD FwdTileScheduler(const FlashParams& p, int block_m, bool persistent)
+  // The last two parameters are for the CPU check (tests/cpp/tile_scheduler_check.cc).
+  JF_HD FwdTileScheduler(const FlashParams& p, int block_m, bool persistent,
+                         int group_units_ = kHeavyFirstGroupUnits, int min_blocks = kHeavyFirstMinBlocks)
       : m_blocks(int((p.seqlen_q + block_m - 1) / block_m)),
         units_per_head(persistent && p.causal ? (m_blocks + 1) / 2 : m_blocks),
         heads_q(p.heads_q),
         units_wide(int64_t(units_per_head) * p.heads_q * p.batch),
         units(int(units_wide)),
-        paired(persistent && p.causal) {}
+        paired(persistent && p.causal),
+        group_units(persistent ? 0
+                               : heavy_first_group_units(m_blocks, p.causal && p.window_left < 0, group_units_,
+                                                         min_blocks)),
+        heavy_first(group_units > 0) {}
 
   JF_HD bool units_fit() const { return units_wide <= INT_MAX; }
 
@@ -47,8 +108,9 @@ struct FwdTileScheduler {
   }
   // Tile k (0 or 1) of unit u.
   JF_HD FwdTile tile(int u, int k) const {
-    const int j = u % units_per_head;
-    const int hb = u / units_per_head;
+    int j = u % units_per_head;
+    int hb = u / units_per_head;
+    if (heavy_first) HeavyFirstOrder::make(m_blocks, units / m_blocks, group_units).at(u, &j, &hb);
     return FwdTile{k == 0 ? m_blocks - 1 - j : j, hb % heads_q, hb / heads_q};
   }
 };

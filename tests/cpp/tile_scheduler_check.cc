@@ -1,7 +1,11 @@
-// Check of cuda/kernels/tile_scheduler_fwd.cuh on the CPU: for small shapes, walking every unit visits each
-// (query block, head, batch) tile exactly once, a paired unit holds its (batch, head)'s heaviest remaining block
-// first, and units_fit() refuses unit counts above INT_MAX. Prints "ok <cases>" or the first failures; exit 1 on
-// any. Built and run by tests/test_tile_scheduler.py.
+// Check of cuda/kernels/tile_scheduler_fwd.cuh on the CPU, for small shapes and group sizes. HeavyFirstOrder: every
+// (block, head) exactly once; heads in contiguous groups, the last one whole; inside a group no unit is lighter (higher
+// block rank) than a later one. FwdTileScheduler: walking every unit visits each (query block, head, batch) tile
+// exactly once, a paired unit holds its (batch, head)'s heaviest remaining block first, a grid of one CTA per unit
+// under a causal mask without a window and with min_blocks query blocks or more takes its units in HeavyFirstOrder
+// while any other grid of one CTA per unit takes the heads one after another, and units_fit() refuses unit counts above
+// INT_MAX. Prints "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <vector>
@@ -11,9 +15,63 @@
 using jax_flash::FlashParams;
 using jax_flash::cuda::FwdTile;
 using jax_flash::cuda::FwdTileScheduler;
+using jax_flash::cuda::HeavyFirstOrder;
+
+// HeavyFirstOrder on its own, for small shapes and group sizes.
+long check_order(long* bad) {
+  long cases = 0;
+  for (int blocks = 1; blocks <= 6; ++blocks) {
+    for (int heads = 1; heads <= 7; ++heads) {
+      for (int group_units = 1; group_units <= 20; ++group_units) {
+        const auto o = HeavyFirstOrder::make(blocks, heads, group_units);
+        ++cases;
+        auto fail = [&](const char* what) {
+          if (++*bad <= 5) std::printf("%s: blocks=%d heads=%d group_units=%d\n", what, blocks, heads, group_units);
+        };
+        if (o.group < 1 || o.group > heads) fail("group size out of range");
+        std::vector<int> seen(size_t(blocks) * heads, 0), head_at, block_at;
+        for (int u = 0; u < blocks * heads; ++u) {
+          int block, head;
+          o.at(u, &block, &head);
+          if (block < 0 || block >= blocks || head < 0 || head >= heads) {
+            fail("unit out of range");
+            break;
+          }
+          ++seen[size_t(head) * blocks + block];
+          head_at.push_back(head), block_at.push_back(block);
+        }
+        if (int(head_at.size()) != blocks * heads) continue;
+        for (int c : seen) {
+          if (c != 1) {
+            fail("a (block, head) not covered exactly once");
+            break;
+          }
+        }
+        // Groups: the first of heads % group heads (a whole group if that is 0), then whole groups; each a
+        // contiguous run of all blocks of its heads, block ranks never decreasing inside it.
+        const int expect_group = std::min(heads, std::max(1, (group_units + blocks - 1) / blocks));
+        if (o.group != expect_group) fail("group size");
+        const int first = heads % o.group ? heads % o.group : o.group;
+        for (int u = 0, size = first; u < blocks * heads; u += size * blocks, size = o.group) {
+          std::vector<int> count(heads, 0);
+          for (int w = u; w < u + size * blocks; ++w) {
+            ++count[head_at[w]];
+            if (w > u && block_at[w] < block_at[w - 1]) fail("a heavier unit after a lighter one in a group");
+          }
+          int heads_in = 0;
+          for (int c : count) heads_in += c == blocks ? 1 : 0;
+          if (heads_in != size) fail("a group does not hold all blocks of its heads");
+        }
+      }
+    }
+  }
+  return cases;
+}
 
 int main() {
-  long cases = 0, bad = 0;
+  constexpr int kGroupUnits[] = {1, 2, 5, 512};
+  long bad = 0;
+  long cases = check_order(&bad);
   auto fail = [&](const char* what, int b, int h, int sq, int bm, int persistent, int causal) {
     if (++bad <= 5) {
       std::printf("%s: batch=%d heads=%d seqlen_q=%d block_m=%d persistent=%d causal=%d\n", what, b, h, sq, bm,
@@ -26,31 +84,47 @@ int main() {
         for (int block_m = 1; block_m <= 3; ++block_m) {
           for (int persistent = 0; persistent < 2; ++persistent) {
             for (int causal = 0; causal < 2; ++causal) {
-              FlashParams p{};
-              p.batch = batch, p.seqlen_q = seqlen_q, p.heads_q = heads, p.causal = causal;
-              const FwdTileScheduler s(p, block_m, persistent);
-              ++cases;
-              const int m_blocks = (seqlen_q + block_m - 1) / block_m;
-              if (!s.units_fit() || s.units != s.units_wide) fail("unit count", batch, heads, seqlen_q, block_m,
-                                                                  persistent, causal);
-              std::vector<int> seen(size_t(m_blocks) * heads * batch, 0);
-              for (int u = 0; u < s.units; ++u) {
-                for (int k = 0; k < s.tiles(u); ++k) {
-                  const FwdTile t = s.tile(u, k);
-                  if (t.m_block < 0 || t.m_block >= m_blocks || t.h < 0 || t.h >= heads || t.b < 0 || t.b >= batch) {
-                    fail("tile out of range", batch, heads, seqlen_q, block_m, persistent, causal);
-                    continue;
+              for (int variant = 0; variant < 16; ++variant) {
+                const int group_units = kGroupUnits[variant % 4];
+                const int min_blocks = variant / 4 % 2 ? 3 : 1;
+                const int window_left = variant / 8 ? 1 : -1;
+                FlashParams p{};
+                p.batch = batch, p.seqlen_q = seqlen_q, p.heads_q = heads, p.causal = causal;
+                p.window_left = window_left, p.window_right = -1;
+                const FwdTileScheduler s(p, block_m, persistent, group_units, min_blocks);
+                ++cases;
+                const int m_blocks = (seqlen_q + block_m - 1) / block_m;
+                if (!s.units_fit() || s.units != s.units_wide) fail("unit count", batch, heads, seqlen_q, block_m,
+                                                                    persistent, causal);
+                std::vector<int> seen(size_t(m_blocks) * heads * batch, 0);
+                for (int u = 0; u < s.units; ++u) {
+                  for (int k = 0; k < s.tiles(u); ++k) {
+                    const FwdTile t = s.tile(u, k);
+                    if (t.m_block < 0 || t.m_block >= m_blocks || t.h < 0 || t.h >= heads || t.b < 0 || t.b >= batch) {
+                      fail("tile out of range", batch, heads, seqlen_q, block_m, persistent, causal);
+                      continue;
+                    }
+                    ++seen[(size_t(t.b) * heads + t.h) * m_blocks + t.m_block];
                   }
-                  ++seen[(size_t(t.b) * heads + t.h) * m_blocks + t.m_block];
+                  if (s.tiles(u) == 2 && s.tile(u, 0).m_block <= s.tile(u, 1).m_block) {
+                    fail("pair not heaviest first", batch, heads, seqlen_q, block_m, persistent, causal);
+                  }
+                  if (!persistent) {
+                    // Grouped across heads only under a causal mask without a window, min_blocks blocks or more.
+                    const bool grouped = causal && window_left < 0 && m_blocks >= min_blocks;
+                    int rank = u % m_blocks, hb = u / m_blocks;  // otherwise heads one after another
+                    if (grouped) HeavyFirstOrder::make(m_blocks, heads * batch, group_units).at(u, &rank, &hb);
+                    const FwdTile t = s.tile(u, 0);
+                    if (t.m_block != m_blocks - 1 - rank || t.h != hb % heads || t.b != hb / heads) {
+                      fail("not the heavy-first order", batch, heads, seqlen_q, block_m, persistent, causal);
+                    }
+                  }
                 }
-                if (s.tiles(u) == 2 && s.tile(u, 0).m_block <= s.tile(u, 1).m_block) {
-                  fail("pair not heaviest first", batch, heads, seqlen_q, block_m, persistent, causal);
-                }
-              }
-              for (int n : seen) {
-                if (n != 1) {
-                  fail("tile not visited exactly once", batch, heads, seqlen_q, block_m, persistent, causal);
-                  break;
+                for (int n : seen) {
+                  if (n != 1) {
+                    fail("tile not visited exactly once", batch, heads, seqlen_q, block_m, persistent, causal);
+                    break;
+                  }
                 }
               }
             }
