@@ -211,12 +211,18 @@ def markdown(rows, meta):
     return "\n".join(lines) + "\n"
 
 
-def plot(rows, meta, path):
-    """Plots TFLOP/s against sequence length for the matrix's fixed-token MHA shapes; False if there are none or
-    matplotlib (the `bench` extra) is missing."""
+def plot_rows(rows):
+    """The rows the plot shows (the matrix's fixed-token MHA shapes that ran) and its panels: the (head dim, causal)
+    pairs among them, in order."""
     mha = [r for r in rows if r["Hq"] == r["Hkv"] and r["B"] * r["Sq"] == TOKENS and not r["error"]]
-    dims = sorted({r["D"] for r in mha})
-    if not dims:
+    return mha, sorted({(r["D"], r["causal"]) for r in mha})
+
+
+def plot(rows, meta, path):
+    """Plots TFLOP/s against sequence length for the matrix's fixed-token MHA shapes, a column per (head dim,
+    causal) pair with data; False if there are none or matplotlib (the `bench` extra) is missing."""
+    mha, panels = plot_rows(rows)
+    if not panels:
         return False
     try:
         import matplotlib
@@ -225,8 +231,8 @@ def plot(rows, meta, path):
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2 * len(dims), figsize=(5 * 2 * len(dims), 8), squeeze=False)
-    for col, (d, causal) in enumerate((d, c) for d in dims for c in (False, True)):
+    fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 8), squeeze=False)
+    for col, (d, causal) in enumerate(panels):
         for row_i, key in enumerate(("fwd_tflops", "bwd_tflops")):
             ax = axes[row_i][col]
             for impl in IMPLS:

@@ -1,5 +1,6 @@
 """benchmarks/bench_attention.py on the CPU: a complete run writes its table and removes the partial file; a run
-stopped after its first shape leaves that shape's rows in <stem>.partial.json, which --merge tabulates."""
+stopped after its first shape leaves that shape's rows in <stem>.partial.json, which --merge tabulates; the plot has
+a panel only for the (head dim, causal) pairs with data."""
 import importlib.util
 import json
 import pathlib
@@ -49,3 +50,18 @@ def test_stopped_run_keeps_finished_shapes(bench, tmp_path, monkeypatch):
     assert [(r["Sq"], r["causal"]) for r in partial["rows"]] == [(16, False)]
     assert bench.main(["--merge", str(tmp_path / "run.partial.json"), "--out", str(tmp_path), "--name", "merged"]) == 0
     assert "Partial run: 1 of 2 shapes." in (tmp_path / "merged.md").read_text()
+
+
+def test_plot_panels_only_where_there_is_data(bench):
+    def row(b, s, hq, hkv, d, causal, error=None):
+        return dict(B=b, Sq=s, Hq=hq, Hkv=hkv, D=d, causal=causal, error=error)
+
+    tokens = bench.TOKENS
+    rows = [row(tokens // 4096, 4096, 16, 16, 128, False), row(tokens // 4096, 4096, 16, 16, 128, True),
+            row(tokens // 4096, 4096, 8, 8, 256, False),
+            row(tokens // 4096, 4096, 32, 8, 128, True),      # GQA: not plotted
+            row(1, 1024, 16, 16, 64, False),                  # not the fixed token count: not plotted
+            row(tokens // 512, 512, 8, 8, 256, True, "OOM")]  # failed: not plotted
+    shown, panels = bench.plot_rows(rows)
+    assert panels == [(128, False), (128, True), (256, False)]
+    assert shown == rows[:3]
