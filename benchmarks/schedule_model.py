@@ -5,9 +5,12 @@ sm_90a kernel at head dim <= 128): a CTA owns one 128-key block of one (batch, k
 tiles that see it, for every query head of its group. Forward (the CTA-per-unit kernel at head dim 256): a CTA owns
 one 128-row query block and walks the 64-key tiles it sees. Work per CTA = tiles walked + a fixed overhead in tiles.
 Prints the modelled makespan of three orders against the perfectly balanced one: blocks fastest (heaviest first
-inside each head, heads one after another: the grids before `cuda/kernels/tile_scheduler_common.cuh`), blocks
-slowest over all heads, and HeavyFirstOrder's groups of about --group-units units (the grids with it).
-A model, not a measurement: it ignores per-SM speed differences, L2 effects and the dispatch's own latency.
+inside each head, heads one after another: the backward's grid, and the d256 forward's with few blocks per head),
+blocks slowest over all heads, and HeavyFirstOrder's groups of about --group-units units
+(`cuda/kernels/tile_scheduler_fwd.cuh`, the d256 causal forward with >= 16 query blocks per head).
+A model, not a measurement: it ignores per-SM speed differences, L2 effects and the dispatch's own latency; its
+backward gains (+23..26 % for causal GQA) did not show on the H100 (session 10 A/B, NOTES.md), so the backward
+kept its grid.
 
     python3 benchmarks/schedule_model.py bwd 2x4096x32/8c 4x4096x16c 1x16384x16
     python3 benchmarks/schedule_model.py fwd 4x4096x8c 2x8192x8c
@@ -25,7 +28,7 @@ def makespan(work, order, sms):
 
 
 def heavy_first(blocks, heads, group_units):
-    """(block rank, head) in the order of HeavyFirstOrder (tile_scheduler_common.cuh)."""
+    """(block rank, head) in the order of HeavyFirstOrder (tile_scheduler_fwd.cuh)."""
     group = min(heads, max(1, -(-group_units // blocks)))
     first = heads % group or group
     sizes = [first] + [group] * ((heads - first) // group)
