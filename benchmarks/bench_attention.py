@@ -306,6 +306,8 @@ def main(argv=None):
     if args.head_dims:
         dims = {int(d) for d in args.head_dims.split(",")}
         shapes = [sh for sh in shapes if sh.head_dim in dims]
+        if not shapes:
+            parser.error(f"--head-dims {args.head_dims}: no shape of the matrix has those head dims")
     rows = []
     stem = os.path.join(args.out, args.name or f"{meta['device'].replace(' ', '_')}-{date}")
     print(f"{meta['device']} | jax {jax.__version__} | {len(shapes)} shapes x {impls}", flush=True)

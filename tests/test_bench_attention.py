@@ -1,6 +1,6 @@
 """benchmarks/bench_attention.py on the CPU: a complete run writes its table and removes the partial file; a run
 stopped after its first shape leaves that shape's rows in <stem>.partial.json, which --merge tabulates; the plot has
-a panel only for the (head dim, causal) pairs with data."""
+a panel only for the (head dim, causal) pairs with data; --head-dims matching no shape is an argument error."""
 import importlib.util
 import json
 import pathlib
@@ -65,3 +65,10 @@ def test_plot_panels_only_where_there_is_data(bench):
     shown, panels = bench.plot_rows(rows)
     assert panels == [(128, False), (128, True), (256, False)]
     assert shown == rows[:3]
+
+
+def test_head_dims_without_shapes_is_a_clear_error(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(ARGS + ["--head-dims", "512", "--out", str(tmp_path), "--name", "run"])
+    assert "--head-dims 512: no shape" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
