@@ -7,7 +7,7 @@ one 128-row query block and walks the 64-key tiles it sees. Work per CTA = tiles
 Prints the modelled makespan of three orders against the perfectly balanced one: blocks fastest (heaviest first
 inside each head, heads one after another: the backward's grid, and the d256 forward's with few blocks per head),
 blocks slowest over all heads, and HeavyFirstOrder's groups of about --group-units units
-(`cuda/kernels/tile_scheduler_fwd.cuh`, the d256 causal forward with >= 16 query blocks per head).
+(`cuda/kernels/sm90/tile_scheduler_fwd.cuh`, the d256 causal forward with >= 16 query blocks per head).
 A model, not a measurement: it ignores per-SM speed differences, L2 effects and the dispatch's own latency; its
 backward gains (+23..26 % for causal GQA) did not show on the H100 (session 10 A/B, NOTES.md), so the backward
 kept its grid.

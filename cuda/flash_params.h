@@ -19,7 +19,16 @@
 
 namespace jax_flash {
 
+inline constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
+
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Which CUDA kernel family a call may use (an FFI attribute, chosen per call from Python). kAuto: the sm_90a kernels
+// on compute capability 9.0, the sm_80-class ones elsewhere. kSm80 runs the sm_80-class kernels on any device;
+// kSm80SmallSmem also picks their backward as on a device with 99 KB of shared memory a block (sm_86, sm_89), so
+// both sm_80-class backwards can be tested on one GPU. The CPU has one kernel and ignores it.
+enum class KernelChoice : int { kAuto = 0, kSm80 = 1, kSm80SmallSmem = 2 };
+inline constexpr int kNumKernelChoices = 3;
 
 struct FlashParams {
   // Shapes.

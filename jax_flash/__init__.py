@@ -10,10 +10,11 @@ import importlib.metadata
 import logging
 
 from jax_flash import _ffi
+from jax_flash._ffi import force_kernel
 from jax_flash.attention import dot_product_attention
 from jax_flash.reference import reference_attention
 
-__all__ = ["cuda_available", "dot_product_attention", "reference_attention", "__version__"]
+__all__ = ["cuda_available", "dot_product_attention", "force_kernel", "reference_attention", "__version__"]
 
 try:
     __version__ = importlib.metadata.version("jax_flash")

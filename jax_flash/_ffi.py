@@ -9,8 +9,11 @@ dimension, so ``vmap_method="broadcast_all"`` (which prepends the mapped axis to
 arrays included) batches the calls without a loop.
 """
 
+import contextlib
+import contextvars
 import functools
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -52,12 +55,48 @@ def cuda_device_count():
     return _jax_flash_cuda.device_count() if CUDA_REGISTERED else 0
 
 
+#: CUDA kernel families a call can be forced to (KernelChoice in cuda/flash_params.h); "auto" picks by device.
+KERNELS = {"auto": 0, "sm80": 1, "sm80-small-smem": 2}
+_forced_kernel = contextvars.ContextVar("jax_flash_forced_kernel", default=None)
+
+
+@contextlib.contextmanager
+def force_kernel(kernel):
+    """Runs the jax_flash calls traced inside the ``with`` block on one CUDA kernel family.
+
+    ``kernel``: ``"auto"`` (the sm_90a kernels on compute capability 9.0, the sm_80-class ones elsewhere),
+    ``"sm80"`` (the sm_80-class kernels on any GPU) or ``"sm80-small-smem"`` (also their backward as on a device
+    with 99 KB of shared memory a block). For tests and comparisons of both paths in one process. The choice is
+    made when a call is traced: a function that ``jax.jit`` already compiled keeps the kernels it was traced with.
+    The CPU has one kernel and ignores it. Without this context the environment variable ``JAX_FLASH_FORCE_SM80``
+    decides, read at each trace: unset or ``0`` for ``"auto"``, ``small-smem`` for ``"sm80-small-smem"``, anything
+    else for ``"sm80"``.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    token = _forced_kernel.set(kernel)
+    try:
+        yield
+    finally:
+        _forced_kernel.reset(token)
+
+
+def _kernel_choice():
+    """The KernelChoice attribute for a call traced now (see force_kernel)."""
+    kernel = _forced_kernel.get()
+    if kernel is None:
+        env = os.environ.get("JAX_FLASH_FORCE_SM80", "")
+        kernel = "auto" if env in ("", "0") else "sm80-small-smem" if env == "small-smem" else "sm80"
+    return np.int32(KERNELS[kernel])
+
+
 def _attrs(scale, is_causal, window_left, window_right):
     return dict(
         scale=np.float32(scale),
         is_causal=bool(is_causal),
         window_left=np.int64(window_left),
         window_right=np.int64(window_right),
+        kernel=_kernel_choice(),
     )
 
 

@@ -1,4 +1,4 @@
-"""cuda/kernels/tile_scheduler_fwd.cuh, the sm_90a forward's work order: a C++ check on small shapes, built with the
+"""cuda/kernels/sm90/tile_scheduler_fwd.cuh, the sm_90a forward's work order: a C++ check on small shapes, built with the
 system C++ compiler; skipped without one. Heavy-first order: every (block, head) once, heads in contiguous groups
 (the last whole), no unit lighter than a later one of its group. Scheduler: every tile exactly once, pairs heaviest
 first, a CTA per unit under a causal mask (no window, enough blocks per head) in heavy-first order and otherwise head

@@ -1,23 +1,18 @@
-// Kernel selection: compute capability, dtype, head-dim class.
-#include <cstdlib>
-#include <cstring>
+// Kernel selection: compute capability, dtype, head-dim class and the requested kernel family.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
-#include "flash_api.h"
-#include "flash_launch_sm80.cuh"
+#include <cstdint>
+#include <type_traits>
 
-#if defined(JAX_FLASH_HAVE_SM90A)
-namespace jax_flash::cuda::sm90 {
-template <typename T, int kD>
-cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream);
-template <typename T, int kD>
-cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream);
-}  // namespace jax_flash::cuda::sm90
-#endif
+#include "kernels/common/launch_utils.h"
+#include "kernels/flash_api.h"
 
 namespace jax_flash::cuda {
 namespace {
 
 constexpr int kMaxGridYZ = 65535;
+constexpr int kSmallSmemOptinBytes = 99 * 1024;  // sm_86 / sm_89
 
 // A (non-negative) attribute of the current device, queried once per device (once_per_device caches nonzero
 // values, so it holds the attribute + 1).
@@ -46,93 +41,56 @@ int current_cc() {
   return major * 10 + minor;
 }
 
-int head_dim_class(int d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
-
-template <typename T>
-cudaError_t forward_sm80(const FlashParams& p, cudaStream_t s) {
-  switch (head_dim_class(p.head_dim)) {
-    case 64: return launch_fwd_sm80<T, 64>(p, s);
-    case 128: return launch_fwd_sm80<T, 128>(p, s);
-    default: return launch_fwd_sm80<T, 256>(p, s);
-  }
+// Calls launch(HeadDim<kD>{}) for the head-dim class kD of head_dim (64, 128 or 256; other head dims are padded up
+// to their class inside the kernels).
+template <int kD>
+using HeadDim = std::integral_constant<int, kD>;
+template <typename Launch>
+cudaError_t for_head_dim_class(int head_dim, Launch&& launch) {
+  if (head_dim <= 64) return launch(HeadDim<64>{});
+  if (head_dim <= 128) return launch(HeadDim<128>{});
+  return launch(HeadDim<256>{});
 }
 
-// JAX_FLASH_FORCE_SM80=1 makes Hopper run the sm_80-class kernels (for comparisons and tests of both paths);
-// JAX_FLASH_FORCE_SM80=small-smem also picks the sm_80-class backward kernel as on a device with 99 KB of shared
-// memory a block (sm_86, sm_89), so that the per-warp fallback is tested on a large GPU too.
-const char* force_sm80_value() {
-  static const char* value = [] {
-    const char* v = std::getenv("JAX_FLASH_FORCE_SM80");
-    return v == nullptr ? "" : v;
-  }();
-  return value;
-}
-bool force_sm80() { return *force_sm80_value() != '\0' && std::strcmp(force_sm80_value(), "0") != 0; }
-bool force_small_smem() { return std::strcmp(force_sm80_value(), "small-smem") == 0; }
-constexpr int kSmallSmemOptinBytes = 99 * 1024;  // sm_86 / sm_89
-
-// The sm_90a kernels run on compute capability 9.0 exactly (sm_90a code runs nowhere else). TMA needs 16-byte
-// aligned base addresses (XLA's buffers are; the forward also stores O through a tensor map) and at least one key.
-bool use_sm90(const FlashParams& p) {
+// The sm_90a kernels run on compute capability 9.0 exactly (sm_90a code runs nowhere else) unless the call asks
+// for the sm_80-class family. TMA needs 16-byte aligned base addresses (XLA's buffers are; the forward also stores
+// O through a tensor map) and at least one key.
+bool use_sm90(const FlashParams& p, KernelChoice choice) {
 #if defined(JAX_FLASH_HAVE_SM90A)
   const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
-  return current_cc() == 90 && !force_sm80() && p.seqlen_k > 0 && aligned(p.q) && aligned(p.k) && aligned(p.v) &&
-         aligned(p.o) && aligned(p.dout);
+  return choice == KernelChoice::kAuto && current_cc() == 90 && p.seqlen_k > 0 && aligned(p.q) && aligned(p.k) &&
+         aligned(p.v) && aligned(p.o) && aligned(p.dout);
 #else
   (void)p;
+  (void)choice;
   return false;
 #endif
 }
 
-#if defined(JAX_FLASH_HAVE_SM90A)
 template <typename T>
-cudaError_t forward_sm90(const FlashParams& p, cudaStream_t s) {
-  switch (head_dim_class(p.head_dim)) {
-    case 64: return sm90::launch_fwd_sm90<T, 64>(p, s);
-    case 128: return sm90::launch_fwd_sm90<T, 128>(p, s);
-    default: return sm90::launch_fwd_sm90<T, 256>(p, s);
+cudaError_t forward(const FlashParams& p, KernelChoice choice, cudaStream_t s) {
+#if defined(JAX_FLASH_HAVE_SM90A)
+  if (use_sm90(p, choice)) {
+    return for_head_dim_class(p.head_dim, [&](auto d) { return sm90::launch_fwd_sm90<T, decltype(d)::value>(p, s); });
   }
-}
 #endif
+  return for_head_dim_class(p.head_dim, [&](auto d) { return launch_fwd_sm80<T, decltype(d)::value>(p, s); });
+}
 
 template <typename T>
-cudaError_t forward(const FlashParams& p, cudaStream_t s) {
+cudaError_t backward(const FlashParams& p, KernelChoice choice, cudaStream_t s) {
 #if defined(JAX_FLASH_HAVE_SM90A)
-  if (use_sm90(p)) return forward_sm90<T>(p, s);
+  if (use_sm90(p, choice)) {
+    return for_head_dim_class(p.head_dim, [&](auto d) { return sm90::launch_bwd_sm90<T, decltype(d)::value>(p, s); });
+  }
 #endif
-  return forward_sm80<T>(p, s);
-}
-
-template <typename T>
-cudaError_t backward_sm80(const FlashParams& p, cudaStream_t s) {
   int smem = kSmallSmemOptinBytes;
-  if (!force_small_smem()) {
+  if (choice != KernelChoice::kSm80SmallSmem) {
     if (cudaError_t e = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem); e != cudaSuccess) {
       return e;
     }
   }
-  switch (head_dim_class(p.head_dim)) {
-    case 64: return launch_bwd_sm80<T, 64>(p, s, smem);
-    case 128: return launch_bwd_sm80<T, 128>(p, s, smem);
-    default: return launch_bwd_sm80<T, 256>(p, s, smem);
-  }
-}
-
-// Hopper backward: every head-dim class (256 on the kernel that splits the head dim between its warpgroups).
-bool use_sm90_backward(const FlashParams& p) { return use_sm90(p); }
-
-template <typename T>
-cudaError_t backward(const FlashParams& p, cudaStream_t s) {
-#if defined(JAX_FLASH_HAVE_SM90A)
-  if (use_sm90_backward(p)) {
-    switch (head_dim_class(p.head_dim)) {
-      case 64: return sm90::launch_bwd_sm90<T, 64>(p, s);
-      case 128: return sm90::launch_bwd_sm90<T, 128>(p, s);
-      default: return sm90::launch_bwd_sm90<T, 256>(p, s);
-    }
-  }
-#endif
-  return backward_sm80<T>(p, s);
+  return for_head_dim_class(p.head_dim, [&](auto d) { return launch_bwd_sm80<T, decltype(d)::value>(p, s, smem); });
 }
 
 }  // namespace
@@ -148,27 +106,27 @@ const char* UnsupportedReason(const FlashParams& p) {
   return "";
 }
 
-const char* BackwardUnsupportedReason(const FlashParams& p) {
+const char* BackwardUnsupportedReason(const FlashParams& p, KernelChoice choice) {
   // Without a query row or a key there is no dQ accumulation, so any backward is deterministic.
   if (!p.deterministic || p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return "";
-  if (use_sm90_backward(p) && head_dim_class(p.head_dim) <= 128) return "";
-  return "deterministic=True needs the sm_90a backward kernel for head_dim <= 128: compute capability 9.0 and "
-         "JAX_FLASH_FORCE_SM80 unset (the other backward kernels add dQ in no fixed order)";
+  if (use_sm90(p, choice) && p.head_dim <= 128) return "";
+  return "deterministic=True needs the sm_90a backward kernel for head_dim <= 128: compute capability 9.0 and no "
+         "forced sm_80-class kernel (the other backward kernels add dQ in no fixed order)";
 }
 
-cudaError_t RunFlashForward(const FlashParams& p, cudaStream_t stream) {
+cudaError_t RunFlashForward(const FlashParams& p, KernelChoice choice, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return cudaSuccess;
-  return p.dtype == DType::kBF16 ? forward<__nv_bfloat16>(p, stream) : forward<__half>(p, stream);
+  return p.dtype == DType::kBF16 ? forward<__nv_bfloat16>(p, choice, stream) : forward<__half>(p, choice, stream);
 }
 
-cudaError_t RunFlashBackward(const FlashParams& p, cudaStream_t stream) {
+cudaError_t RunFlashBackward(const FlashParams& p, KernelChoice choice, cudaStream_t stream) {
   if (p.batch == 0 || p.heads_q == 0) return cudaSuccess;
   if (p.seqlen_q == 0) {  // nothing attends: dK = dV = 0
     const size_t bytes = size_t(p.batch) * p.seqlen_k * p.heads_kv * p.head_dim * 2;
     if (cudaError_t e = cudaMemsetAsync(p.dk, 0, bytes, stream); e != cudaSuccess) return e;
     return cudaMemsetAsync(p.dv, 0, bytes, stream);
   }
-  return p.dtype == DType::kBF16 ? backward<__nv_bfloat16>(p, stream) : backward<__half>(p, stream);
+  return p.dtype == DType::kBF16 ? backward<__nv_bfloat16>(p, choice, stream) : backward<__half>(p, choice, stream);
 }
 
 }  // namespace jax_flash::cuda

@@ -1,23 +1,38 @@
-// Host entry points of the CUDA kernels. They pick a kernel by compute capability, dtype and head dim, launch it on
-// `stream` and return the first CUDA error (never synchronising).
+// Host entry points of the CUDA kernels. They pick a kernel by compute capability, dtype, head dim and the
+// requested kernel family, launch it on `stream` and return the first CUDA error (never synchronising).
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include "../flash_params.h"
+#include "flash_params.h"
 
 namespace jax_flash::cuda {
 
 // Writes p.o and p.lse. Needs compute capability >= 8.0 and bf16/fp16 inputs.
-cudaError_t RunFlashForward(const FlashParams& p, cudaStream_t stream);
+cudaError_t RunFlashForward(const FlashParams& p, KernelChoice choice, cudaStream_t stream);
 
 // Writes p.dq, p.dk, p.dv, using p.dq_accum and p.dsum as workspace.
-cudaError_t RunFlashBackward(const FlashParams& p, cudaStream_t stream);
+cudaError_t RunFlashBackward(const FlashParams& p, KernelChoice choice, cudaStream_t stream);
 
 // Empty string when `p` can run on the current device; otherwise why not.
 const char* UnsupportedReason(const FlashParams& p);
 
 // Why this backward call cannot run as asked ("" if it can): deterministic=True needs the sm_90a backward.
-const char* BackwardUnsupportedReason(const FlashParams& p);
+const char* BackwardUnsupportedReason(const FlashParams& p, KernelChoice choice);
+
+// The launchers flash_api.cu dispatches to, one explicit instantiation per (dtype, head-dim class 64 / 128 / 256)
+// in sm80/flash_sm80_hdim*.cu and sm90/flash_sm90_hdim*.cu.
+template <typename T, int kD>
+cudaError_t launch_fwd_sm80(const FlashParams& p, cudaStream_t stream);
+// smem_optin_bytes: the device's opt-in shared memory per block, which picks between the two sm_80-class backwards.
+template <typename T, int kD>
+cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream, int smem_optin_bytes);
+
+namespace sm90 {
+template <typename T, int kD>
+cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream);
+template <typename T, int kD>
+cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream);
+}  // namespace sm90
 
 }  // namespace jax_flash::cuda

@@ -1,4 +1,4 @@
-// Check of cuda/kernels/tile_scheduler_fwd.cuh on the CPU, for small shapes and group sizes. HeavyFirstOrder: every
+// Check of cuda/kernels/sm90/tile_scheduler_fwd.cuh on the CPU, for small shapes and group sizes. HeavyFirstOrder: every
 // (block, head) exactly once; heads in contiguous groups, the last one whole; inside a group no unit is lighter (higher
 // block rank) than a later one. FwdTileScheduler: walking every unit visits each (query block, head, batch) tile
 // exactly once, a paired unit holds its (batch, head)'s heaviest remaining block first, a grid of one CTA per unit
@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "kernels/tile_scheduler_fwd.cuh"
+#include "kernels/sm90/tile_scheduler_fwd.cuh"
 
 using jax_flash::FlashParams;
 using jax_flash::cuda::FwdTile;

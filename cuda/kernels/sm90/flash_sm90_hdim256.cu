@@ -1,5 +1,5 @@
 // sm_90a kernels for head dims padded to 256 (one translation unit per class keeps builds parallel).
-#include "../flash_launch_sm90.cuh"
+#include "kernels/sm90/launch_sm90.cuh"
 
 namespace jax_flash {
 JAX_FLASH_INSTANTIATE_SM90(__nv_bfloat16, 256)

@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "ffi_common.h"
+#include "ffi/validation.h"
 #include "kernels/flash_api.h"
 
 namespace nb = nanobind;
@@ -19,8 +19,10 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 
 ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
-                                bool is_causal, int64_t window_left, int64_t window_right,
+                                bool is_causal, int64_t window_left, int64_t window_right, int32_t kernel,
                                 ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  KernelChoice choice;
+  if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
   if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
       e.failure()) {
@@ -30,7 +32,7 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   if (const char* why = cuda::UnsupportedReason(p); why[0] != '\0') return Invalid(why);
-  if (cudaError_t err = cuda::RunFlashForward(p, stream); err != cudaSuccess) {
+  if (cudaError_t err = cuda::RunFlashForward(p, choice, stream); err != cudaSuccess) {
     return CudaError(err, "forward kernel");
   }
   return ffi::Error::Success();
@@ -40,10 +42,12 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
                                  ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
                                  ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
                                  bool is_causal, int64_t window_left, int64_t window_right, bool deterministic,
-                                 ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                 int32_t kernel, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                  ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                                  ffi::Result<ffi::Buffer<ffi::F32>> dsum,
                                  ffi::Result<ffi::Buffer<ffi::S32>> dq_semaphore) {
+  KernelChoice choice;
+  if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
   if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
       e.failure()) {
@@ -54,8 +58,8 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
     return e;
   }
   if (const char* why = cuda::UnsupportedReason(p); why[0] != '\0') return Invalid(why);
-  if (const char* why = cuda::BackwardUnsupportedReason(p); why[0] != '\0') return Invalid(why);
-  if (cudaError_t err = cuda::RunFlashBackward(p, stream); err != cudaSuccess) {
+  if (const char* why = cuda::BackwardUnsupportedReason(p, choice); why[0] != '\0') return Invalid(why);
+  if (cudaError_t err = cuda::RunFlashBackward(p, choice, stream); err != cudaSuccess) {
     return CudaError(err, "backward kernels");
   }
   return ffi::Error::Success();

@@ -1,6 +1,6 @@
 // wgmma.mma_async wrappers (sm_90a): D[64 x N] (+)= A[64 x 16] * B[16 x N], float32 accumulators.
 // Inline PTX needs each accumulator register as a literal operand, so every (N, A-source) pair is spelled out;
-// this file is written by gen_wgmma_sm90.py (python3 cuda/kernels/gen_wgmma_sm90.py).
+// this file is written by gen_wgmma_sm90.py (python3 cuda/kernels/sm90/gen_wgmma_sm90.py).
 //   Wgmma<N, T, kTransB>::ss<kTransA>(d, desc_a, desc_b, accumulate): A and B from shared memory (descriptors);
 //   Wgmma<N, T, kTransB>::rs(d, a, desc_b, accumulate): A from registers (4 x 32-bit: a 16 x 16 tile per warp).
 // kTransB = 1 reads B as N-major (e.g. V[key][dim] for O += P V); 0 as K-major (e.g. K[key][dim] for S = Q K^T);

@@ -3,11 +3,11 @@
 // queries 8 j + 2 t and 8 j + 2 t + 1); the dK/dV epilogue from accumulators of the same layout.
 #pragma once
 
-#include "../flash_params.h"
-#include "../mask.h"
-#include "kernel_traits_sm90.h"  // kColBlock
-#include "utils_sm80.cuh"        // ElemTraits
-#include "utils_sm90.cuh"  // kWarpRows
+#include "flash_params.h"
+#include "kernels/common/element_traits.cuh"
+#include "kernels/sm90/kernel_traits_sm90.h"  // kColBlock
+#include "kernels/sm90/utils_sm90.cuh"        // kWarpRows, TMA, for_each_acc_pair
+#include "mask.h"
 
 namespace jax_flash::cuda::sm90 {
 

@@ -18,15 +18,17 @@
 #include <cmath>
 #include <type_traits>
 
-#include "../flash_params.h"
-#include "../mask.h"
-#include "kernel_common.cuh"
-#include "kernel_traits_sm80.h"  // kWarpSize
-#include "kernel_traits_sm90.h"
-#include "tile_scheduler_fwd.cuh"
-#include "utils_sm80.cuh"  // ElemTraits, quad reductions
-#include "utils_sm90.cuh"
-#include "wgmma_sm90.cuh"
+#include "flash_params.h"
+#include "kernels/common/block_ranges.cuh"
+#include "kernels/common/element_traits.cuh"
+#include "kernels/common/warp_reduce.cuh"
+#include "kernels/sm90/kernel_traits_sm90.h"
+#include "kernels/sm90/named_barriers.h"
+#include "kernels/sm90/smem_layout.h"
+#include "kernels/sm90/tile_scheduler_fwd.cuh"
+#include "kernels/sm90/utils_sm90.cuh"
+#include "kernels/sm90/wgmma_sm90.cuh"
+#include "mask.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -269,26 +271,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (t == 0 && row < rows_valid) gLse[row] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : INFINITY;
     }
     if constexpr (Traits::kStoreOSmem) {
-      // This warpgroup's O: kColBlocks boxes of 64 rows x 128 bytes, 128-byte swizzled as TMA expects. Lane l of a
-      // warp gives the address of row l % 8 of matrix l / 8: matrices 0 / 1 are rows 0-7 / 8-15 of an 8-column
-      // tile, 2 / 3 the same rows of the next tile.
+      // This warpgroup's O: kColBlocks boxes of 64 rows x 128 bytes, 128-byte swizzled as TMA expects, written
+      // with stmatrix (smem_layout.h gives the lane addresses).
       constexpr int kBoxBytes = kWgmmaM * kSwizzleBytes;
       T* o_tile = smem.o + cw * kWgmmaM * kD;  // [kColBlocks][64][64]
       const uint32_t o_base = smem_addr(o_tile);
       const int barrier = kEpilogueBarrier + cw;
       if (wg_tid == 0) bulk_wait_group_read<0>();  // the previous tile's store has read the buffer
       named_barrier_sync(barrier, kWarpgroupThreads);
-      // Column pair j2 starts at 16-byte chunk 2 j2 (mod 8) of box j2 / 4; a 128-byte row is one swizzle period, so
-      // the swizzled chunk of this lane's address is ((2 j2) ^ (its own chunk offset ^ row % 8)) and one base
-      // address serves every j2.
-      const int mat = lane / 8;
-      const int row = warp * kWarpRows + lane % 8 + 8 * (mat % 2);
-      const uint32_t lane_addr = o_base + swizzled_chunk_offset(row, mat / 2);
+      // Column pair j2 is pair j2 % 4 of box j2 / 4 (o_base is 1024-byte aligned, so one lane address serves all).
+      const uint32_t lane_addr = o_base + stmatrix_x4_lane_offset(warp * kWarpRows, lane);
       constexpr int kPairsPerBox = kColBlock / 16;
 #pragma unroll
       for (int j2 = 0; j2 < kOTiles / 2; ++j2) {
-        const uint32_t addr =
-            (lane_addr ^ ((j2 % kPairsPerBox) * 2 * kSwizzleChunkBytes)) + (j2 / kPairsPerBox) * kBoxBytes;
+        const uint32_t addr = stmatrix_x4_pair_offset(lane_addr, j2 % kPairsPerBox) + (j2 / kPairsPerBox) * kBoxBytes;
         const float* o8 = acc_o + 8 * j2;  // column tiles 2 j2, 2 j2 + 1
         stmatrix_x4(addr, ET::pack(o8[0] * inv[0], o8[1] * inv[0]), ET::pack(o8[2] * inv[1], o8[3] * inv[1]),
                     ET::pack(o8[4] * inv[0], o8[5] * inv[0]), ET::pack(o8[6] * inv[1], o8[7] * inv[1]));

@@ -1,8 +1,8 @@
-// PTX wrappers for the sm_90a kernels: mbarriers, TMA (cp.async.bulk.tensor), wgmma fences and shared-memory
-// matrix descriptors, register reallocation (setmaxnreg) and named barriers; and a visitor over a wgmma
-// accumulator fragment. Device code only. The helpers emit
-// sm_90a instructions, so kernels that call them guard their bodies with JAX_FLASH_SM90A (the translation units
-// are also compiled for sm_80, where those bodies compile to a trap).
+// PTX wrappers for the sm_90a kernels: mbarriers, TMA (cp.async.bulk.tensor), clusters, wgmma fences, register
+// reallocation (setmaxnreg) and named barriers; and a visitor over a wgmma accumulator fragment. Device code only.
+// The helpers emit sm_90a instructions, so kernel bodies that call them are guarded by JAX_FLASH_SM90A (defined
+// only when compiling for the sm_90a target) and trap otherwise. Address arithmetic of the shared-memory layouts
+// (swizzle, stmatrix lanes, wgmma descriptors) is in smem_layout.h.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -10,7 +10,9 @@
 
 #include <cstdint>
 
-#include "kernel_traits_sm90.h"  // kWarpgroupThreads
+#include "kernels/common/shared_memory.cuh"
+#include "kernels/sm90/kernel_traits_sm90.h"  // kWarpgroupThreads
+#include "kernels/sm90/smem_layout.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -18,16 +20,7 @@ namespace jax_flash::cuda::sm90 {
 #define JAX_FLASH_SM90A 1
 #endif
 
-inline constexpr int kSwizzleBytes = 128;   // TMA SWIZZLE_128B: rows of 128 bytes, 16-byte chunks XOR (row % 8)
-inline constexpr int kSwizzleRows = 8;      // rows in one swizzle period
-inline constexpr int kSwizzleChunkBytes = 16;  // the unit the swizzle permutes
-inline constexpr int kSwizzleAtomBytes = kSwizzleRows * kSwizzleBytes;  // one swizzle period (1024-byte aligned)
 inline constexpr int kWarpRows = 16;          // accumulator rows of one warp in a 64-row wgmma
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled tile (TMA SWIZZLE_128B layout).
-__device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int chunk) {
-  return row * kSwizzleBytes + ((chunk ^ (row % kSwizzleRows)) * kSwizzleChunkBytes);
-}
 
 // The kernel's dynamic shared memory as a Storage struct, its start rounded up to 1024 bytes (the 128-byte swizzle
 // repeats every 1024 bytes); launchers ask for sizeof(Storage) + 1024.
@@ -36,22 +29,6 @@ __device__ __forceinline__ Storage& shared_storage() {
   extern __shared__ unsigned char smem_raw[];
   return *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 }
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void st_shared_f32(uint32_t addr, float a) {
-  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(a) : "memory");
-}
-__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
-}
-
 // ---- mbarriers ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
@@ -157,12 +134,6 @@ __device__ __forceinline__ void st_async_f32x4(uint32_t addr, float a, float b, 
                ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d), "r"(cluster_bar)
                : "memory");
 }
-__device__ __forceinline__ float4 ld_shared_f32x4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
-               : "memory");
-  return v;
-}
 // Arrives on an mbarrier of any CTA of the cluster (address from map_to_cta) without ordering this thread's
 // earlier memory accesses (a release at cluster scope costs a GPU-wide membar): callers arrive only after the
 // values they read have been consumed.
@@ -221,25 +192,6 @@ __device__ __forceinline__ void fence_regs(uint32_t (&a)[M][N]) {
     for (int j = 0; j < N; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
   }
 }
-
-// Shared-memory matrix descriptor for a tile written by TMA with SWIZZLE_128B (rows of 128 bytes; 8-row groups
-// 1024 bytes apart, the stride offset). K-major operands (Q, K): the 16-element K slice starts at `start_addr`
-// (tile base + 32 bytes per slice inside the row); the leading offset is unused (kKMajorLeadingBytes).
-// N-major B (V): the leading offset is the distance between 64-element column blocks.
-inline constexpr uint32_t kKMajorLeadingBytes = 16;
-__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t start_addr, uint32_t leading_bytes) {
-  constexpr uint64_t kLayoutSw128 = 1;
-  uint64_t desc = 0;
-  desc |= uint64_t((start_addr & 0x3FFFF) >> 4);
-  desc |= uint64_t((leading_bytes >> 4) & 0x3FFF) << 16;
-  desc |= uint64_t((kSwizzleAtomBytes >> 4) & 0x3FFF) << 32;  // stride: next 8-row group
-  desc |= kLayoutSw128 << 62;
-  return desc;
-}
-
-// Moves a descriptor's start address by `bytes` (bits 0-13 in 16-byte units; tiles lie inside shared memory, so
-// the field cannot overflow). Descriptors are built once per operand and advanced by compile-time offsets.
-__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 // ---- warp-specialisation helpers ------------------------------------------------------------------------------
 template <int kRegs>

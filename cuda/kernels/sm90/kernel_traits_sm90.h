@@ -19,10 +19,6 @@ inline constexpr int kWgmmaM = 64;       // rows of one wgmma (a warpgroup's que
 inline constexpr int kWgmmaK = 16;       // reduction depth of one 16-bit wgmma
 inline constexpr int kColBlock = 64;     // 16-bit elements per 128-byte swizzled row: TMA box width
 inline constexpr int kMaxConsumerWarpgroups = 3;
-inline constexpr int kPingPongBarrier = 1;  // named barriers 1..3: consumer warpgroups take turns issuing (0 is
-                                            // __syncthreads')
-inline constexpr int kEpilogueBarrier = kPingPongBarrier + kMaxConsumerWarpgroups;  // 4..6: one consumer
-                                                                                    // warpgroup's O tile in smem
 
 template <int kHeadDim_>
 struct FwdTraitsSm90;

@@ -1,6 +1,6 @@
 // Backward FlashAttention kernel for sm_90a at head dim 256: key/value stationary, the two consumer warpgroups
 // splitting the queries of S^T/dP^T and the head-dim columns of dV/dK/dQ (see BwdSplitDKernelTraitsSm90). The dsum
-// preprocess and the dQ conversion are the sm_80-class kernels, as for flash_bwd_sm90_tma_wgmma_ws.cuh.
+// preprocess and the dQ conversion around it are shared with every backward (common/bwd_pre_post.cuh).
 // Per thread of a consumer warpgroup cw (warp w, lane = 4 g + t):
 //   S^T, dP^T : keys 16 w + g (+8), queries 32 cw + 8 j + 2 t (+1), j < 4
 //   dK, dV    : keys 16 w + g (+8), columns 128 cw + 8 j + 2 t (+1), j < 16
@@ -12,17 +12,18 @@
 
 #include <cmath>
 
-#include "../flash_params.h"
-#include "../mask.h"
-#include "flash_bwd_sm80_mma_cpasync.cuh"   // kLog2eF, atomic_add_f32x2, atomic_add_f32x2
-#include "flash_bwd_sm90_tma_wgmma_ws.cuh"  // named barrier ids
-#include "kernel_common.cuh"
-#include "kernel_traits_sm80.h"  // kWarpSize
-#include "kernel_traits_sm90.h"
-#include "common_bwd_sm90.cuh"
-#include "utils_sm80.cuh"
-#include "utils_sm90.cuh"
-#include "wgmma_sm90.cuh"
+#include "flash_params.h"
+#include "kernels/common/atomics.cuh"
+#include "kernels/common/block_ranges.cuh"
+#include "kernels/common/element_traits.cuh"
+#include "kernels/common/warp_reduce.cuh"
+#include "kernels/sm90/common_bwd_sm90.cuh"
+#include "kernels/sm90/kernel_traits_sm90.h"
+#include "kernels/sm90/named_barriers.h"
+#include "kernels/sm90/smem_layout.h"
+#include "kernels/sm90/utils_sm90.cuh"
+#include "kernels/sm90/wgmma_sm90.cuh"
+#include "mask.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -184,7 +185,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
     const int64_t idx = (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + row;
     return stat_thread && row < p.seqlen_q ? (wg_tid < kQueries ? p.lse[idx] : p.dsum[idx]) : 0.f;
   };
-  const float stat_scale = wg_tid < kQueries ? kLog2eF : 1.f;  // lse is kept as lse * log2(e)
+  const float stat_scale = wg_tid < kQueries ? kLog2e : 1.f;  // lse is kept as lse * log2(e)
 
   float stat_next = load_stat(0);
   mbar_wait(&smem.kv_full, 0);

@@ -7,11 +7,11 @@
 
 #include <cmath>
 
-#include "../flash_params.h"
-#include "../mask.h"
-#include "kernel_common.cuh"
-#include "kernel_traits_sm80.h"
-#include "utils_sm80.cuh"
+#include "flash_params.h"
+#include "mask.h"
+#include "kernels/common/block_ranges.cuh"
+#include "kernels/sm80/kernel_traits_sm80.h"
+#include "kernels/sm80/utils_sm80.cuh"
 
 namespace jax_flash::cuda {
 
@@ -28,7 +28,7 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
     const int col = (c % kChunksPerRow) * kElemsPerChunk;
     const bool pred = row < rows_valid && col < cols_valid;
     const T* src = pred ? gmem + row * stride + col : gmem;
-    cp_async_16(smem_u32(smem + swz<kCols>(row, col)), src, pred);
+    cp_async_16(smem_addr(smem + swz<kCols>(row, col)), src, pred);
   }
 }
 
@@ -107,9 +107,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   // ldmatrix lane addresses (see utils_sm80.cuh): A operands take row lane%16, chunk lane/16; B operands from a
   // [n][k] tile take row (lane%8) + (lane/16)*8, chunk (lane/8)%2; B from a [k][n] tile (.trans) take row
   // (lane%8) + ((lane/8)%2)*8, chunk lane/16. Column steps of 16 elements are XORs with 32 bytes.
-  const uint32_t q_addr = swz_addr<kD>(smem_u32(sQ), warp_row0 + lane % 16, lane / 16);
-  const uint32_t k_addr = swz_addr<kD>(smem_u32(sK), (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
-  const uint32_t v_addr = swz_addr<kD>(smem_u32(sV), (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+  const uint32_t q_addr = swz_addr<kD>(smem_addr(sQ), warp_row0 + lane % 16, lane / 16);
+  const uint32_t k_addr = swz_addr<kD>(smem_addr(sK), (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
+  const uint32_t v_addr = swz_addr<kD>(smem_addr(sV), (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
   for (int n_block = n_begin; n_block < n_end; ++n_block) {
     const int stage = (n_block - n_begin) & 1;

@@ -7,35 +7,11 @@
 
 #include <cstdint>
 
+#include "kernels/common/element_traits.cuh"
+#include "kernels/common/shared_memory.cuh"
+#include "kernels/common/warp_reduce.cuh"
+
 namespace jax_flash::cuda {
-
-// ---- element types ------------------------------------------------------------------------------------------
-template <typename T>
-struct ElemTraits;
-
-template <>
-struct ElemTraits<__nv_bfloat16> {
-  using Pair = __nv_bfloat162;
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  static __device__ __forceinline__ float2 unpack(uint32_t x) {
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
-  }
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-};
-
-template <>
-struct ElemTraits<__half> {
-  using Pair = __half2;
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  static __device__ __forceinline__ float2 unpack(uint32_t x) { return __half22float2(*reinterpret_cast<__half2*>(&x)); }
-  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-};
 
 // ---- tensor-core MMA: D(16x8,f32) += A(16x16,row) * B(16x8,col) ------------------------------------------------
 // Fragment layout (lane = 4*g + t): a[0]=(g, 2t..2t+1) a[1]=(g+8, 2t..) a[2]=(g, 2t+8..) a[3]=(g+8, 2t+8..);
@@ -63,10 +39,6 @@ __device__ __forceinline__ void mma_16x8x16<__half>(float (&c)[4], const uint32_
 }
 
 // ---- ldmatrix ----------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -77,10 +49,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
-}
-
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
 // ---- cp.async (16 bytes, zero-filled when !pred) -------------------------------------------------------------------
@@ -115,15 +83,5 @@ __device__ __forceinline__ uint32_t swz_addr(uint32_t tile, int row, int chunk) 
 }
 template <int kCols>
 inline constexpr int kRowBytes = kCols * 2;
-
-// ---- reductions over the 4 lanes that share a row of an MMA fragment ------------------------------------------------
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
 
 }  // namespace jax_flash::cuda

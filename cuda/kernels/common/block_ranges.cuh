@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "../flash_params.h"
-#include "../mask.h"
+#include "flash_params.h"
+#include "mask.h"
 
 namespace jax_flash::cuda {
 

@@ -12,7 +12,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "../flash_params.h"
+#include "flash_params.h"
 
 namespace jax_flash::cuda {
 

@@ -1,5 +1,5 @@
 // sm_80-class kernels for head dims padded to 64 (one translation unit per class keeps builds parallel).
-#include "flash_launch_sm80.cuh"
+#include "kernels/sm80/launch_sm80.cuh"
 
 namespace jax_flash {
 JAX_FLASH_INSTANTIATE_SM80(__nv_bfloat16, 64)

@@ -1,30 +1,25 @@
 // Backward FlashAttention kernel for sm_90a, key/value stationary (see BwdKernelTraitsSm90 for the CTA's roles).
-// The dsum preprocess and the dQ conversion are the sm_80-class kernels (flash_bwd_sm80_mma_cpasync.cuh); this
-// kernel replaces the main one. Per thread of a consumer warpgroup (warp w, lane = 4 g + t): keys 16 w + g and
+// The dsum preprocess and the dQ conversion around it are shared with every backward (common/bwd_pre_post.cuh). Per thread of a consumer warpgroup (warp w, lane = 4 g + t): keys 16 w + g and
 // 16 w + g + 8 of the warpgroup's 64, queries 8 j + 2 t (+1) of every 8-wide column tile j of S^T and dP^T.
 #pragma once
 
 #include <cmath>
 
-#include "../flash_params.h"
-#include "../mask.h"
-#include "flash_bwd_sm80_mma_cpasync.cuh"  // kLog2eF
-#include "kernel_common.cuh"
-#include "kernel_traits_sm80.h"            // kWarpSize
-#include "kernel_traits_sm90.h"
-#include "common_bwd_sm90.cuh"
-#include "utils_sm80.cuh"
-#include "utils_sm90.cuh"
-#include "wgmma_sm90.cuh"
+#include "flash_params.h"
+#include "kernels/common/block_ranges.cuh"
+#include "kernels/common/element_traits.cuh"
+#include "kernels/common/warp_reduce.cuh"
+#include "kernels/sm90/common_bwd_sm90.cuh"
+#include "kernels/sm90/kernel_traits_sm90.h"
+#include "kernels/sm90/named_barriers.h"
+#include "kernels/sm90/smem_layout.h"
+#include "kernels/sm90/utils_sm90.cuh"
+#include "kernels/sm90/wgmma_sm90.cuh"
+#include "mask.h"
 
 namespace jax_flash::cuda::sm90 {
 
-// Named barriers of the backward CTA (0 is __syncthreads'); the per-warpgroup ones take id + warpgroup index.
-inline constexpr int kDsBarrier = 1;       // both consumer warpgroups wrote dS^T (256 threads)
-inline constexpr int kStatsBarrier = 2;    // a consumer warpgroup staged its row statistics (128 threads)
-inline constexpr int kDqFullBarrier = 4;   // a consumer warpgroup's dQ tile is in shared memory (128 + writer warp)
-inline constexpr int kDqEmptyBarrier = 6;  // the writer has read that tile (128 + writer warp)
-inline constexpr int kDqWriterWarp = 1;    // producer warp that issues the dQ reductions
+inline constexpr int kDqWriterWarp = 1;  // producer warp that issues the dQ reductions
 
 // kDeterministic: the key blocks add into each dQ tile in ascending order (FlashParams::deterministic).
 template <typename T, typename Traits, bool kDeterministic>
@@ -215,12 +210,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr uint32_t kDsColBlockBytes = kBN * kSwizzleBytes;
   const uint64_t desc_ds = make_desc_sw128(
       smem_addr(smem.ds[0]) + (Traits::kDqSplitRows ? cw * kDsColBlockBytes : 0), kDsColBlockBytes);
-  // dS^T stores with stmatrix: lane l gives row l % 8 of matrix l / 8 (matrix q4 of a 16-query step: key rows
-  // + 8 (q4 % 2), chunk + (q4 / 2)). Its row's 16-byte chunk is (step chunk + q4 / 2) XOR (row % 8); the step's
-  // chunk (even, 2 kk mod 8) only flips bits the lane's own offset leaves clear, so one base serves every step.
-  const int ds_mat = lane / 8;
-  const int ds_row = key_row0 + lane % 8 + 8 * (ds_mat % 2);
-  const uint32_t ds_lane = swizzled_chunk_offset(ds_row, ds_mat / 2);
+  // dS^T stores with stmatrix: 16 queries (two 8-column tiles) per step, step kk at pair kk % 4 of its 64-query
+  // column block (smem_layout.h gives the lane addresses).
+  const uint32_t ds_lane = stmatrix_x4_lane_offset(key_row0, lane);
   // dQ stores: rows 16 warp + g (+8) of each box of kDqRows rows, chunk c XOR g, 8-byte pair t % 2.
   const uint32_t dq_thread = smem_addr(smem.dq[cw]) + (warp * kWarpRows + g) * kSwizzleBytes + (t % 2) * 8;
   static_assert(kWarpRows % kSwizzleRows == 0 && kSwizzleRows == 8, "row g + 8 r of a warp's slice is g modulo 8");
@@ -239,7 +231,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   float stat_scale[kStatsPerThread];  // lse is kept as lse * log2(e), dsum as is
 #pragma unroll
-  for (int i = 0; i < kStatsPerThread; ++i) stat_scale[i] = wg_tid + i * kWarpgroupThreads < kBM ? kLog2eF : 1.f;
+  for (int i = 0; i < kStatsPerThread; ++i) stat_scale[i] = wg_tid + i * kWarpgroupThreads < kBM ? kLog2e : 1.f;
 
   float stat_next[kStatsPerThread];
   load_stats(0, stat_next);
@@ -320,7 +312,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
       constexpr int kStepsPerColBlock = kColBlock / kWgmmaK;  // 16-query steps in a 64-query column block
       const uint32_t addr = ds_base + (kk / kStepsPerColBlock) * kDsColBlockBytes +
-                            (ds_lane ^ ((kk % kStepsPerColBlock) * 2 * kSwizzleChunkBytes));
+                            stmatrix_x4_pair_offset(ds_lane, kk % kStepsPerColBlock);
       stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
     }
     fence_proxy_async_smem();

@@ -8,10 +8,12 @@
 #include <climits>
 #include <initializer_list>
 
-#include "flash_bwd_sm90_tma_wgmma_ws.cuh"
-#include "flash_bwd_sm90_tma_wgmma_ws_splitd.cuh"
-#include "flash_fwd_sm90_tma_wgmma_ws.cuh"
-#include "flash_launch_sm80.cuh"  // ensure_smem_limit, ceil_div
+#include "kernels/common/bwd_pre_post.cuh"
+#include "kernels/common/launch_utils.h"
+#include "kernels/flash_api.h"
+#include "kernels/sm90/flash_bwd_sm90_tma_wgmma_ws.cuh"
+#include "kernels/sm90/flash_bwd_sm90_tma_wgmma_ws_splitd.cuh"
+#include "kernels/sm90/flash_fwd_sm90_tma_wgmma_ws.cuh"
 
 namespace jax_flash::cuda::sm90 {
 

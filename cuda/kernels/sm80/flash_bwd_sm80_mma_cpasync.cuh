@@ -11,64 +11,15 @@
 
 #include <cmath>
 
-#include "../flash_params.h"
-#include "../mask.h"
-#include "flash_fwd_sm80_mma_cpasync.cuh"
-#include "kernel_common.cuh"
-#include "kernel_traits_sm80.h"
-#include "utils_sm80.cuh"
+#include "flash_params.h"
+#include "mask.h"
+#include "kernels/sm80/flash_fwd_sm80_mma_cpasync.cuh"
+#include "kernels/common/atomics.cuh"
+#include "kernels/common/block_ranges.cuh"
+#include "kernels/sm80/kernel_traits_sm80.h"
+#include "kernels/sm80/utils_sm80.cuh"
 
 namespace jax_flash::cuda {
-
-inline constexpr int kPreprocessThreads = 256;
-inline constexpr float kLog2eF = 1.4426950408889634f;
-
-// One warp per (row, head): dsum[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d].
-template <typename T>
-__global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(const FlashParams p) {
-  using ET = ElemTraits<T>;
-  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;  // flattened [b, i, h]
-  const int64_t warp_id = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  if (warp_id >= rows) return;
-  const T* o = static_cast<const T*>(p.o) + warp_id * p.head_dim;
-  const T* dout = static_cast<const T*>(p.dout) + warp_id * p.head_dim;
-  float acc = 0.f;
-  for (int d = 2 * lane; d < p.head_dim; d += 2 * kWarpSize) {
-    const float2 a = ET::unpack(*reinterpret_cast<const uint32_t*>(o + d));
-    const float2 c = ET::unpack(*reinterpret_cast<const uint32_t*>(dout + d));
-    acc += a.x * c.x + a.y * c.y;
-  }
-#pragma unroll
-  for (int off = kWarpSize / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
-  if (lane == 0) {
-    const int h = int(warp_id % p.heads_q);
-    const int64_t bi = warp_id / p.heads_q;
-    const int i = int(bi % p.seqlen_q);
-    const int b = int(bi / p.seqlen_q);
-    p.dsum[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] = acc;
-  }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_convert_dq_kernel(const FlashParams p) {
-  using ET = ElemTraits<T>;
-  const int64_t pairs = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim / 2;
-  const int64_t i = int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x;
-  if (i >= pairs) return;
-  const float2 v = reinterpret_cast<const float2*>(p.dq_accum)[i];
-  reinterpret_cast<uint32_t*>(p.dq)[i] = ET::pack(v.x * p.scale, v.y * p.scale);
-}
-
-// dst[0] += a, dst[1] += b (fire-and-forget; one vector reduction on sm_90).
-__device__ __forceinline__ void atomic_add_f32x2(float* dst, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(dst, a);
-  atomicAdd(dst + 1, b);
-#endif
-}
 
 // 4-byte cp.async (row statistics), zero-filled when !pred.
 __device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem, bool pred) {
@@ -89,8 +40,8 @@ __device__ __forceinline__ void load_query_side_async(const FlashParams& p, int6
   const int64_t stat_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
   for (int r = tid; r < kBM; r += kThreads) {
     const bool ok = r < rows;
-    cp_async_4(smem_u32(sLse + r), ok ? p.lse + stat_off + r : p.lse, ok);
-    cp_async_4(smem_u32(sDsum + r), ok ? p.dsum + stat_off + r : p.dsum, ok);
+    cp_async_4(smem_addr(sLse + r), ok ? p.lse + stat_off + r : p.lse, ok);
+    cp_async_4(smem_addr(sDsum + r), ok ? p.dsum + stat_off + r : p.dsum, ok);
   }
 }
 
@@ -167,17 +118,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   const int a_row = lane % 16, a_chunk = lane / 16;                          // A from a row-major tile
   const int bn_row = (lane % 8) + (lane / 16) * 8, bn_chunk = (lane / 8) % 2;  // B from an [n][k] tile
   const int bt_row = (lane % 8) + ((lane / 8) % 2) * 8, bt_chunk = lane / 16;  // B from a [k][n] tile (.trans)
-  const uint32_t k_a_addr = swz_addr<kD>(smem_u32(sK), key_row0 + a_row, a_chunk);
-  const uint32_t v_a_addr = swz_addr<kD>(smem_u32(sV), key_row0 + a_row, a_chunk);
-  const uint32_t q_b_addr = swz_addr<kD>(smem_u32(sQ), bn_row, bn_chunk);
-  const uint32_t do_b_addr = swz_addr<kD>(smem_u32(sdO), bn_row, bn_chunk);
-  const uint32_t q_t_addr = swz_addr<kD>(smem_u32(sQ), bt_row, warp_d * kDW / 8 + bt_chunk);
-  const uint32_t do_t_addr = swz_addr<kD>(smem_u32(sdO), bt_row, warp_d * kDW / 8 + bt_chunk);
-  const uint32_t k_t_addr = swz_addr<kD>(smem_u32(sK), bt_row, dq_wd * kDqW / 8 + bt_chunk);
+  const uint32_t k_a_addr = swz_addr<kD>(smem_addr(sK), key_row0 + a_row, a_chunk);
+  const uint32_t v_a_addr = swz_addr<kD>(smem_addr(sV), key_row0 + a_row, a_chunk);
+  const uint32_t q_b_addr = swz_addr<kD>(smem_addr(sQ), bn_row, bn_chunk);
+  const uint32_t do_b_addr = swz_addr<kD>(smem_addr(sdO), bn_row, bn_chunk);
+  const uint32_t q_t_addr = swz_addr<kD>(smem_addr(sQ), bt_row, warp_d * kDW / 8 + bt_chunk);
+  const uint32_t do_t_addr = swz_addr<kD>(smem_addr(sdO), bt_row, warp_d * kDW / 8 + bt_chunk);
+  const uint32_t k_t_addr = swz_addr<kD>(smem_addr(sK), bt_row, dq_wd * kDqW / 8 + bt_chunk);
   // dS^T as an A operand via ldmatrix.trans: row (lane%8) + (lane/16)*8, chunk dq_wm*2 + (lane/8)%2.
-  const uint32_t ds_t_addr = swz_addr<Traits::kDsCols>(smem_u32(sdS), (lane % 8) + (lane / 16) * 8, dq_wm * 2 + (lane / 8) % 2);
+  const uint32_t ds_t_addr = swz_addr<Traits::kDsCols>(smem_addr(sdS), (lane % 8) + (lane / 16) * 8, dq_wm * 2 + (lane / 8) % 2);
   // dS^T stores: rows key_row0 + g (+8), 4-byte word t of chunk mt.
-  const uint32_t ds_st_addr = swz_addr<Traits::kDsCols>(smem_u32(sdS), key_row0 + g, 0) + 4 * t;
+  const uint32_t ds_st_addr = swz_addr<Traits::kDsCols>(smem_addr(sdS), key_row0 + g, 0) + 4 * t;
 
   for (int it = 0; it < iters; ++it) {
     const int stage = it & 1;
@@ -229,7 +180,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
       for (int e = 0; e < 4; ++e) {
         const int m_local = mt * 8 + 2 * t + (e & 1);
         const int key = n0 + key_row0 + g + 8 * (e >> 1);
-        float pe = exp2f(acc_s[mt][e] * p.scale_log2 - sLses[m_local] * kLog2eF);
+        float pe = exp2f(acc_s[mt][e] * p.scale_log2 - sLses[m_local] * kLog2e);
         if (need_mask && !mask.visible(m0 + m_local, key)) pe = 0.f;
         acc_s[mt][e] = pe;
         acc_dp[mt][e] = pe * (acc_dp[mt][e] - sDsums[m_local]);

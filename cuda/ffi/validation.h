@@ -18,7 +18,6 @@ namespace ffi = xla::ffi;
 
 inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kHeadDimMultiple = 8;
-inline constexpr float kLog2e = 1.4426950408889634f;
 
 inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
   std::string s = "(";
@@ -129,6 +128,16 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   return ffi::Error::Success();
 }
 
+// The `kernel` attribute as a KernelChoice.
+inline ffi::Error ToKernelChoice(int32_t kernel, KernelChoice* choice) {
+  if (kernel < 0 || kernel >= kNumKernelChoices) {
+    return Invalid("kernel must be 0 (auto), 1 (sm_80-class) or 2 (sm_80-class, small shared memory), got " +
+                   std::to_string(kernel));
+  }
+  *choice = static_cast<KernelChoice>(kernel);
+  return ffi::Error::Success();
+}
+
 // Dimensions of lse/dsum for query dims [..., Sq, Hq, D]: [..., Hq, Sq].
 inline std::vector<int64_t> RowStatDims(ffi::AnyBuffer::Dimensions qd) {
   std::vector<int64_t> out(qd.begin(), qd.end() - 3);
@@ -193,6 +202,7 @@ auto BindForward(Binding b) {
       .template Attr<bool>("is_causal")                // top-left aligned causal mask
       .template Attr<int64_t>("window_left")           // local window, keys before the query; -1 unbounded
       .template Attr<int64_t>("window_right")          // local window, keys after the query; -1 unbounded
+      .template Attr<int32_t>("kernel")                // CUDA kernel family (KernelChoice); the CPU has one
       .template Ret<ffi::AnyBuffer>()                  // o [..., Sq, Hq, D]
       .template Ret<ffi::Buffer<ffi::F32>>();          // lse [..., Hq, Sq]
 }
@@ -212,6 +222,7 @@ auto BindBackward(Binding b) {
       .template Attr<int64_t>("window_left")           // -1 unbounded
       .template Attr<int64_t>("window_right")          // -1 unbounded
       .template Attr<bool>("deterministic")            // bitwise-reproducible dQ (CPU: always)
+      .template Attr<int32_t>("kernel")                // CUDA kernel family (KernelChoice); the CPU has one
       .template Ret<ffi::AnyBuffer>()                  // dq [..., Sq, Hq, D]
       .template Ret<ffi::AnyBuffer>()                  // dk [..., Sk, Hkv, D]
       .template Ret<ffi::AnyBuffer>()                  // dv [..., Sk, Hkv, D]

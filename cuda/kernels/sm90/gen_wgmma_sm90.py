@@ -4,7 +4,7 @@ out = []
 w = out.append
 w("// wgmma.mma_async wrappers (sm_90a): D[64 x N] (+)= A[64 x 16] * B[16 x N], float32 accumulators.")
 w("// Inline PTX needs each accumulator register as a literal operand, so every (N, A-source) pair is spelled out;")
-w("// this file is written by gen_wgmma_sm90.py (python3 cuda/kernels/gen_wgmma_sm90.py).")
+w("// this file is written by gen_wgmma_sm90.py (python3 cuda/kernels/sm90/gen_wgmma_sm90.py).")
 w("//   Wgmma<N, T, kTransB>::ss<kTransA>(d, desc_a, desc_b, accumulate): A and B from shared memory (descriptors);")
 w("//   Wgmma<N, T, kTransB>::rs(d, a, desc_b, accumulate): A from registers (4 x 32-bit: a 16 x 16 tile per warp).")
 w("// kTransB = 1 reads B as N-major (e.g. V[key][dim] for O += P V); 0 as K-major (e.g. K[key][dim] for S = Q K^T);")

@@ -3,9 +3,10 @@
 // stores). Reasons for each choice are next to it; measured results are in NOTES.md.
 #pragma once
 
+#include "kernels/common/warp_reduce.cuh"  // kWarpSize
+
 namespace jax_flash::cuda {
 
-inline constexpr int kWarpSize = 32;
 inline constexpr int kMmaM = 16;  // rows of one m16n8k16 MMA
 inline constexpr int kMmaK = 16;
 inline constexpr int kElemsPerChunk = 8;  // 16-byte cp.async / ldmatrix row chunk of 16-bit elements

@@ -14,13 +14,13 @@
 // (the launcher falls back to the per-warp kernel where the device has less).
 #pragma once
 
-#include "../flash_params.h"
-#include "../mask.h"
-#include "flash_bwd_sm80_mma_cpasync.cuh"
-#include "flash_fwd_sm80_mma_cpasync.cuh"
-#include "kernel_common.cuh"
-#include "kernel_traits_sm80.h"
-#include "utils_sm80.cuh"
+#include "flash_params.h"
+#include "mask.h"
+#include "kernels/sm80/flash_bwd_sm80_mma_cpasync.cuh"
+#include "kernels/sm80/flash_fwd_sm80_mma_cpasync.cuh"
+#include "kernels/common/block_ranges.cuh"
+#include "kernels/sm80/kernel_traits_sm80.h"
+#include "kernels/sm80/utils_sm80.cuh"
 
 namespace jax_flash::cuda {
 
@@ -113,21 +113,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int bt_row = (lane % 8) + ((lane / 8) % 2) * 8, bt_chunk = lane / 16;  // B from a [k][n] tile (.trans)
   const int at_row = (lane % 8) + (lane / 16) * 8, at_chunk = (lane / 8) % 2;  // A from a [k][m] tile (.trans)
   // Phase 1: A = K / V rows of this warp's keys, B = Q / dO rows of its queries.
-  const uint32_t k_a = swz_addr<kD>(smem_u32(s.k), s_wn * Traits::kSRows + a_row, a_chunk);
-  const uint32_t v_a = swz_addr<kD>(smem_u32(s.v), s_wn * Traits::kSRows + a_row, a_chunk);
-  const uint32_t q_b0 = swz_addr<kD>(smem_u32(s.q[0]), s_wm * Traits::kSCols + bn_row, bn_chunk);
-  const uint32_t do_b0 = swz_addr<kD>(smem_u32(s.dout[0]), s_wm * Traits::kSCols + bn_row, bn_chunk);
+  const uint32_t k_a = swz_addr<kD>(smem_addr(s.k), s_wn * Traits::kSRows + a_row, a_chunk);
+  const uint32_t v_a = swz_addr<kD>(smem_addr(s.v), s_wn * Traits::kSRows + a_row, a_chunk);
+  const uint32_t q_b0 = swz_addr<kD>(smem_addr(s.q[0]), s_wm * Traits::kSCols + bn_row, bn_chunk);
+  const uint32_t do_b0 = swz_addr<kD>(smem_addr(s.dout[0]), s_wm * Traits::kSCols + bn_row, bn_chunk);
   // P^T / dS^T stores: rows s_wn * kSRows + g (+8), 4-byte word t of chunk (s_wm * kSCols / 8 + n-tile).
-  const uint32_t pt_st = swz_addr<kPCols>(smem_u32(s.pt), s_wn * Traits::kSRows + g, s_wm * kSTN) + 4 * t;
-  const uint32_t dst_st = swz_addr<kPCols>(smem_u32(s.dst), s_wn * Traits::kSRows + g, s_wm * kSTN) + 4 * t;
+  const uint32_t pt_st = swz_addr<kPCols>(smem_addr(s.pt), s_wn * Traits::kSRows + g, s_wm * kSTN) + 4 * t;
+  const uint32_t dst_st = swz_addr<kPCols>(smem_addr(s.dst), s_wn * Traits::kSRows + g, s_wm * kSTN) + 4 * t;
   // Phase 2: A = P^T / dS^T rows of this warp's keys, B = dO / Q [query][column] via .trans.
-  const uint32_t pt_a = swz_addr<kPCols>(smem_u32(s.pt), kv_wn * Traits::kKvRows + a_row, a_chunk);
-  const uint32_t dst_a = swz_addr<kPCols>(smem_u32(s.dst), kv_wn * Traits::kKvRows + a_row, a_chunk);
-  const uint32_t do_t0 = swz_addr<kD>(smem_u32(s.dout[0]), bt_row, kv_wd * Traits::kKvCols / 8 + bt_chunk);
-  const uint32_t q_t0 = swz_addr<kD>(smem_u32(s.q[0]), bt_row, kv_wd * Traits::kKvCols / 8 + bt_chunk);
+  const uint32_t pt_a = swz_addr<kPCols>(smem_addr(s.pt), kv_wn * Traits::kKvRows + a_row, a_chunk);
+  const uint32_t dst_a = swz_addr<kPCols>(smem_addr(s.dst), kv_wn * Traits::kKvRows + a_row, a_chunk);
+  const uint32_t do_t0 = swz_addr<kD>(smem_addr(s.dout[0]), bt_row, kv_wd * Traits::kKvCols / 8 + bt_chunk);
+  const uint32_t q_t0 = swz_addr<kD>(smem_addr(s.q[0]), bt_row, kv_wd * Traits::kKvCols / 8 + bt_chunk);
   // Phase 3: A = dS [query][key] read from dS^T via .trans, B = K [key][column] via .trans.
-  const uint32_t ds_a = swz_addr<kPCols>(smem_u32(s.dst), at_row, dq_wm * Traits::kDqRows / 8 + at_chunk);
-  const uint32_t k_t = swz_addr<kD>(smem_u32(s.k), bt_row, dq_wd * Traits::kDqCols / 8 + bt_chunk);
+  const uint32_t ds_a = swz_addr<kPCols>(smem_addr(s.dst), at_row, dq_wm * Traits::kDqRows / 8 + at_chunk);
+  const uint32_t k_t = swz_addr<kD>(smem_addr(s.k), bt_row, dq_wd * Traits::kDqCols / 8 + bt_chunk);
   constexpr uint32_t kStageBytes = sizeof(s.q[0]);
 
   for (int it = 0; it < iters; ++it) {
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int m_local = q0 + nj * 8 + 2 * t + c;
-        const float lse_log2 = s.lse[stage][m_local] * kLog2eF;
+        const float lse_log2 = s.lse[stage][m_local] * kLog2e;
         const float dsum = s.dsum[stage][m_local];
 #pragma unroll
         for (int mi = 0; mi < kSTM; ++mi) {

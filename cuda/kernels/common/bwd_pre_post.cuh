@@ -1,0 +1,82 @@
+// The kernels around every main backward kernel (sm_80-class and sm_90a alike) and the sequence that launches
+// them: dq_accum = 0, dsum = rowsum(dO * O) (preprocess), the main kernel, dq = scale * dq_accum (conversion).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flash_params.h"
+#include "kernels/common/element_traits.cuh"
+#include "kernels/common/launch_utils.h"
+#include "kernels/common/warp_reduce.cuh"
+
+namespace jax_flash::cuda {
+
+inline constexpr int kPreprocessThreads = 256;
+
+// One warp per (row, head): dsum[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d].
+template <typename T>
+__global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(const FlashParams p) {
+  using ET = ElemTraits<T>;
+  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;  // flattened [b, i, h]
+  const int64_t warp_id = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (warp_id >= rows) return;
+  const T* o = static_cast<const T*>(p.o) + warp_id * p.head_dim;
+  const T* dout = static_cast<const T*>(p.dout) + warp_id * p.head_dim;
+  float acc = 0.f;
+  for (int d = 2 * lane; d < p.head_dim; d += 2 * kWarpSize) {
+    const float2 a = ET::unpack(*reinterpret_cast<const uint32_t*>(o + d));
+    const float2 c = ET::unpack(*reinterpret_cast<const uint32_t*>(dout + d));
+    acc += a.x * c.x + a.y * c.y;
+  }
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (lane == 0) {
+    const int h = int(warp_id % p.heads_q);
+    const int64_t bi = warp_id / p.heads_q;
+    const int i = int(bi % p.seqlen_q);
+    const int b = int(bi / p.seqlen_q);
+    p.dsum[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] = acc;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_convert_dq_kernel(const FlashParams p) {
+  using ET = ElemTraits<T>;
+  const int64_t pairs = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim / 2;
+  const int64_t i = int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x;
+  if (i >= pairs) return;
+  const float2 v = reinterpret_cast<const float2*>(p.dq_accum)[i];
+  reinterpret_cast<uint32_t*>(p.dq)[i] = ET::pack(v.x * p.scale, v.y * p.scale);
+}
+
+// The backward sequence every main backward kernel shares: dq_accum = 0, dsum = rowsum(dO * O), the main kernel
+// (launch_main(), which returns its launch error; skipped without keys), dq = scale * dq_accum.
+template <typename T, typename LaunchMain>
+cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
+  const int64_t q_elems = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim;
+  if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), stream); e != cudaSuccess) return e;
+  if (p.deterministic) {
+    const size_t stat_elems = size_t(p.batch) * p.heads_q * p.seqlen_q;
+    if (cudaError_t e = cudaMemsetAsync(p.dq_semaphore, 0, stat_elems * sizeof(int32_t), stream); e != cudaSuccess) {
+      return e;
+    }
+  }
+  if (q_elems > 0) {
+    const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
+    flash_bwd_preprocess_kernel<T><<<ceil_div(rows * kWarpSize, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (p.seqlen_k > 0) {
+    if (cudaError_t e = launch_main(); e != cudaSuccess) return e;
+  }
+  if (q_elems > 0) {
+    flash_bwd_convert_dq_kernel<T><<<ceil_div(q_elems / 2, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,21 @@
+// Warp-level constants and reductions shared by every CUDA kernel. An MMA accumulator row (mma.sync m16n8 and
+// wgmma alike) is spread over the 4 lanes of a quad (lane = 4 g + t: row g, columns 2 t, 2 t + 1 of each tile).
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace jax_flash::cuda {
+
+inline constexpr int kWarpSize = 32;
+
+// Max / sum over the 4 lanes that share a row of an MMA fragment.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,26 @@
+// Named hardware barriers of the sm_90a kernels: 16 per CTA, id 0 is __syncthreads'. Ids must be compile-time
+// constants plus a warpgroup index (runtime ids make ptxas reserve all 16). The forward and the backward kernels
+// are separate launches and number theirs independently; a per-warpgroup barrier takes id + warpgroup index, so
+// the next id leaves room for every warpgroup.
+#pragma once
+
+#include "kernels/sm90/kernel_traits_sm90.h"  // kMaxConsumerWarpgroups
+
+namespace jax_flash::cuda::sm90 {
+
+enum NamedBarrier : int {
+  // Forward (flash_fwd_sm90_tma_wgmma_ws.cuh).
+  kPingPongBarrier = 1,                                       // 1..3: a consumer warpgroup's turn to issue wgmma
+  kEpilogueBarrier = kPingPongBarrier + kMaxConsumerWarpgroups,  // 4..6: a consumer warpgroup's O tile in smem
+  kFwdBarrierEnd = kEpilogueBarrier + kMaxConsumerWarpgroups,
+
+  // Backward (flash_bwd_sm90_tma_wgmma_ws.cuh; the split-head-dim kernel uses the first two).
+  kDsBarrier = 1,       // both consumer warpgroups wrote dS^T (256 threads)
+  kStatsBarrier = 2,    // 2..3: a consumer warpgroup staged its row statistics (128 threads)
+  kDqFullBarrier = 4,   // 4..5: a consumer warpgroup's dQ tile is in shared memory (128 + the dQ writer warp)
+  kDqEmptyBarrier = 6,  // 6..7: the writer has read that tile (128 + the dQ writer warp)
+  kBwdBarrierEnd = 8,
+};
+static_assert(kFwdBarrierEnd <= 16 && kBwdBarrierEnd <= 16, "16 named barriers per CTA");
+
+}  // namespace jax_flash::cuda::sm90
