@@ -12,6 +12,7 @@
 #include "kernels/sm90/common_bwd_sm90.cuh"
 #include "kernels/sm90/kernel_traits_sm90.h"
 #include "kernels/sm90/named_barriers.h"
+#include "kernels/sm90/pipeline.cuh"
 #include "kernels/sm90/smem_layout.h"
 #include "kernels/sm90/utils_sm90.cuh"
 #include "kernels/sm90/wgmma_sm90.cuh"
@@ -62,13 +63,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
+  // Q and dO of query tile `it` share ring use `it` (PipelineState{it}); K and V load once (kv_full).
+  using QdOState = PipelineState<kStages>;
   if (tid == 0) {
     mbar_init(&smem.kv_full, 1);
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&smem.qdo_full[s], 1);
-      mbar_init(&smem.qdo_empty[s], kConsumerWarps);
-    }
+    smem.qdo_ring.init(kConsumerWarps);
     mbar_init_fence();
   }
   __syncthreads();
@@ -150,16 +149,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       prefetch_tensor_map(&tm_do);
       prefetch_tensor_map(&tm_dq);
       load_kv_block<kBN, Traits::kColBlocks>(smem.k, smem.v, &smem.kv_full, &tm_k, &tm_v, n0, hk, b);
+#pragma unroll 1  // one thread issuing loads: unrolling only costs its 24 registers
       for (int it = 0; it < iters; ++it) {
-        const int s = it % kStages;
+        const QdOState qdo{it};
+        const int s = qdo.slot();
         const int h = walk.head(it);
         const int m0 = walk.row0(it);
-        if (it >= kStages) mbar_wait(&smem.qdo_empty[s], ((it / kStages) - 1) & 1);
-        mbar_arrive_expect_tx(&smem.qdo_full[s], Traits::kQdOBytes);
+        smem.qdo_ring.producer_acquire(qdo, Traits::kQdOBytes);
+        uint64_t* full = smem.qdo_ring.full_barrier(qdo);
 #pragma unroll
         for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, &smem.qdo_full[s], cb * kColBlock, m0, h, b);
-          tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, &smem.qdo_full[s], cb * kColBlock, m0, h, b);
+          tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, full, cb * kColBlock, m0, h, b);
+          tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, full, cb * kColBlock, m0, h, b);
         }
       }
     }
@@ -238,15 +239,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   mbar_wait(&smem.kv_full, 0);
 
   for (int it = 0; it < iters; ++it) {
-    const int s = it % kStages;
+    const QdOState qdo{it};
     const int m0 = walk.row0(it);
-    const uint32_t stage_off = s * kQdOStageBytes;
+    const uint32_t stage_off = qdo.slot() * kQdOStageBytes;
 
     // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory; two groups
     // so the exponentials of S^T run under the dP^T GEMM.
     float acc_s[kSTiles * 4];
     float acc_dp[kSTiles * 4];
-    mbar_wait(&smem.qdo_full[s], (it / kStages) & 1);
+    smem.qdo_ring.consumer_wait(qdo);
     // acc (64 x kBM) = A B^T over the head dim: A = 64 rows of K or V, B = the Q or dO tile.
     auto issue_rows_times_tile = [&](float (&acc)[kSTiles * 4], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
@@ -360,7 +361,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fence_regs(acc_dk);
     fence_regs(a_ds);
     __syncwarp();  // every lane's wgmma reads of the stage are done before lane 0 releases it
-    if (lane0) mbar_arrive(&smem.qdo_empty[s]);
+    if (lane0) smem.qdo_ring.consumer_release(qdo);
   }
 
   // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, columns < head_dim.

@@ -20,6 +20,7 @@
 #include "kernels/sm90/common_bwd_sm90.cuh"
 #include "kernels/sm90/kernel_traits_sm90.h"
 #include "kernels/sm90/named_barriers.h"
+#include "kernels/sm90/pipeline.cuh"
 #include "kernels/sm90/smem_layout.h"
 #include "kernels/sm90/utils_sm90.cuh"
 #include "kernels/sm90/wgmma_sm90.cuh"
@@ -66,20 +67,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   }
 
   constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
+  // Query tile `it` is use `it` of every ring (PipelineState{it}): Q, dO, and the dQ tile the peer CTA sends into
+  // dq_peer.
+  using QState = PipelineState<kQStages>;
+  using DoState = PipelineState<kDoStages>;
+  using PeerState = PipelineState<1>;
   if (tid == 0) {
     mbar_init(&smem.kv_full, 1);
-#pragma unroll
-    for (int s = 0; s < kQStages; ++s) {
-      mbar_init(&smem.q_full[s], 1);
-      mbar_init(&smem.q_empty[s], kConsumerWarps);
-    }
-#pragma unroll
-    for (int s = 0; s < kDoStages; ++s) {
-      mbar_init(&smem.do_full[s], 1);
-      mbar_init(&smem.do_empty[s], kConsumerWarps);
-    }
-    mbar_init(&smem.peer_full, 1);  // the reducing warpgroup's expect_tx; the peer's st.async complete the bytes
-    mbar_init(&smem.peer_empty, kWarpgroupThreads);
+    smem.q_ring.init(kConsumerWarps);
+    smem.do_ring.init(kConsumerWarps);
+    smem.peer_ring.init(kWarpgroupThreads);
     mbar_init_fence();
   }
   cluster_sync();  // the peer's barriers are initialised before anything arrives on them
@@ -94,22 +91,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
       prefetch_tensor_map(&tm_v);
       prefetch_tensor_map(&tm_do);
       load_kv_block<kBN, Traits::kColBlocks>(smem.k, smem.v, &smem.kv_full, &tm_k, &tm_v, n0, hk, b);
+#pragma unroll 1  // one thread issuing loads: unrolling only costs its 24 registers
       for (int it = 0; it < iters; ++it) {
         const int h = walk.head(it);
         const int m0 = walk.row0(it);
-        const int sq = it % kQStages;
-        if (it >= kQStages) mbar_wait(&smem.q_empty[sq], ((it / kQStages) - 1) & 1);
-        mbar_arrive_expect_tx(&smem.q_full[sq], Traits::kTileBytes);
+        const QState qs{it};
+        smem.q_ring.producer_acquire(qs, Traits::kTileBytes);
 #pragma unroll
         for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(smem.q[sq] + cb * kBM * kColBlock, &tm_q, &smem.q_full[sq], cb * kColBlock, m0, h, b);
+          tma_load_4d(smem.q[qs.slot()] + cb * kBM * kColBlock, &tm_q, smem.q_ring.full_barrier(qs), cb * kColBlock, m0, h,
+                      b);
         }
-        const int sd = it % kDoStages;
-        if (it >= kDoStages) mbar_wait(&smem.do_empty[sd], ((it / kDoStages) - 1) & 1);
-        mbar_arrive_expect_tx(&smem.do_full[sd], Traits::kTileBytes);
+        const DoState ds{it};
+        smem.do_ring.producer_acquire(ds, Traits::kTileBytes);
 #pragma unroll
         for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(smem.dout[sd] + cb * kBM * kColBlock, &tm_do, &smem.do_full[sd], cb * kColBlock, m0, h, b);
+          tma_load_4d(smem.dout[ds.slot()] + cb * kBM * kColBlock, &tm_do, smem.do_ring.full_barrier(ds), cb * kColBlock,
+                      m0, h, b);
         }
       }
     }
@@ -173,8 +171,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   const uint32_t peer = uint32_t(rank ^ 1);
   const uint32_t own_slot = smem_addr(smem.dq_peer) + wg_tid * sizeof(float4);
   const uint32_t peer_slot = map_to_cta(own_slot, peer);
-  const uint32_t peer_full_remote = map_to_cta(smem_addr(&smem.peer_full), peer);
-  const uint32_t peer_empty_remote = map_to_cta(smem_addr(&smem.peer_empty), peer);
+  const uint32_t peer_full_remote = map_to_cta(smem_addr(smem.peer_ring.full), peer);
+  const uint32_t peer_empty_remote = map_to_cta(smem_addr(smem.peer_ring.empty), peer);
 
   // Row statistics of this warpgroup's queries of tile `it`, one value per thread of the first 2 kQueries: lse
   // of query wg_tid, then dsum of query wg_tid - kQueries. Queries past seqlen_q (their Q and dO load as zeros)
@@ -191,8 +189,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   mbar_wait(&smem.kv_full, 0);
 
   for (int it = 0; it < iters; ++it) {
-    const int sq = it % kQStages;
-    const int sd = it % kDoStages;
+    const QState qs{it};
+    const DoState ds{it};
+    const PeerState peer_use{it};
+    const int sq = qs.slot();
+    const int sd = ds.slot();
     const int par = it & 1;
     const int m0 = walk.row0(it);
     const uint32_t q_off = sq * kTileBytes;
@@ -214,10 +215,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
       wgmma_commit();
     };
     // Each fence after its wait: a fence followed by the wait's loop made ptxas inject its own (C7519).
-    mbar_wait(&smem.q_full[sq], (it / kQStages) & 1);
+    smem.q_ring.consumer_wait(qs);
     wgmma_fence();
     issue_keys_times_queries(acc_s, desc_k_rows, desc_advance(desc_q_k, q_off));
-    mbar_wait(&smem.do_full[sd], (it / kDoStages) & 1);
+    smem.do_ring.consumer_wait(ds);
     wgmma_fence();
     issue_keys_times_queries(acc_dp, desc_v_rows, desc_advance(desc_do_k, do_off));
 
@@ -284,22 +285,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
     wgmma_wait<2>();
     fence_regs(acc_dv);
     __syncwarp();  // every lane's wgmma reads of the dO stage are done before lane 0 releases it
-    if (lane0) mbar_arrive(&smem.do_empty[sd]);
+    if (lane0) smem.do_ring.consumer_release(ds);
 
     // dQ: the sending warpgroup stores its tile into the peer's dq_peer (float4 k of thread i at [k][i]); the
     // reducing one adds the peer's tile to its own and reduces the sum into dq_accum while dK runs.
     wgmma_wait<1>();
     fence_regs(acc_dq);
     if (cw != rank) {
-      if (it > 0) mbar_wait(&smem.peer_empty, (it - 1) & 1);  // the peer read the previous tile
+      smem.peer_ring.producer_wait_empty(peer_use);  // the peer read the previous tile
 #pragma unroll
       for (int k = 0; k < kCTiles; ++k) {
         st_async_f32x4(peer_slot + k * kPeerRowBytes, acc_dq[4 * k], acc_dq[4 * k + 1], acc_dq[4 * k + 2],
                        acc_dq[4 * k + 3], peer_full_remote);
       }
     } else {
-      if (wg_tid == 0) mbar_arrive_expect_tx(&smem.peer_full, sizeof(smem.dq_peer));
-      mbar_wait(&smem.peer_full, it & 1);
+      if (wg_tid == 0) mbar_arrive_expect_tx(smem.peer_ring.full_barrier(peer_use), sizeof(smem.dq_peer));
+      smem.peer_ring.consumer_wait(peer_use);
       // Column tile j of both rows is float4 j of the peer's tile; loaded kLoadGroup at a time so the loaded
       // values never need registers beside all three accumulators.
       constexpr int kLoadGroup = 4;
@@ -333,7 +334,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
     wgmma_wait<0>();
     fence_regs(acc_dk);
     __syncwarp();  // every lane's wgmma reads of the Q stage are done before lane 0 releases it
-    if (lane0) mbar_arrive(&smem.q_empty[sq]);
+    if (lane0) smem.q_ring.consumer_release(qs);
   }
 
   // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, this warpgroup's columns < head_dim.

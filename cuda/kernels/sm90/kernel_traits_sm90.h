@@ -12,6 +12,8 @@
 #include <climits>
 #include <cstdint>
 
+#include "kernels/sm90/pipeline.cuh"
+
 namespace jax_flash::cuda::sm90 {
 
 inline constexpr int kWarpgroupThreads = 128;  // four warps issue one wgmma together
@@ -105,12 +107,9 @@ struct FwdKernelTraitsSm90 : Base {
     alignas(1024) T k[Base::kStages][Base::kBlockN * Base::kHeadDim];  // [stage][kColBlocks][kBlockN][64]
     alignas(1024) T v[Base::kStages][Base::kBlockN * Base::kHeadDim];  // [stage][kColBlocks][kBlockN][64]
     alignas(1024) T o[Base::kStoreOSmem ? kBlockM * Base::kHeadDim : 1];  // [warpgroup][kColBlocks][64][64], swizzled
-    uint64_t q_full;
-    uint64_t q_empty;  // every S of the tile issued and done: the next tile's Q may load
-    uint64_t k_full[Base::kStages];
-    uint64_t v_full[Base::kStages];
-    uint64_t k_empty[Base::kStages];
-    uint64_t v_empty[Base::kStages];
+    PipelineBarriers<1> q_ring;  // released when every S of the tile is done: the next tile's Q may load
+    PipelineBarriers<Base::kStages> k_ring;
+    PipelineBarriers<Base::kStages> v_ring;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the dynamic base
   static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
@@ -177,8 +176,7 @@ struct BwdKernelTraitsSm90 : Base {
     alignas(1024) float dq[kConsumerWarpgroups][kDqRows * kDqCols];  // [wg][kDqBoxes][kDqRows][32], swizzled
     float stats[kConsumerWarpgroups][2][2 * Base::kBlockM];  // [wg][parity]: lse * log2(e) of the rows, then dsum
     uint64_t kv_full;
-    uint64_t qdo_full[Base::kStages];   // Q and dO tiles landed (TMA)
-    uint64_t qdo_empty[Base::kStages];  // consumers are done with the stage
+    PipelineBarriers<Base::kStages> qdo_ring;  // Q and dO tiles of one query tile
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
@@ -233,12 +231,11 @@ struct BwdSplitDKernelTraitsSm90 : Base {
     alignas(1024) float4 dq_peer[Base::kBlockM * kWgCols / 4];  // a peer warpgroup's dQ tile: [float4 k][thread]
     float stats[kConsumerWarpgroups][2][2 * kWgQueries];  // [wg][parity]: lse * log2(e) of its queries, then dsum
     uint64_t kv_full;
-    uint64_t q_full[Base::kQStages];    // Q tile landed (TMA)
-    uint64_t q_empty[Base::kQStages];   // consumers are done with the stage
-    uint64_t do_full[Base::kDoStages];
-    uint64_t do_empty[Base::kDoStages];
-    uint64_t peer_full;   // the peer's dQ tile is in dq_peer (expect_tx here, st.async bytes from the peer)
-    uint64_t peer_empty;  // the peer has read what this CTA sent (one arrival per thread of its warpgroup)
+    PipelineBarriers<Base::kQStages> q_ring;
+    PipelineBarriers<Base::kDoStages> do_ring;
+    // The peer CTA's dQ tile in dq_peer: full completes with this CTA's expect_tx and the peer's st.async bytes,
+    // empty with one remote arrival per thread of the peer's reducing warpgroup once it has read the tile.
+    PipelineBarriers<1> peer_ring;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");

@@ -11,7 +11,6 @@
 #include <cstdint>
 
 #include "kernels/common/shared_memory.cuh"
-#include "kernels/sm90/kernel_traits_sm90.h"  // kWarpgroupThreads
 #include "kernels/sm90/smem_layout.h"
 
 namespace jax_flash::cuda::sm90 {

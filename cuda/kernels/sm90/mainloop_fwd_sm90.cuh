@@ -1,0 +1,311 @@
+// The sm_90a forward's main loop in its two roles (FlashAttention-3's "collective mainloop"):
+//   load(): the producer thread's TMA loads, tile after tile: Q once per tile, K and V through kStages-deep rings
+//           (one PipelineState for both rings; a persistent CTA's rings run on across its tiles);
+//   mma():  a consumer warpgroup's key-tile loop over one tile: S = Q K^T (both operands in shared memory) and
+//           O += P V (P from registers) with wgmma, the online softmax with exp2 and the log2(e)-folded scale.
+// Per key tile i a consumer warpgroup issues S_i and PV_{i-1} back to back and runs the softmax of S_i while PV_{i-1}
+// is still on the tensor cores (intra-warpgroup overlap); with ping-pong the consumer warpgroups also take turns
+// issuing, so one warpgroup's softmax overlaps the others' GEMMs.
+// Consumer thread layout: warpgroup cw owns query rows [64 cw, 64 cw + 64) of the block; warp w of it, lane = 4 g + t,
+// holds rows 16 w + g and 16 w + g + 8, columns 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
+#pragma once
+
+#include <cmath>
+#include <type_traits>
+
+#include "flash_params.h"
+#include "kernels/common/block_ranges.cuh"
+#include "kernels/common/element_traits.cuh"
+#include "kernels/common/warp_reduce.cuh"
+#include "kernels/sm90/kernel_traits_sm90.h"
+#include "kernels/sm90/named_barriers.h"
+#include "kernels/sm90/pipeline.cuh"
+#include "kernels/sm90/smem_layout.h"
+#include "kernels/sm90/tile_scheduler_fwd.cuh"
+#include "kernels/sm90/utils_sm90.cuh"
+#include "kernels/sm90/wgmma_sm90.cuh"
+#include "mask.h"
+
+namespace jax_flash::cuda::sm90 {
+
+// Ping-pong between kGroups consumer warpgroups: warpgroup cw waits on barrier kPingPongBarrier + cw before issuing
+// its wgmma products, then releases the next one (cyclically). Every warpgroup takes the same issue steps for every
+// tile (S_0, then (S_i, PV_{i-1}), then PV_{n-1}), so the turns go round across tiles; open() lets warpgroup 0 go
+// first (the last warpgroup's arrival) and close() has warpgroup 0 take that arrival back after its last tile, so
+// every barrier ends balanced. Without kEnabled every call is a no-op.
+template <int kGroups, bool kEnabled>
+struct PingPong {
+  static constexpr int kPairThreads = 2 * kWarpgroupThreads;  // the waiting warpgroup and the one that releases it
+  int cw;
+  int my_turn;
+  int their_turn;
+
+  __device__ __forceinline__ explicit PingPong(int cw_)
+      : cw(cw_),
+        my_turn(kPingPongBarrier + cw_),
+        their_turn(kPingPongBarrier + (kGroups == 2 ? cw_ ^ 1 : (cw_ + 1) % kGroups)) {}
+  __device__ __forceinline__ void open() const {
+    if constexpr (kEnabled) {
+      if (cw == kGroups - 1) named_barrier_arrive(their_turn, kPairThreads);
+    }
+  }
+  __device__ __forceinline__ void begin_issue() const {
+    if constexpr (kEnabled) named_barrier_sync(my_turn, kPairThreads);
+  }
+  __device__ __forceinline__ void end_issue() const {
+    if constexpr (kEnabled) named_barrier_arrive(their_turn, kPairThreads);
+  }
+  __device__ __forceinline__ void close() const {
+    if constexpr (kEnabled) {
+      if (cw == 0) named_barrier_sync(my_turn, kPairThreads);
+    }
+  }
+};
+
+template <typename T, typename Traits>
+struct FwdMainloop {
+  static constexpr int kD = Traits::kHeadDim;
+  static constexpr int kBM = Traits::kBlockM;
+  static constexpr int kBN = Traits::kBlockN;
+  static constexpr int kStages = Traits::kStages;
+  static constexpr int kSTiles = kBN / 8;  // 8-wide column tiles of S
+  static constexpr int kOTiles = kD / 8;   // 8-wide column tiles of O
+  static constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
+  static constexpr int kGroups = Traits::kConsumerWarpgroups;
+  using ET = ElemTraits<T>;
+  using Storage = typename Traits::SharedStorage;
+  using KVState = PipelineState<kStages>;
+  using QState = PipelineState<1>;
+  using PingPongT = PingPong<kGroups, Traits::kPingPong && kGroups >= 2>;
+
+  // A consumer thread's results for one tile: O (64 rows x kD per warpgroup, accumulator layout) and the online
+  // softmax's running max (raw logits) and per-lane partial sums of rows g and g + 8.
+  struct Accumulators {
+    float o[kOTiles * 4];
+    float row_max[2];
+    float row_sum[2];
+  };
+
+  const FlashParams& p;
+  Storage& smem;  // its q_ring (Q of the current tile), k_ring and v_ring guard the loads
+
+  // One thread, before the CTA's first barrier: every ring's slots are released by one arrival per consumer warp.
+  __device__ __forceinline__ void init_barriers() const {
+    smem.q_ring.init(kConsumerWarps);
+    smem.k_ring.init(kConsumerWarps);
+    smem.v_ring.init(kConsumerWarps);
+  }
+
+  // The key tiles [*n_begin, *n_begin + count) that some row of the query block starting at m0 sees.
+  __device__ __forceinline__ int key_tiles(const AttentionMask& mask, int m0, int* n_begin) const {
+    int n_end;
+    key_tiles_for_rows<kBN>(mask, p, m0, imin(kBM, p.seqlen_q - m0), n_begin, &n_end);
+    return imax(n_end - *n_begin, 0);
+  }
+
+  // ---- producer role: one thread issues every load, tile after tile --------------------------------------------
+  template <typename ForEachTile>
+  __device__ __forceinline__ void load(const CUtensorMap* tm_q, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
+                                       ForEachTile&& for_each_tile) const {
+    prefetch_tensor_map(tm_q);
+    prefetch_tensor_map(tm_k);
+    prefetch_tensor_map(tm_v);
+    KVState kv;
+    QState q;
+    for_each_tile([&](const FwdTile& tile) {
+      const int m0 = tile.m_block * kBM;
+      int n_begin;
+      const int n_tiles = key_tiles(mask_for_batch(p, tile.b), m0, &n_begin);
+      if (n_tiles == 0) return;
+      const int hk = tile.h / p.group_size();
+      smem.q_ring.producer_acquire(q, Traits::kQBytes);  // the consumers are done with the previous tile's Q
+#pragma unroll
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        tma_load_4d(smem.q + cb * kBM * kColBlock, tm_q, smem.q_ring.full_barrier(q), cb * kColBlock, m0, tile.h, tile.b);
+      }
+      q.advance();
+      for (int i = 0; i < n_tiles; ++i, kv.advance()) {
+        const int n0 = (n_begin + i) * kBN;
+        const int s = kv.slot();
+        smem.k_ring.producer_acquire(kv, Traits::kKVBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(smem.k[s] + cb * kBN * kColBlock, tm_k, smem.k_ring.full_barrier(kv), cb * kColBlock, n0, hk, tile.b);
+        }
+        smem.v_ring.producer_acquire(kv, Traits::kKVBytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_4d(smem.v[s] + cb * kBN * kColBlock, tm_v, smem.v_ring.full_barrier(kv), cb * kColBlock, n0, hk, tile.b);
+        }
+      }
+    });
+  }
+
+  // ---- consumer role: the key-tile loop of one tile ----------------------------------------------------------
+  // Consumer warpgroup cw, warp `warp` of it, lane `lane`; rows [m0, m0 + kBM) see key tiles [n_begin, n_begin +
+  // n_tiles) (n_tiles > 0). kv and q are this CTA's ring positions; both move on past the tile.
+  __device__ __forceinline__ void mma(const AttentionMask& mask, int m0, int n_begin, int n_tiles, int cw, int warp,
+                                      int lane, const PingPongT& pingpong, KVState& kv, QState& q,
+                                      Accumulators& acc) const {
+    const bool lane0 = lane == 0;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int warp_row0 = cw * kWgmmaM + warp * kWarpRows;  // first of this warp's 16 rows inside the block
+
+    float acc_s[kSTiles * 4];        // S of the current key tile, then its exp2 values
+    uint32_t a_p[kBN / kWgmmaK][4];  // P of the previous tile as wgmma A fragments (16 keys per step)
+
+    // Q slice of this warpgroup: column block cb starts at q + cb * kBM * 64, its rows at 128-byte pitch.
+    const uint32_t q_base = smem_addr(smem.q) + cw * kWgmmaM * kSwizzleBytes;
+    constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
+    constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
+    constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;  // 16-element K slices per 128-byte row
+
+    auto issue_s = [&](int slot) {  // S = Q K^T (64 x kBN), both operands in shared memory
+      const uint32_t k_base = smem_addr(smem.k[slot]);
+#pragma unroll
+      for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
+        const uint32_t k_off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));  // inside the 128-byte row
+        const uint64_t desc_q =
+            make_desc_sw128(q_base + (kk / kKStepsPerColBlock) * kQColBlockBytes + k_off, kKMajorLeadingBytes);
+        const uint64_t desc_k =
+            make_desc_sw128(k_base + (kk / kKStepsPerColBlock) * kKVColBlockBytes + k_off, kKMajorLeadingBytes);
+        Wgmma<kBN, T, 0>::ss(acc_s, desc_q, desc_k, kk > 0);
+      }
+      wgmma_commit();
+    };
+    auto issue_pv = [&](int slot) {  // O += P V; V read N-major, 64-dim column blocks kKVColBlockBytes apart
+      const uint32_t v_base = smem_addr(smem.v[slot]);
+#pragma unroll
+      for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+        const uint64_t desc_v = make_desc_sw128(v_base + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes);
+        Wgmma<kD, T, 1>::rs(acc.o, a_p[kk], desc_v, 1);
+      }
+      wgmma_commit();
+    };
+
+    // Masks S (only warps whose 16 rows, from row0, do not see the whole key tile from n0), then the online-softmax
+    // update: S becomes exp2 values, the running max and sum move on; returns the factors that rescale O for rows g
+    // and g + 8.
+    auto softmax = [&](auto masked, int row0, int n0, float (&correction)[2]) {
+      if (masked && !mask.tile_fully_visible(row0, row0 + kWarpRows, n0, n0 + kBN, p.seqlen_q)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int lo = mask.lo(row0 + g + 8 * r);
+          const int hi = mask.hi(row0 + g + 8 * r);
+#pragma unroll
+          for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = n0 + j * 8 + 2 * t + e;
+              if (col < lo || col >= hi) acc_s[4 * j + 2 * r + e] = -INFINITY;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = acc.row_max[r];
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+        mx = quad_max(mx);
+        const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+        correction[r] = exp2f(acc.row_max[r] * p.scale_log2 - max_scaled);
+        acc.row_max[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = exp2f(acc_s[4 * j + 2 * r + e] * p.scale_log2 - max_scaled);
+            acc_s[4 * j + 2 * r + e] = pe;
+            sum += pe;
+          }
+        }
+        acc.row_sum[r] = acc.row_sum[r] * correction[r] + sum;
+      }
+    };
+    auto rescale_o = [&](const float (&correction)[2]) {
+#pragma unroll
+      for (int j = 0; j < kOTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc.o[4 * j + e] *= correction[e / 2];
+      }
+    };
+    auto convert_p = [&] {  // 16 keys per step = S column tiles 2 kk and 2 kk + 1
+#pragma unroll
+      for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
+      }
+    };
+
+#pragma unroll
+    for (int i = 0; i < kOTiles * 4; ++i) acc.o[i] = 0.f;
+    acc.row_max[0] = acc.row_max[1] = -INFINITY;
+    acc.row_sum[0] = acc.row_sum[1] = 0.f;
+    const int row0 = m0 + warp_row0;
+    smem.q_ring.consumer_wait(q);
+
+    // Key tile 0: S_0 alone. Key tile i sits at ring position kv + i.
+    float correction[2];
+    smem.k_ring.consumer_wait(kv);
+    pingpong.begin_issue();
+    wgmma_fence();
+    issue_s(kv.slot());
+    pingpong.end_issue();
+    wgmma_wait<0>();
+    fence_regs(acc_s);
+    if (lane0) smem.k_ring.consumer_release(kv);
+    softmax(std::true_type{}, row0, n_begin * kBN, correction);
+    convert_p();
+
+    // Key tiles [full_begin, full_end) (from n_begin; the first one, already done, excluded) are visible to every
+    // row of the block: their steps carry no mask code.
+    int full_begin, full_end;
+    mask.unmasked_blocks(m0, m0 + kBM, p.seqlen_q, kBN, n_begin, n_begin + n_tiles, &full_begin, &full_end);
+    full_begin = imax(full_begin - n_begin, 1);
+    full_end = imax(full_end - n_begin, full_begin);
+    auto step = [&](int i, auto masked) {
+      const KVState ki = kv.ahead(i);        // S_i's K
+      const KVState kp = kv.ahead(i - 1);    // PV_{i-1}'s V
+      smem.k_ring.consumer_wait(ki);
+      smem.v_ring.consumer_wait(kp);
+      pingpong.begin_issue();
+      wgmma_fence();
+      issue_s(ki.slot());
+      issue_pv(kp.slot());
+      pingpong.end_issue();
+      wgmma_wait<1>();  // S_i done; PV_{i-1} may still run
+      fence_regs(acc_s);
+      if (lane0) smem.k_ring.consumer_release(ki);
+      softmax(masked, row0, (n_begin + i) * kBN, correction);
+      wgmma_wait<0>();  // PV_{i-1} done: O and P's registers are free
+      fence_regs(acc.o);
+      fence_regs(a_p);
+      if (lane0) smem.v_ring.consumer_release(kp);
+      rescale_o(correction);
+      convert_p();
+    };
+    for (int i = 1; i < full_begin; ++i) step(i, std::true_type{});
+    for (int i = full_begin; i < full_end; ++i) step(i, std::false_type{});
+    for (int i = full_end; i < n_tiles; ++i) step(i, std::true_type{});
+    if (lane0) smem.q_ring.consumer_release(q);  // every S of the tile is done: the producer may load the next Q
+    q.advance();
+
+    // Last PV.
+    kv.advance(n_tiles);
+    const KVState last = kv.ahead(-1);
+    smem.v_ring.consumer_wait(last);
+    pingpong.begin_issue();
+    wgmma_fence();
+    issue_pv(last.slot());
+    pingpong.end_issue();
+    wgmma_wait<0>();
+    fence_regs(acc.o);
+    fence_regs(a_p);
+    if (lane0) smem.v_ring.consumer_release(last);
+  }
+};
+
+}  // namespace jax_flash::cuda::sm90
