@@ -1,0 +1,81 @@
+"""jax_flash.force_kernel and the ``kernel`` FFI attribute: the CUDA kernel family is chosen per call (at trace
+time), so one process can test both the sm_90a and the sm_80-class kernels; bad values are refused by Python and
+again by the C++ handlers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import _ffi
+
+
+def test_force_kernel_rejects_unknown_names():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        with jax_flash.force_kernel("sm90"):
+            pass
+
+
+def test_kernel_attribute_follows_context_then_environment(monkeypatch):
+    monkeypatch.delenv("JAX_FLASH_FORCE_SM80", raising=False)
+    assert _ffi._kernel_choice() == 0
+    monkeypatch.setenv("JAX_FLASH_FORCE_SM80", "1")
+    assert _ffi._kernel_choice() == 1  # read at each call, not cached
+    monkeypatch.setenv("JAX_FLASH_FORCE_SM80", "small-smem")
+    assert _ffi._kernel_choice() == 2
+    with jax_flash.force_kernel("auto"):  # the context wins over the environment
+        assert _ffi._kernel_choice() == 0
+        with jax_flash.force_kernel("sm80"):
+            assert _ffi._kernel_choice() == 1
+        assert _ffi._kernel_choice() == 0
+    monkeypatch.setenv("JAX_FLASH_FORCE_SM80", "0")
+    assert _ffi._kernel_choice() == 0
+
+
+def test_cpu_ignores_the_choice(attention_checks):
+    case = attention_checks.Case(batch=1, seqlen_q=33, seqlen_k=47, heads_q=4, heads_kv=2, head_dim=32,
+                                 is_causal=True)
+    q, k, v, do = attention_checks.make_inputs(case, jnp.float32)
+    auto = attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **case.kwargs())
+    with jax_flash.force_kernel("sm80-small-smem"):
+        forced = attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **case.kwargs())
+    for a, b in zip(auto, forced):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_handler_rejects_an_unknown_kernel_attribute(platform):
+    if platform == "gpu" and not jax_flash.cuda_available():
+        pytest.skip("needs a CUDA GPU and jax_flash's CUDA kernels")
+    device = jax.devices(platform)[0]
+    q = jax.device_put(jnp.ones((1, 8, 2, 64), jnp.bfloat16), device)
+    lens = jax.device_put(jnp.full((1,), 8, jnp.int32), device)
+    call = jax.ffi.ffi_call(_ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                              jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
+    with pytest.raises(Exception, match="kernel must be 0"):
+        jax.block_until_ready(call(q, q, q, lens, lens, scale=np.float32(0.125), is_causal=False,
+                                   window_left=np.int64(-1), window_right=np.int64(-1), kernel=np.int32(7)))
+
+
+@pytest.mark.gpu
+def test_both_kernel_families_in_one_process(attention_checks):
+    """auto, sm80 and sm80-small-smem each match the float64 reference in one process; on compute capability 9.0
+    deterministic=True (sm_90a backward only) succeeds on auto and is refused under sm80, which shows the choice
+    reaches the dispatcher."""
+    if not jax_flash.cuda_available():
+        pytest.skip("needs a CUDA GPU and jax_flash's CUDA kernels")
+    case = attention_checks.Case(batch=2, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2, head_dim=128,
+                                 is_causal=True)
+    with jax.default_device(jax.devices("gpu")[0]):
+        for kernel in ("auto", "sm80", "sm80-small-smem"):
+            with jax_flash.force_kernel(kernel):
+                attention_checks.check_against_reference(case, jnp.bfloat16, seed=3)
+        if getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0":
+            q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16)
+            with jax_flash.force_kernel("auto"):
+                attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, deterministic=True,
+                                         **case.kwargs())
+            with jax_flash.force_kernel("sm80"), pytest.raises(Exception, match="deterministic=True needs"):
+                attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, deterministic=True,
+                                         **case.kwargs())
