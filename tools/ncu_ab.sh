@@ -4,7 +4,7 @@
 # (clocks as found) profiles the first kernel matching REGEX under each build and prints its duration,
 # instructions, IPC, L2 hit rate, largest stall reasons and the busy share of the tensor, MUFU, FMA and ALU pipes and
 # of DRAM; per-instruction SASS views and the details pages go to $OUT/sass.tgz.
-#   bash benchmarks/ncu_ab.sh REGEX "nameA nameB" [SHAPES_FILE]
+#   bash tools/ncu_ab.sh REGEX "nameA nameB" [SHAPES_FILE]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 regex=$1
@@ -23,7 +23,7 @@ while read -r tag args; do
   [ -z "$tag" ] && continue
   for n in $names; do
     name="${n}_$tag"
-    PYTHONPATH="/tmp/jf_$n" NAME="$name" OUT=/tmp/ncu_ab bash benchmarks/ncu_kernel.sh "$regex" $args >/dev/null ||
+    PYTHONPATH="/tmp/jf_$n" NAME="$name" OUT=/tmp/ncu_ab bash tools/ncu_kernel.sh "$regex" $args >/dev/null ||
       { echo "$n $tag: profiling failed"; tail -5 "/tmp/ncu_ab/$name-run.log"; continue; }
     python3 - "/tmp/ncu_ab/$name-raw.csv" "$n $tag" <<'PY'
 import csv, sys

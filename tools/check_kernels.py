@@ -2,7 +2,7 @@
 jax.nn.dot_product_attention's own error in the same dtype, over masks, lengths, GQA and head dims. Prints one
 line per case; exits non-zero when jax_flash's error exceeds 3x jax.nn's (plus a small floor) or is not finite.
 
-    python benchmarks/check_kernels.py
+    python tools/check_kernels.py
 """
 
 import sys

@@ -12,8 +12,8 @@ A model, not a measurement: it ignores per-SM speed differences, L2 effects and 
 backward gains (+23..26 % for causal GQA) did not show on the H100 (session 10 A/B, NOTES.md), so the backward
 kept its grid.
 
-    python3 benchmarks/schedule_model.py bwd 2x4096x32/8c 4x4096x16c 1x16384x16
-    python3 benchmarks/schedule_model.py fwd 4x4096x8c 2x8192x8c
+    python3 tools/schedule_model.py bwd 2x4096x32/8c 4x4096x16c 1x16384x16
+    python3 tools/schedule_model.py fwd 4x4096x8c 2x8192x8c
 """
 import argparse
 import heapq

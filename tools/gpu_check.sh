@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (or install a carried wheel), run the whole test suite on the GPU, compute-sanitizer on small shapes, and
 # a short benchmark; write everything under $OUT (default ./gpu_check_out) and print a summary last.
-#   bash benchmarks/gpu_check.sh [quick|full|tests|bench|dev]
+#   bash tools/gpu_check.sh [quick|full|tests|bench|dev]
 # quick: all tests + sanitizers + a short benchmark; full: the same with the whole benchmark matrix; tests, bench:
 # one half; dev (kernel work): tests/test_gpu.py without the slow tests, sanitizers and the short benchmark.
 # On compute capability 9.0 the GPU tests also rerun on the sm_80-class kernels (JAX_FLASH_FORCE_SM80), unless
@@ -77,7 +77,7 @@ if [ "$MODE" != bench ]; then
     filter=()
     [ $tool = racecheck ] && filter=(--kernel-name kns=flash_)
     (cd /tmp && compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 \
-        python3 "$OLDPWD/benchmarks/sanitize_small.py") >"$OUT/sanitizer-$tool.log" 2>&1
+        python3 "$OLDPWD/tools/sanitize_small.py") >"$OUT/sanitizer-$tool.log" 2>&1
     rc=$?
     note "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1) ($((SECONDS - t0)) s)"
     [ $rc -eq 0 ] || { status=1; tail -30 "$OUT/sanitizer-$tool.log"; }

@@ -1,5 +1,5 @@
 """Small forward+backward calls for compute-sanitizer (memcheck, racecheck): every head-dim class, odd lengths,
-Sq != Sk, GQA, and each mask. Run as `compute-sanitizer --tool memcheck python benchmarks/sanitize_small.py`."""
+Sq != Sk, GQA, and each mask. Run as `compute-sanitizer --tool memcheck python tools/sanitize_small.py`."""
 
 import jax
 import jax.numpy as jnp

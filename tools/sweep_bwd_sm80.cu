@@ -9,7 +9,7 @@
 // Inputs are random; o and lse come from the forward kernel. FLOPs: bwd = 2.5 * 4*B*H*Sq*Sk*D, halved under --causal.
 //
 //   build/sweep_bwd_sm80 [--batch N] [--seq N] [--heads N] [--causal] [--warmup N] [--reps N]
-// benchmarks/sweep_bwd_sm80.sh builds and runs it.
+// tools/sweep_bwd_sm80.sh builds and runs it (compile with -I cuda).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -21,7 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#include "../cuda/kernels/flash_launch_sm80.cuh"
+#include "kernels/sm80/launch_sm80.cuh"
 
 using jax_flash::DType;
 using jax_flash::FlashParams;
@@ -315,7 +315,7 @@ int main(int argc, char** argv) {
   p.head_dim = kD;
   p.dtype = DType::kBF16;
   p.scale = 1.f / std::sqrt(float(kD));
-  p.scale_log2 = p.scale * kLog2eF;
+  p.scale_log2 = p.scale * jax_flash::kLog2e;
   p.causal = opt.causal;
   p.window_left = p.window_right = -1;
   p.q_lens = q_lens;

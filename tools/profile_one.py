@@ -1,6 +1,6 @@
 """One jax_flash forward+backward call at a given shape, for `ncu --clock-control none -k regex:flash_ ...`.
 
-    python benchmarks/profile_one.py --batch 4 --seqlen 4096 --heads 16 --head-dim 128 [--causal]
+    python tools/profile_one.py --batch 4 --seqlen 4096 --heads 16 --head-dim 128 [--causal]
 """
 
 import argparse

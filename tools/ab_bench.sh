@@ -4,7 +4,7 @@
 # always runs first, on a cooler GPU), cuDNN in the round's first run as a clock reference; then prints per shape the
 # median over rounds of each build's forward (and backward) time, its ratio to the first build, and per build the
 # geometric mean of those ratios (also in $OUT/ab_summary.txt; the per-run tables in $OUT/ab.tgz).
-#   bash benchmarks/ab_bench.sh "nameA nameB ..." SHAPES [ROUNDS=2] [extra bench_attention.py flags]
+#   bash tools/ab_bench.sh "nameA nameB ..." SHAPES [ROUNDS=2] [extra bench_attention.py flags]
 # SHAPES as bench_attention.py --shapes takes them (BxSxHq[/Hkv]xD[c], comma-separated). One build's run longer than
 # RUN_LIMIT seconds (default 200: an experimental kernel that hangs) is stopped and the rest go on.
 set -uo pipefail

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# Builds the backward tile sweep (benchmarks/sweep_bwd_sm80.cu) into build/sweep_bwd_sm80 when the binary is
+# Builds the backward tile sweep (tools/sweep_bwd_sm80.cu) into build/sweep_bwd_sm80 when the binary is
 # missing or older than its sources, then runs it non-causal and causal. Extra arguments go to both runs
 # (e.g. --seq 8192 --batch 2). Output is teed to $OUT/sweep_bwd_sm80.txt when OUT is set.
-#   bash benchmarks/sweep_bwd_sm80.sh [harness options]
+#   bash tools/sweep_bwd_sm80.sh [harness options]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BIN=build/sweep_bwd_sm80
 PTXAS_LOG=build/sweep_bwd_sm80.ptxas.log
-SRCS=(benchmarks/sweep_bwd_sm80.cu cuda/flash_params.h cuda/mask.h cuda/kernels/kernel_traits_sm80.h
-      cuda/kernels/utils_sm80.cuh cuda/kernels/flash_fwd_sm80_mma_cpasync.cuh
-      cuda/kernels/flash_bwd_sm80_mma_cpasync.cuh cuda/kernels/flash_bwd_sm80_mma_cpasync_cta.cuh
-      cuda/kernels/flash_launch_sm80.cuh)
+# The harness and every header it includes (kernels/sm80/launch_sm80.cuh and what that includes).
+SRCS=(tools/sweep_bwd_sm80.cu cuda/flash_params.h cuda/mask.h cuda/kernels/flash_api.h cuda/kernels/common/*
+      cuda/kernels/sm80/*.h cuda/kernels/sm80/*.cuh)
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 
 stale=0
@@ -24,9 +23,9 @@ if [ $stale = 1 ]; then
   if [ -x "$NVCC" ]; then
     mkdir -p build
     echo "building $BIN with $NVCC"
-    "$NVCC" -O3 -std=c++17 --use_fast_math -lineinfo \
+    "$NVCC" -O3 -std=c++17 --use_fast_math -lineinfo -I cuda \
       -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 -Xptxas=-v \
-      -o "$BIN" benchmarks/sweep_bwd_sm80.cu >"$PTXAS_LOG" 2>&1 || { cat "$PTXAS_LOG"; exit 1; }
+      -o "$BIN" tools/sweep_bwd_sm80.cu >"$PTXAS_LOG" 2>&1 || { cat "$PTXAS_LOG"; exit 1; }
   elif [ -x "$BIN" ]; then
     echo "warning: $BIN is older than its sources and no nvcc was found; running it as is" >&2
   else
