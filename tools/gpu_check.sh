@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Build (or install a carried wheel), run the whole test suite on the GPU, compute-sanitizer on small shapes, and
+# a short benchmark; write everything under $OUT (default ./gpu_check_out) and print a summary last.
+#   bash tools/gpu_check.sh [quick|full|tests|bench|dev]
+# quick: all tests + sanitizers + a short benchmark; full: the same with the whole benchmark matrix; tests, bench:
+# one half; dev (kernel work): tests/test_gpu.py without the slow tests, sanitizers and the short benchmark.
+# On compute capability 9.0 the GPU tests also rerun on the sm_80-class kernels (JAX_FLASH_FORCE_SM80), unless
+# SKIP_SM80=1.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:-quick}
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+note "gpu_check $(date -u +%Y-%m-%dT%H:%MZ) mode=$MODE"
+note "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader 2>/dev/null | head -1)"
+note "$(python3 -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, jax.devices())')"
+
+# 1. Install: a carried cp312 wheel from dist/ if present (built off the GPU clock), else build here.
+wheel=$(ls dist/jax_flash-*-cp312-*.whl 2>/dev/null | head -1)
+if [ -n "$wheel" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
+  export PYTHONPATH=/tmp/jf_site${PYTHONPATH:+:$PYTHONPATH}
+  note "installed $wheel"
+else
+  t0=$SECONDS
+  JAX_FLASH_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1 || {
+    tail -40 "$OUT/build.log"; exit 1; }
+  note "built from source in $((SECONDS - t0)) s"
+fi
+(cd /tmp && python3 -c 'import jax_flash; print("jax_flash", jax_flash.__version__, "cuda:", jax_flash.cuda_available())') | tee -a "$SUMMARY"
+
+status=0
+# 2. Tests (plain pytest so the source tree does not shadow the installed package). Where pytest-xdist is installed
+# (the GPU image has it) PYTEST_WORKERS processes share the GPU: compilation and the references are CPU-bound, so
+# the suite finishes in a fraction of the time. Where pytest-timeout is installed a test that runs past
+# TEST_TIMEOUT seconds (a kernel that hangs) fails alone instead of holding the whole run; PYTEST_LIMIT bounds
+# the whole suite.
+pytest_args=(-q -x -p no:cacheprovider)
+if python3 -c "import xdist" 2>/dev/null; then pytest_args+=(-n "${PYTEST_WORKERS:-4}"); fi
+if python3 -c "import pytest_timeout" 2>/dev/null; then
+  pytest_args+=(--timeout "${TEST_TIMEOUT:-150}" --timeout-method thread)
+fi
+if [ "$MODE" != bench ]; then
+  note "pytest ${pytest_args[*]}"
+  t0=$SECONDS
+  if [ "$MODE" = dev ]; then
+    timeout "${PYTEST_LIMIT:-540}" pytest "${pytest_args[@]}" tests/test_gpu.py -m "not slow" 2>&1 |
+      tee "$OUT/pytest.log" | tail -25
+  else
+    timeout "${PYTEST_LIMIT:-540}" pytest "${pytest_args[@]}" tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  fi
+  rc=${PIPESTATUS[0]}
+  note "pytest: rc=$rc $(tail -1 "$OUT/pytest.log") ($((SECONDS - t0)) s)"
+  [ $rc -eq 0 ] || status=1
+  # On Hopper the forward runs the sm_90a kernel; check the sm_80-class kernels there too.
+  # SKIP_SM80=1 skips this when a change cannot reach those kernels (device time is scarce).
+  if [ "$MODE" != dev ] && [ "${SKIP_SM80:-0}" != 1 ] &&
+     [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ]; then
+    for force in 1 small-smem; do
+      t0=$SECONDS
+      JAX_FLASH_FORCE_SM80=$force timeout "${PYTEST_LIMIT:-540}" pytest "${pytest_args[@]}" tests/test_gpu.py \
+        -m "not slow" 2>&1 |
+        tee "$OUT/pytest-sm80-$force.log" | tail -5
+      rc=${PIPESTATUS[0]}
+      note "pytest (JAX_FLASH_FORCE_SM80=$force, tests/test_gpu.py): rc=$rc $(tail -1 "$OUT/pytest-sm80-$force.log") ($((SECONDS - t0)) s)"
+      [ $rc -eq 0 ] || status=1
+    done
+  fi
+  # memcheck instruments every kernel of the run; racecheck (slow) only ours.
+  for tool in memcheck racecheck; do
+    t0=$SECONDS
+    filter=()
+    [ $tool = racecheck ] && filter=(--kernel-name kns=flash_)
+    (cd /tmp && compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 \
+        python3 "$OLDPWD/tools/sanitize_small.py") >"$OUT/sanitizer-$tool.log" 2>&1
+    rc=$?
+    note "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1) ($((SECONDS - t0)) s)"
+    [ $rc -eq 0 ] || { status=1; tail -30 "$OUT/sanitizer-$tool.log"; }
+  done
+fi
+
+# 3. Benchmark.
+if [ "$MODE" != tests ]; then
+  flag=--quick
+  [ "$MODE" = full ] && flag=
+  (cd /tmp && python3 "$OLDPWD/benchmarks/bench_attention.py" $flag --out "$OUT") 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+note "gpu_check done: status=$status"
+cat "$SUMMARY"
+exit $status

@@ -1,0 +1,80 @@
+"""Model of the last-wave tail of a grid of one CTA per unit of work: greedy list scheduling in launch order.
+
+The hardware starts CTAs in linear order on whichever SM frees up first (one CTA per SM here). Backward (the
+sm_90a kernel at head dim <= 128): a CTA owns one 128-key block of one (batch, kv head) and walks the 64-row query
+tiles that see it, for every query head of its group. Forward (the CTA-per-unit kernel at head dim 256): a CTA owns
+one 128-row query block and walks the 64-key tiles it sees. Work per CTA = tiles walked + a fixed overhead in tiles.
+Prints the modelled makespan of three orders against the perfectly balanced one: blocks fastest (heaviest first
+inside each head, heads one after another: the backward's grid, and the d256 forward's with few blocks per head),
+blocks slowest over all heads, and HeavyFirstOrder's groups of about --group-units units
+(`cuda/kernels/sm90/tile_scheduler_fwd.cuh`, the d256 causal forward with >= 16 query blocks per head).
+A model, not a measurement: it ignores per-SM speed differences, L2 effects and the dispatch's own latency; its
+backward gains (+23..26 % for causal GQA) did not show on the H100 (session 10 A/B, NOTES.md), so the backward
+kept its grid.
+
+    python3 tools/schedule_model.py bwd 2x4096x32/8c 4x4096x16c 1x16384x16
+    python3 tools/schedule_model.py fwd 4x4096x8c 2x8192x8c
+"""
+import argparse
+import heapq
+import re
+
+
+def makespan(work, order, sms):
+    finish = [0.0] * sms
+    for unit in order:
+        heapq.heappush(finish, heapq.heappop(finish) + work[unit])
+    return max(finish)
+
+
+def heavy_first(blocks, heads, group_units):
+    """(block rank, head) in the order of HeavyFirstOrder (tile_scheduler_fwd.cuh)."""
+    group = min(heads, max(1, -(-group_units // blocks)))
+    first = heads % group or group
+    sizes = [first] + [group] * ((heads - first) // group)
+    order, base = [], 0
+    for size in sizes:
+        order += [(j, base + r) for j in range(blocks) for r in range(size)]
+        base += size
+    return order
+
+
+def model(direction, batch, seqlen, heads_q, heads_kv, causal, sms, overhead, group_units):
+    if direction == "bwd":  # rank j = key block j; query tiles of 64 rows from the block's first key on
+        blocks, heads, per_head = -(-seqlen // 128), batch * heads_kv, heads_q // heads_kv
+        tiles = lambda j: per_head * ((-(-seqlen // 64)) - (2 * j if causal else 0))
+    else:  # rank j = query block blocks - 1 - j; key tiles of 64 keys up to the block's last row
+        blocks, heads = -(-seqlen // 128), batch * heads_q
+        tiles = lambda j: 2 * (blocks - j) if causal else 2 * blocks
+    work = {(j, h): tiles(j) + overhead for j in range(blocks) for h in range(heads)}
+    blocks_fastest = [(j, h) for h in range(heads) for j in range(blocks)]
+    blocks_slowest = [(j, h) for j in range(blocks) for h in range(heads)]
+    return (makespan(work, blocks_fastest, sms), makespan(work, blocks_slowest, sms),
+            makespan(work, heavy_first(blocks, heads, group_units), sms), sum(work.values()) / sms)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("direction", choices=("fwd", "bwd"))
+    parser.add_argument("shapes", nargs="+", help="BxSxHq[/Hkv][c], c = causal (e.g. 2x4096x32/8c)")
+    parser.add_argument("--sms", type=int, default=132, help="SMs (H100 SXM: 132)")
+    parser.add_argument("--overhead", type=float, default=3.0, help="per-CTA overhead in tiles")
+    parser.add_argument("--group-units", type=int, default=512, help="HeavyFirstOrder's kHeavyFirstGroupUnits")
+    args = parser.parse_args()
+    print(f"{'shape':<14} {'blocks fastest':>14} {'blocks slowest':>14} {'heavy-first':>11} {'ideal':>8} {'gain':>6}")
+    for shape in args.shapes:
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:/(\d+))?(c?)", shape)
+        if not m:
+            parser.error(f"shape {shape!r}: expected BxSxHq[/Hkv][c]")
+        b, s, hq = int(m[1]), int(m[2]), int(m[3])
+        hkv = int(m[4]) if m[4] else hq
+        if hq % hkv:
+            parser.error(f"shape {shape!r}: Hq must be a multiple of Hkv")
+        old, slowest, grouped, ideal = model(args.direction, b, s, hq, hkv, bool(m[5]), args.sms, args.overhead,
+                                             args.group_units)
+        print(f"{shape:<14} {old:>14.0f} {slowest:>14.0f} {grouped:>11.0f} {ideal:>8.0f} "
+              f"{100 * (old / grouped - 1):>5.1f}%")
+
+
+if __name__ == "__main__":
+    main()
