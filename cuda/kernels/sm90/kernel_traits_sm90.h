@@ -33,8 +33,7 @@ struct FwdTraitsSm90<64> {
   static constexpr int kStages = 3;
   static constexpr bool kPingPong = true;  // softmax of one warpgroup under the other's GEMMs
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
-  static constexpr bool kPersistent = true;  // short sequences 0.90-0.93x cuDNN (0.77-0.87 a CTA per tile); long ones
-                                             // +-1% (4x4096x32: 1.340 vs 1.324 ms)
+  static constexpr bool kPersistent = true;  // faster on short sequences than a CTA per tile, equal on long ones
 };
 
 template <>
@@ -45,13 +44,13 @@ struct FwdTraitsSm90<128> {
   static constexpr int kStages = 2;    // Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB
   static constexpr bool kPingPong = true;
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
-  static constexpr bool kPersistent = true;  // causal 4x4096x16: 461 vs 504 us a CTA per unit; non-causal +-1%
+  static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
 };
 
 // A second tile choice for attention without a causal or window mask (every key tile but the last unmasked), used
 // where it measured faster; kAvailable says whether a head dim has one. With a causal or window mask the taller
-// tiles waste more of the diagonal's work: the three-warpgroup d64 forward ran 32x512x32 causal in 0.296 ms
-// against 0.200 with two (session 8 A/B), 16x1024x32 causal 0.339 vs 0.288. Causal attention over at least
+// tiles waste more of the diagonal's work (short causal sequences were much slower with three warpgroups at head
+// dim 64). Causal attention over at least
 // kCausalMinRows query rows takes the wide tiles too: there the diagonal tiles are a small share of the work.
 template <int kHeadDim_>
 struct FwdWideTraitsSm90 {
@@ -66,12 +65,10 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
   // as much as its two GEMMs, so a third warpgroup's softmax can run while two others' GEMMs are queued.
   static constexpr int kConsumerWarpgroups = 3;
   // 128 keys: S 64 + P 32 + O 32 accumulator registers spill 136 B of the 160 (96 keys: 4 B), yet measured faster
-  // (session 8 A/B, bf16, H100: 1x16384x32 4.621 vs 4.715 ms at 96 keys and 5.046 with two warpgroups; 4x4096x32
-  // 1.278 vs 1.323 and 1.342; 32x512x32 0.242 vs 0.286 and 0.246).
+  // than 96-key tiles and than two warpgroups on long and short non-causal sequences (NOTES.md).
   static constexpr int kBlockN = 128;
   static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x (K 16 + V 16) + O 24 KB = 144 KB
-  // Causal 1x16384x32: 2.54 vs 2.63 ms with two warpgroups (session 10 A/B, +3.5 %); 4x4096x32 a wash (0.751 vs
-  // 0.760 in session 8, 0.759 vs 0.742 in session 10), so from 8192 rows. Shorter causal sequences lose (above).
+  // Causal: faster than two warpgroups at 16k rows, a wash at 4k, slower below (above), so from 8192 rows.
   static constexpr int kCausalMinRows = 8192;
 };
 
@@ -83,8 +80,7 @@ struct FwdTraitsSm90<256> {
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = true;
   static constexpr bool kStoreOSmem = false;  // 192 KB in use; another 64 KB for O does not fit: stores from registers
-  // A CTA per unit: the persistent loop's extra live registers raised the spills (88 -> 128 B) and cost 8%
-  // (4x4096x8, 941 vs 868 us).
+  // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;
 };
 
@@ -189,7 +185,7 @@ struct BwdKernelTraitsSm90 : Base {
 // which both warpgroups read after a barrier. dV += P^T dO, dK += dS^T Q and dQ = dS K: each warpgroup its half of
 // the head-dim columns (dK + dV 128 registers, dQ 64).
 // dQ: with 64 keys per CTA the float32 reductions into dq_accum are as many bytes as the Q and dO loads and they
-// saturated the L2's input (ncu, H100: xbar-to-L2 89% busy, 276 TFLOP/s). So CTAs run in clusters of two
+// saturated the L2's input (Nsight Compute: the crossbar into L2 nearly always busy). So CTAs run in clusters of two
 // neighbouring key blocks that walk the same query tiles and add their dQ tiles before reducing: in CTA r,
 // warpgroup r adds the peer's tile of the same columns (sent by the peer's other warpgroup into this CTA's shared
 // memory: distributed shared memory) to its own and reduces the sum, which halves the reductions.

@@ -23,14 +23,12 @@ namespace jax_flash::cuda {
 // heads' heavy blocks before any light one. One group spanning every head would be the ideal order, but the CTAs
 // running together would then each read a different head's K/V and fewer of those reads would hit in L2; groups of
 // about kHeavyFirstGroupUnits units keep a few heads per wave, and the first group takes the remainder so the last
-// is whole and fills the final waves heaviest first (benchmarks/schedule_model.py models the tail).
+// is whole and fills the final waves heaviest first (tools/schedule_model.py models the tail).
 //
 // Grouping only pays where a head has many blocks of falling work; heavy_first_group_units() gives one head per
-// group (the heads one after another, each heaviest block first) otherwise. Measured on the H100 (session 10 A/B):
-// causal 4x4096x8 d256 forward +3.7 % (twice); with groups for every shape 16x1024x8 d256 causal (8 query blocks
-// per head) lost 23 %: a group then spans so many heads that their K/V no longer stay in L2. The same order for the
-// backward grids measured 0 +- 4 % on causal shapes (GQA 2x4096x32/8 +0 % and -4 % in two runs) and -1..2 %
-// unmasked, so the backward keeps its plain grid.
+// group (the heads one after another, each heaviest block first) otherwise: with few blocks per head a group spans
+// so many heads that their K/V no longer stay in L2, which cost more than the order gained. The backward grids keep
+// their plain order: this one measured no gain there. (Measurements: NOTES.md, "Scheduling".)
 inline constexpr int kHeavyFirstGroupUnits = 512;  // about four waves of 132 SMs
 inline constexpr int kHeavyFirstMinBlocks = 16;    // blocks per head below which heads are not grouped (above)
 
