@@ -12,7 +12,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "kernels/sm90/pipeline.cuh"
+#include "kernels/sm90/pipeline.h"
 
 namespace jax_flash::cuda::sm90 {
 
