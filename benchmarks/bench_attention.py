@@ -227,7 +227,7 @@ def plot(rows, meta, path):
     try:
         import matplotlib
     except ImportError:
-        print("no plot: matplotlib is not installed (pip install 'jax_flash[bench]')", flush=True)
+        print("no plot: matplotlib is not installed (pip install '.[bench]' in the repository)", flush=True)
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -25,7 +25,8 @@ sequence lengths instead of a mask to stay on the kernel.
 ``Attention`` is a grouped-query self-attention layer with rotary embeddings whose ``implementation`` can be
 switched between the kernel and jax.nn's implementations on the same parameters.
 
-This module needs ``flax`` (``pip install jax_flash[flax]``); ``import jax_flash`` does not import it.
+This module needs ``flax`` (``pip install ".[flax]"`` in the repository installs jax_flash with flax and optax);
+``import jax_flash`` does not import it.
 """
 
 import functools
@@ -145,10 +146,10 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
       query_seq_lengths: optional int32 array of the batch shape: query rows at or past it output 0.
       key_value_seq_lengths: optional int32 array of the batch shape: keys at or past it are masked.
       implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
-        :func:`jax.nn.dot_product_attention` with that implementation.
-      use_kernel: False is shorthand for ``implementation="xla"``, jax.nn's reference path, for A/B checks.
+        :func:`jax.nn.dot_product_attention` with that implementation (``"xla"`` is jax.nn's reference path, for
+        A/B checks).
       **unused: other keywords Flax may pass (``force_fp32_for_softmax``, ...), ignored: softmax always runs in
-        float32 in the kernels.
+        float32 in the kernels. ``use_kernel`` is refused (TypeError): ``implementation`` is the one choice.
 
     Returns:
       [batch..., q_length, num_heads, head_dim] in the promoted dtype.
@@ -156,6 +157,9 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
     A query row that sees no key (e.g. every key masked by the lengths) outputs 0 in the kernel, where Flax's and
     jax.nn's implementations average the values uniformly.
     """
+    if "use_kernel" in unused:
+        raise TypeError("attention_fn takes no use_kernel; choose with implementation=None (the kernel), 'xla' or "
+                        "'cudnn'")
     del unused
     _check_implementation(implementation)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
@@ -281,8 +285,8 @@ class Attention(nnx.Module):
       rope: apply rotary embeddings (:func:`apply_rope`) to queries and keys.
       rope_theta: the base of the rotary frequencies.
       implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
-        :func:`jax.nn.dot_product_attention` with that implementation.
-      use_kernel: False is shorthand for ``implementation="xla"``, jax.nn's reference path, for A/B checks.
+        :func:`jax.nn.dot_product_attention` with that implementation (``"xla"`` is jax.nn's reference path, for
+        A/B checks).
       dtype: computation dtype of the projections and the attention (the kernels take bfloat16 and float16, and
         float32 on CPU); None promotes inputs and parameters.
       param_dtype: parameter dtype.
@@ -291,7 +295,7 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, d_model, num_heads, num_kv_heads=None, head_dim=None, *, is_causal=True,
-                 local_window_size=None, rope=True, rope_theta=10000.0, implementation=None, use_kernel=True,
+                 local_window_size=None, rope=True, rope_theta=10000.0, implementation=None,
                  dtype=jnp.bfloat16, param_dtype=jnp.float32, kernel_init=nnx.initializers.lecun_normal(), rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, n in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -312,11 +316,6 @@ class Attention(nnx.Module):
         self.is_causal = bool(is_causal)
         self.local_window_size = local_window_size
         self.rope, self.rope_theta = bool(rope), float(rope_theta)
-        if not use_kernel:
-            if implementation is not None:
-                raise ValueError(f"use_kernel=False selects implementation='xla'; got implementation="
-                                 f"{implementation!r} as well")
-            implementation = "xla"
         self.implementation = _check_implementation(implementation)
         linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                    kernel_init=kernel_init, rngs=rngs)

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("flax", reason="the Flax integration needs flax (pip install jax_flash[flax])")
-optax = pytest.importorskip("optax", reason="the Flax integration tests need optax (pip install jax_flash[flax])")
+pytest.importorskip("flax", reason="the Flax integration needs flax (pip install '.[flax]')")
+optax = pytest.importorskip("optax", reason="the Flax integration tests need optax (pip install '.[flax]')")
 
 from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -408,12 +408,18 @@ def test_adam_step_lowers_the_loss():
     assert float(loss(model)) < before
 
 
-def test_use_kernel_false_is_the_xla_reference():
+def test_implementation_is_the_one_switch():
+    """``implementation`` (default None, the kernel) is the only way to choose the attention computation."""
     rngs = nnx.Rngs(0)
-    assert Attention(64, 4, 2, use_kernel=False, rngs=rngs).implementation == "xla"
     assert Attention(64, 4, 2, rngs=rngs).implementation is None
-    with pytest.raises(ValueError, match="use_kernel=False"):
-        Attention(64, 4, 2, use_kernel=False, implementation="cudnn", rngs=rngs)
+    assert Attention(64, 4, 2, implementation="xla", rngs=rngs).implementation == "xla"
+    with pytest.raises(TypeError, match="use_kernel"):
+        Attention(64, 4, 2, use_kernel=False, rngs=rngs)
+    with pytest.raises(TypeError, match="use_kernel"):
+        make_attention_fn(use_kernel=False)
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(TypeError, match="use_kernel"):  # not swallowed with the other keywords Flax may pass
+        attention_fn(q, q, q, use_kernel=False)
 
 
 def test_attention_rejects_bad_arguments():
