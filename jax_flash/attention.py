@@ -6,12 +6,17 @@ import math
 import numbers
 import operator
 import warnings
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jax_flash import _ffi
+
+#: The ``implementation`` argument: None for the jax_flash kernels, else jax.nn's implementation of that name.
+Implementation = Literal["xla", "cudnn"] | None
 
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
@@ -205,9 +210,22 @@ def _validate(query, key, value, is_causal, query_seq_lengths, key_value_seq_len
             _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch))
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                          implementation=None, return_residual=False, deterministic=False):
+def dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Implementation = None,
+    return_residual: bool = False,
+    deterministic: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Scaled dot-product attention; a drop-in for :func:`jax.nn.dot_product_attention` run by a fused kernel.
 
     Computes ``softmax(scale * Q K^T + mask) V`` per head without materialising the attention matrix, on CPU and

@@ -31,15 +31,18 @@ This module needs ``flax`` (``pip install ".[flax]"`` in the repository installs
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_flash import attention as attention_module
-from jax_flash.attention import dot_product_attention
+from jax_flash.attention import Implementation, dot_product_attention
 
 __all__ = ["Attention", "apply_rope", "attention_fn", "make_attention_fn"]
 
@@ -105,10 +108,28 @@ def _options_mask(seqlen_q, seqlen_k, local_window_size, query_seq_lengths, key_
     return mask
 
 
-def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
-                 dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
-                 promote_dtype=nnx_dtypes.promote_dtype, is_causal=False, *, local_window_size=None,
-                 query_seq_lengths=None, key_value_seq_lengths=None, implementation=None, **unused):
+def attention_fn(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: DTypeLike | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    module: Any = None,
+    promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+    is_causal: bool = False,
+    *,
+    local_window_size: int | tuple[int, int] | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    implementation: Implementation = None,
+    **unused: Any,
+) -> jax.Array:
     """Dot-product attention through the jax_flash kernels, a drop-in for Flax's ``attention_fn``.
 
     Takes the arguments that ``flax.nnx.MultiHeadAttention`` and ``flax.linen.MultiHeadDotProductAttention`` pass
@@ -215,7 +236,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
     return out.reshape(out_shape)
 
 
-def make_attention_fn(*, is_causal=False, local_window_size=None, implementation=None):
+def make_attention_fn(*, is_causal: bool = False, local_window_size: int | tuple[int, int] | None = None,
+                      implementation: Implementation = None) -> Callable[..., jax.Array]:
     """``attention_fn`` with its masking options and implementation fixed.
 
     Unlike ``functools.partial(attention_fn, is_causal=True)``, ``is_causal=True`` here holds even when the caller
@@ -238,7 +260,7 @@ def make_attention_fn(*, is_causal=False, local_window_size=None, implementation
     return fn
 
 
-def apply_rope(x, positions, theta=10000.0):
+def apply_rope(x: jax.Array, positions: ArrayLike, theta: float = 10000.0) -> jax.Array:
     """Rotary position embedding, LLaMA's half-rotation convention, computed in float32.
 
     Dimension i < head_dim / 2 of every head is rotated together with dimension i + head_dim / 2 by the angle
@@ -294,9 +316,23 @@ class Attention(nnx.Module):
       rngs: random number streams for the initializers.
     """
 
-    def __init__(self, d_model, num_heads, num_kv_heads=None, head_dim=None, *, is_causal=True,
-                 local_window_size=None, rope=True, rope_theta=10000.0, implementation=None,
-                 dtype=jnp.bfloat16, param_dtype=jnp.float32, kernel_init=nnx.initializers.lecun_normal(), rngs):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        is_causal: bool = True,
+        local_window_size: int | tuple[int, int] | None = None,
+        rope: bool = True,
+        rope_theta: float = 10000.0,
+        implementation: Implementation = None,
+        dtype: DTypeLike | None = jnp.bfloat16,
+        param_dtype: DTypeLike = jnp.float32,
+        kernel_init: jax.nn.initializers.Initializer = nnx.initializers.lecun_normal(),
+        rngs: nnx.Rngs,
+    ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, n in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(n, int) or n < 1:
@@ -324,7 +360,9 @@ class Attention(nnx.Module):
         self.v_proj = linear(d_model, num_kv_heads * head_dim)
         self.o_proj = linear(num_heads * head_dim, d_model)
 
-    def __call__(self, x, *, positions=None, query_seq_lengths=None, key_value_seq_lengths=None):
+    def __call__(self, x: jax.Array, *, positions: ArrayLike | None = None,
+                 query_seq_lengths: ArrayLike | None = None,
+                 key_value_seq_lengths: ArrayLike | None = None) -> jax.Array:
         """Self-attention over x.
 
         Args:
