@@ -565,7 +565,7 @@ def bench(args, child_env):
 
 
 def check_mode(args):
-    cfg, dtype, _, shapes = block_setup(
+    cfg, dtype, kind, shapes = block_setup(
         args, lambda shapes: f"attention {', '.join(args.attention)} | tolerances {args.check_tol:g}, per "
                              f"gradient group {args.check_group_tol:g}")
     if args.dry_run:

@@ -5,6 +5,7 @@ Everything runs on CPU with small shapes. Flax's own attention (same parameters)
 """
 
 import functools
+import json
 import math
 import os
 import subprocess
@@ -455,3 +456,10 @@ def run_example(*args):
 def test_example_lowers_the_full_size_block():
     out = run_example("--mode", "bench", "--dry-run", "--attention", "jax_flash")
     assert out.count("calls jax_flash_fwd + jax_flash_bwd") == 2, out
+
+
+def test_example_check_writes_its_results(tmp_path):
+    run_example("--mode", "check", "--config", "tiny", "--batch", "1", "--seq", "64", "--attention", "jax_flash", "xla",
+                "--out", str(tmp_path))
+    checks = json.loads((tmp_path / "llama_block-check-cpu.json").read_text())["checks"]
+    assert [c["passed"] for c in checks] == [True]
