@@ -447,8 +447,10 @@ def test_attention_rejects_bad_arguments():
 # examples/llama_block.py
 
 
-def run_example(*args):
-    proc = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=300)
+def run_example(*args, **env):
+    """Runs the example on the CPU (as every test of this module) with `env` added to the environment."""
+    proc = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", **env))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
