@@ -5,6 +5,7 @@ Everything runs on CPU with small shapes. Flax's own attention (same parameters)
 """
 
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -465,3 +466,28 @@ def test_example_check_writes_its_results(tmp_path):
                 "--out", str(tmp_path))
     checks = json.loads((tmp_path / "llama_block-check-cpu.json").read_text())["checks"]
     assert [c["passed"] for c in checks] == [True]
+
+
+def test_example_bench_without_a_gpu_is_a_smoke_run(tmp_path):
+    """On the CPU: says it is a smoke run, reports no MFU (there is no known peak), writes to the temp dir."""
+    out = run_example("--mode", "bench", "--config", "tiny", "--batch", "1", "--seq", "64", "--attention", "jax_flash",
+                      "--steps", "1", "--warmup", "0", "--no-isolate", TMPDIR=str(tmp_path))
+    assert "No GPU: a smoke run" in out and "No MFU: no GPU" in out and "MFU 0" not in out
+    (md,) = (tmp_path / "jax_flash_bench").glob("llama_block-cpu-*.md")
+    text = md.read_text()
+    assert "Smoke run without a GPU" in text and "No MFU" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 1 x 64 | jax_flash"))
+    assert row.split(" | ")[5] == "–"  # the MFU column
+
+
+def test_example_mfu_only_against_a_known_peak():
+    spec = importlib.util.spec_from_file_location("llama_block", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    assert example.mfu_peak(None, "NVIDIA H100 80GB HBM3", True, bf16) == (
+        989.0, "the dense bfloat16/float16 peak of the H100 SXM")
+    assert example.mfu_peak(None, "NVIDIA H100 80GB HBM3", True, f32)[0] is None
+    assert example.mfu_peak(None, "NVIDIA GeForce RTX 4090", True, bf16)[0] is None
+    assert example.mfu_peak(None, "cpu", False, bf16) == (None, "no GPU (a smoke run)")
+    assert example.mfu_peak(500.0, "cpu", False, bf16) == (500.0, "--peak-tflops")
