@@ -2,17 +2,22 @@
 
 Times are medians over samples of back-to-back jit'd calls (wall clock from the first dispatch to
 block_until_ready on the last, divided by the number of calls) after warm-up, so per-call host synchronisation is
-not counted; the forward's per-call latency (one call, then block_until_ready) is reported separately. TFLOP/s use the FlashAttention
-convention: forward = 4*B*Hq*Sq*Sk*D (halved when causal), backward = 2.5x forward, with the backward time taken as
-t(forward+backward) - t(forward). Each row also reports the relative error of the forward output against a float32
+not counted; the forward's per-call latency (one call, then block_until_ready) is reported separately. TFLOP/s use
+the FlashAttention convention: forward = 4*B*Hq*Sq*Sk*D (halved when causal), backward = 2.5x forward, with the
+backward time taken as t(forward+backward) - t(forward). Each row also reports the relative error of the forward output against a float32
 reference computed on a slice of heads.
 
-    python benchmarks/bench_attention.py            # full matrix on a GPU, a tiny one on CPU
+    python benchmarks/bench_attention.py            # full matrix on a GPU; a smoke run without one
     python benchmarks/bench_attention.py --quick    # a handful of shapes
 
 Writes <out>/<device>-<date>.json (one row per shape x implementation), a markdown table with jax_flash/cudnn
-ratios (.md) and a plot of TFLOP/s against sequence length (.png). While it runs, <stem>.partial.json holds the
-shapes done so far (removed at the end), so a run stopped early can still be tabulated with --merge.
+ratios (jax_flash/xla where cudnn did not run) (.md) and a plot of TFLOP/s against sequence length (.png). While it
+runs, <stem>.partial.json holds the shapes done so far (removed at the end), so a run stopped early can still be
+tabulated with --merge. <out> defaults to benchmarks/results/ on a GPU.
+
+Without a GPU the run is a smoke run: two tiny shapes (unless --shapes) through the whole pipeline on the CPU,
+jax_flash against xla. Its timings are not performance numbers, and its files go outside the source tree, to
+<temp dir>/jax_flash_bench/ (SMOKE_OUT) unless --out says otherwise.
 """
 
 import argparse
@@ -23,6 +28,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -32,6 +38,8 @@ import numpy as np
 import jax_flash
 
 IMPLS = ("jax_flash", "cudnn", "xla")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # default --out on a GPU
+SMOKE_OUT = os.path.join(tempfile.gettempdir(), "jax_flash_bench")  # default --out without one
 TOKENS = 16384
 MODEL_WIDTH = 2048  # heads = MODEL_WIDTH // head_dim
 
@@ -172,16 +180,28 @@ def fmt(x, spec=".0f"):
     return "–" if x is None else format(x, spec)
 
 
+def fmt_rate(x):
+    """TFLOP/s: whole numbers from 10 up, three significant digits below (a CPU smoke run's are far below 1)."""
+    return fmt(x, ".0f" if x is None or x >= 10 else ".3g")
+
+
+def default_out(platform):
+    return RESULTS_DIR if platform == "gpu" else SMOKE_OUT
+
+
 def markdown(rows, meta):
     by = {}
     for r in rows:
         by.setdefault((r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"]), {})[r["impl"]] = r
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    baseline = next((i for i in ("cudnn", "xla") if i in impls and "jax_flash" in impls), None)  # of the ratios
     lines = [f"# Attention benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
+             ("Smoke run without a GPU: the timings are not performance numbers. " if meta.get("smoke") else "") +
              (f"Partial run: {meta['partial']}. " if meta.get("partial") else "") +
              ("jax_flash with deterministic=True; " if meta.get("deterministic") else "") +
-             f"dtype {meta['dtype']}; fwd / bwd TFLOP/s (fwd ms, pipelined; fwd latency ms of one blocking call); "
-             "ratio = jax_flash / cudnn; err = forward relative error vs float32.", "",
+             f"dtype {meta['dtype']}; fwd / bwd TFLOP/s (fwd ms, pipelined; fwd latency ms of one blocking call); " +
+             (f"ratio = jax_flash / {baseline}" if baseline else "no ratios") +
+             "; err = forward relative error vs float32.", "",
              "| B, S, Hq/Hkv, D, causal | " + " | ".join(impls) + " | fwd ratio | bwd ratio | jax_flash err |",
              "|---|" + "---|" * (len(impls) + 3)]
     fwd_ratios, bwd_ratios = [], []
@@ -192,22 +212,25 @@ def markdown(rows, meta):
             if r is None or r["error"]:
                 cells.append("error" if r else "–")
             else:
-                cells.append(f"{fmt(r['fwd_tflops'])} / {fmt(r['bwd_tflops'])} ({fmt(r['fwd_ms'], '.3f')}; "
-                             f"{fmt(r['fwd_latency_ms'], '.3f')})")
-        jf, cu = group.get("jax_flash"), group.get("cudnn")
+                cells.append(f"{fmt_rate(r['fwd_tflops'])} / {fmt_rate(r['bwd_tflops'])} "
+                             f"({fmt(r['fwd_ms'], '.3f')}; {fmt(r['fwd_latency_ms'], '.3f')})")
+        jf, base = group.get("jax_flash"), group.get(baseline)
         fr = br = None
-        if jf and cu and jf["fwd_tflops"] and cu["fwd_tflops"]:
-            fr = jf["fwd_tflops"] / cu["fwd_tflops"]
+        if jf and base and jf["fwd_tflops"] and base["fwd_tflops"]:
+            fr = jf["fwd_tflops"] / base["fwd_tflops"]
             fwd_ratios.append(fr)
-        if jf and cu and jf["bwd_tflops"] and cu["bwd_tflops"]:
-            br = jf["bwd_tflops"] / cu["bwd_tflops"]
+        if jf and base and jf["bwd_tflops"] and base["bwd_tflops"]:
+            br = jf["bwd_tflops"] / base["bwd_tflops"]
             bwd_ratios.append(br)
         err = fmt(jf["rel_err"], ".1e") if jf else "–"
         lines.append(f"| {b}, {s}, {hq}/{hkv}, {d}, {'Y' if c else 'N'} | " + " | ".join(cells) +
                      f" | {fmt(fr, '.2f')} | {fmt(br, '.2f')} | {err} |")
     gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
-    lines += ["", f"Geometric mean jax_flash/cudnn: forward {fmt(gm(fwd_ratios), '.2f')}, "
-                  f"backward {fmt(gm(bwd_ratios), '.2f')}."]
+    if baseline:
+        lines += ["", f"Geometric mean jax_flash/{baseline}: forward {fmt(gm(fwd_ratios), '.2f')}, "
+                      f"backward {fmt(gm(bwd_ratios), '.2f')}."]
+    else:
+        lines += ["", "No ratios: jax_flash did not run beside cudnn or xla (--impls)."]
     return "\n".join(lines) + "\n"
 
 
@@ -227,7 +250,7 @@ def plot(rows, meta, path):
     try:
         import matplotlib
     except ImportError:
-        print("no plot: matplotlib is not installed (pip install 'jax_flash[bench]')", flush=True)
+        print("no plot: matplotlib is not installed (pip install '.[bench]' in the repository)", flush=True)
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -269,7 +292,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a handful of shapes")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=None,
+                        help=f"results directory (default: benchmarks/results/ on a GPU; without one, for a smoke "
+                             f"run, {SMOKE_OUT}, outside the source tree)")
     parser.add_argument("--name", default=None, help="file stem (default <device>-<date>)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
@@ -288,18 +313,20 @@ def main(argv=None):
     if args.merge:
         parts = [json.load(open(path)) for path in args.merge]
         meta, rows = parts[0]["meta"], [r for part in parts for r in part["rows"]]
-        return write_results(rows, meta, os.path.join(args.out, args.name or
+        out = args.out or default_out(meta["platform"])
+        return write_results(rows, meta, os.path.join(out, args.name or
                                                       f"{meta['device'].replace(' ', '_')}-{meta['date']}"))
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
+    out = args.out or default_out(device.platform)
     impls = [i for i in args.impls.split(",") if i]
     if not on_gpu:
         impls = [i for i in impls if i != "cudnn"]
     dtype = jnp.dtype(args.dtype)
     date = datetime.date.today().isoformat()
     meta = dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__, date=date,
-                dtype=dtype.name, deterministic=args.deterministic,
+                dtype=dtype.name, deterministic=args.deterministic, smoke=not on_gpu,
                 method="median over samples of back-to-back jit'd calls (wall clock to "
                 "block_until_ready on the last) per call; latency = median of single blocking calls")
     shapes = parse_shapes(args.shapes) if args.shapes else shape_matrix(args.quick, on_gpu)
@@ -309,8 +336,11 @@ def main(argv=None):
         if not shapes:
             parser.error(f"--head-dims {args.head_dims}: no shape of the matrix has those head dims")
     rows = []
-    stem = os.path.join(args.out, args.name or f"{meta['device'].replace(' ', '_')}-{date}")
+    stem = os.path.join(out, args.name or f"{meta['device'].replace(' ', '_')}-{date}")
     print(f"{meta['device']} | jax {jax.__version__} | {len(shapes)} shapes x {impls}", flush=True)
+    if not on_gpu:
+        print(f"No GPU: a smoke run of the benchmark on the {device.platform.upper()}; its timings are not "
+              f"performance numbers. Results go to {out}.", flush=True)
     if on_gpu:
         warm_up_device()
     for n, shape in enumerate(shapes, 1):
@@ -319,9 +349,9 @@ def main(argv=None):
             row = run_case(shape, impl, dtype, args)
             row.update(device=meta["device"], jax_version=jax.__version__, date=date)
             rows.append(row)
-            status = row["error"] or (f"fwd {fmt(row['fwd_tflops'])} TFLOP/s ({fmt(row['fwd_ms'], '.3f')} ms, "
-                                      f"latency {fmt(row['fwd_latency_ms'], '.3f')} ms), "
-                                      f"bwd {fmt(row['bwd_tflops'])} TFLOP/s, err {fmt(row['rel_err'], '.1e')}")
+            status = row["error"] or (f"fwd {fmt_rate(row['fwd_tflops'])} TFLOP/s ({fmt(row['fwd_ms'], '.3f')} "
+                                      f"ms, latency {fmt(row['fwd_latency_ms'], '.3f')} ms), "
+                                      f"bwd {fmt_rate(row['bwd_tflops'])} TFLOP/s, err {fmt(row['rel_err'], '.1e')}")
             print(f"[{n}/{len(shapes)}] {shape.label:<28} {impl:<9} {status}  ({time.perf_counter() - t0:.0f}s)",
                   flush=True)
         write_partial(rows, meta, stem, n, len(shapes))

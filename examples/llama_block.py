@@ -16,10 +16,13 @@ Modes (default: ``bench`` when JAX's default device is a GPU, ``train`` otherwis
 * ``bench``: the check, then times the train step of the block (forward, the loss ``0.5 * mean(block(x)^2)``,
   backward to the gradients of the parameters and of the block input, all under ``jax.jit``) for each attention
   choice at B x S = 2 x 4096 and 1 x 8192, and writes the results to
-  ``<out>/llama_block-<device>-<date>.{json,md}``. By default each shape's check and each (shape, attention)
-  measurement run in a child process of their own, so that the peak device memory (``peak_bytes_in_use``, which
-  cannot be reset) is that measurement's own; ``--no-isolate`` runs everything in this process and reports the
-  process peak so far.
+  ``<out>/llama_block-<device>-<date>.{json,md}`` (``--out``: benchmarks/results/ on a GPU; without one the run is a
+  smoke run, whose timings are not performance numbers, and goes to ``<temp dir>/jax_flash_bench/``, outside the
+  source tree). MFU is reported against ``--peak-tflops``, or else on a known GPU (GPU_PEAK_TFLOPS) against its
+  dense bfloat16/float16 peak, for bfloat16 and float16 steps; not otherwise. By default each shape's check and
+  each (shape, attention) measurement run in a child process of their own, so that the peak device memory
+  (``peak_bytes_in_use``, which cannot be reset) is that measurement's own; ``--no-isolate`` runs everything in
+  this process and reports the process peak so far.
 
 Model FLOPs of one train step (the basis of TFLOP/s and MFU, recomputation not counted):
 ``6 * P * B * S + 3 * F_attn``, where P is the number of weights in the block's matmuls (the q, k, v, o
@@ -58,8 +61,15 @@ from jax_flash.flax import Attention
 
 ATTENTION = {"jax_flash": None, "cudnn": "cudnn", "xla": "xla"}  # --attention -> Attention(implementation=...)
 MODES = ("train", "check", "bench")
-H100_BF16_TFLOPS = 989.0  # dense bfloat16 peak of an H100 SXM
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")
+# Dense bfloat16/float16 tensor-core peaks of known GPUs, by JAX device_kind: (TFLOP/s, model), for MFU.
+GPU_PEAK_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": (989.0, "H100 SXM"),
+    "NVIDIA H200": (989.0, "H200 SXM"),
+    "NVIDIA A100-SXM4-80GB": (312.0, "A100 SXM"),
+    "NVIDIA A100-SXM4-40GB": (312.0, "A100 SXM"),
+}
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks", "results")  # GPU
+SMOKE_OUT = os.path.join(tempfile.gettempdir(), "jax_flash_bench")  # bench results without a GPU
 
 log = functools.partial(print, flush=True)
 
@@ -331,8 +341,26 @@ def time_step(step, args_, warmup, iters):
     return statistics.median(times)
 
 
-def bench_one(cfg, shape, attention, dtype, args, block, x):
-    """Compiles, warms up and times one (shape, attention) train step; returns a result row."""
+def mfu_peak(peak_tflops, kind, on_gpu, dtype):
+    """(the peak TFLOP/s MFU is reported against, or None for no MFU; what it is or why there is none).
+
+    `peak_tflops` (--peak-tflops) if given; else, on a GPU of GPU_PEAK_TFLOPS, its dense 16-bit peak for bfloat16
+    and float16 steps."""
+    if peak_tflops is not None:
+        return peak_tflops, "--peak-tflops"
+    if not on_gpu:
+        return None, "no GPU (a smoke run)"
+    if kind not in GPU_PEAK_TFLOPS:
+        return None, f"the peak of {kind} is not known (--peak-tflops)"
+    peak, model = GPU_PEAK_TFLOPS[kind]
+    if dtype.itemsize != 2:
+        return None, f"the known peak of the {model} is its bfloat16/float16 one, the step runs in {dtype.name}"
+    return peak, f"the dense bfloat16/float16 peak of the {model}"
+
+
+def bench_one(cfg, shape, attention, dtype, args, block, x, peak):
+    """Compiles, warms up and times one (shape, attention) train step; returns a result row (MFU against `peak`
+    TFLOP/s, None without one)."""
     batch, seqlen = shape
     device = jax.devices()[0]
     flops = step_flops(cfg, batch, seqlen)
@@ -354,7 +382,7 @@ def bench_one(cfg, shape, attention, dtype, args, block, x):
             f"{args.steps} timed steps ...")
         t = time_step(compiled, (params, x), args.warmup, args.steps)
         row.update(step_ms=t * 1e3, tokens_per_s=batch * seqlen / t, tflops=flops / t / 1e12)
-        row["mfu"] = row["tflops"] / args.peak_tflops
+        row["mfu"] = None if peak is None else row["tflops"] / peak
         stats = device.memory_stats() or {}
         row["peak_bytes"] = stats.get("peak_bytes_in_use")
     except Exception as e:  # an implementation that refuses the shape or runs out of memory
@@ -366,8 +394,9 @@ def describe(row):
     if row["error"]:
         return f"ERROR {row['error']}"
     peak = "–" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**30:.1f} GiB"
+    mfu = "" if row["mfu"] is None else f"MFU {100 * row['mfu']:.3g}%, "
     return (f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.3g} TFLOP/s, "
-            f"MFU {100 * row['mfu']:.3g}%, peak memory {peak}")
+            f"{mfu}peak memory {peak}")
 
 
 def dry_run(cfg, shapes, attentions, dtype, seed):
@@ -413,8 +442,9 @@ def child_argv(args, mode, shape, attentions, out, name):
             "--name", name, "--check-tol", str(args.check_tol), "--check-group-tol", str(args.check_group_tol),
             "--child"]
     if mode == "bench":
-        argv += ["--no-isolate", "--steps", str(args.steps), "--warmup", str(args.warmup),
-                 "--peak-tflops", str(args.peak_tflops)]
+        argv += ["--no-isolate", "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        if args.peak_tflops is not None:
+            argv += ["--peak-tflops", str(args.peak_tflops)]
     return argv
 
 
@@ -448,8 +478,8 @@ def isolated(args, shapes, env):
     return checks, rows
 
 
-def in_process(cfg, args, shapes, dtype):
-    """Each shape's check, then its measurements, in this process; returns (checks, rows)."""
+def in_process(cfg, args, shapes, dtype, peak):
+    """Each shape's check, then its measurements (MFU against `peak`), in this process; returns (checks, rows)."""
     checks, rows = [], []
     block = make_block(cfg, dtype, args.seed)
     for shape in shapes:
@@ -458,7 +488,7 @@ def in_process(cfg, args, shapes, dtype):
             checks.append(check(cfg, shape, args.attention, dtype, args.check_tol, args.check_group_tol, args.seed))
         x = block_input(cfg, *shape, dtype, args.seed + 1)
         for attention in args.attention:
-            row = bench_one(cfg, shape, attention, dtype, args, block, x)
+            row = bench_one(cfg, shape, attention, dtype, args, block, x, peak)
             rows.append(row)
             log(f"bench {shape[0]}x{shape[1]} {attention:<9} {describe(row)}")
     return checks, rows
@@ -476,7 +506,10 @@ def markdown(meta, checks, rows):
              "and activations, causal. Step = forward + backward (gradients of the parameters and the block input) "
              f"under jax.jit; median of {meta['steps']} timed steps after compilation and {meta['warmup']} warm-up "
              "steps.", "",
-             f"Model FLOPs: {meta['flops_formula']}. MFU against {meta['peak_tflops']:g} TFLOP/s. "
+             ("Smoke run without a GPU: the timings are not performance numbers. " if meta["smoke"] else "") +
+             f"Model FLOPs: {meta['flops_formula']}. " +
+             (f"MFU against {meta['peak_tflops']:g} TFLOP/s, {meta['peak_note']}. " if meta["peak_tflops"] is not None
+              else f"No MFU: {meta['peak_note']}. ") +
              f"Peak memory: {meta['memory_note']}", ""]
     if checks:
         lines += ["## Agreement check", "",
@@ -502,8 +535,9 @@ def markdown(meta, checks, rows):
         b = base.get((r["batch"], r["seqlen"]))
         ratio = None if b is None else r["tokens_per_s"] / b["tokens_per_s"]
         gib = lambda v: None if v is None else v / 2**30
+        mfu = "–" if r["mfu"] is None else f"{100 * r['mfu']:.3g}%"
         lines.append(f"| {r['batch']} x {r['seqlen']} | {r['attention']} | {r['step_ms']:.1f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {100 * r['mfu']:.3g}% | "
+                     f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {mfu} | "
                      f"{fmt(gib(r['peak_bytes']), '.2f')} | {fmt(gib(r['xla_total_bytes']), '.2f')} | "
                      f"{fmt(ratio, '.2f')} |")
     return "\n".join(lines) + "\n"
@@ -533,20 +567,27 @@ def bench(args, child_env):
                              f"{', '.join(args.attention)}")
     if args.dry_run:
         return dry_run(cfg, shapes, args.attention, dtype, args.seed)
+    _, _, on_gpu = device_info()
+    peak, peak_note = mfu_peak(args.peak_tflops, kind, on_gpu, dtype)
+    if not args.child:
+        if not on_gpu:
+            log(f"No GPU: a smoke run of the benchmark pipeline; its timings are not performance numbers. Results go "
+                f"to {args.out}.")
+        log(f"MFU against {peak:g} TFLOP/s, {peak_note}." if peak is not None else f"No MFU: {peak_note}.")
     if args.isolate:
         checks, rows = isolated(args, shapes, child_env)
         memory_note = ("device.memory_stats()['peak_bytes_in_use'] of a child process that ran only that "
                        "measurement (compilation, warm-up and timing).")
     else:
-        checks, rows = in_process(cfg, args, shapes, dtype)
+        checks, rows = in_process(cfg, args, shapes, dtype, peak)
         memory_note = ("device.memory_stats()['peak_bytes_in_use'] of this process after the measurement: the peak "
                        "so far, including the agreement check and earlier measurements.")
     memory_note += " XLA plan = arguments + outputs + temporaries of the compiled step (compiled.memory_analysis())."
     date = datetime.date.today().isoformat()
     meta = dict(device=kind, platform=jax.devices()[0].platform, jax_version=jax.__version__,
                 jax_flash_version=jax_flash.__version__, date=date, dtype=dtype.name, config_name=args.config,
-                config=dataclasses.asdict(cfg), steps=args.steps, warmup=args.warmup, peak_tflops=args.peak_tflops,
-                isolated=args.isolate, memory_note=memory_note,
+                config=dataclasses.asdict(cfg), steps=args.steps, warmup=args.warmup, peak_tflops=peak,
+                peak_note=peak_note, smoke=not on_gpu, isolated=args.isolate, memory_note=memory_note,
                 flops_formula="6 * P * B * S + 3 * (4 * B * S^2 * Hq * D / 2), P = weights in the block's matmuls "
                               f"({cfg.matmul_params():,})",
                 method="median wall clock of the jit-compiled train step, block_until_ready")
@@ -565,7 +606,7 @@ def bench(args, child_env):
 
 
 def check_mode(args):
-    cfg, dtype, _, shapes = block_setup(
+    cfg, dtype, kind, shapes = block_setup(
         args, lambda shapes: f"attention {', '.join(args.attention)} | tolerances {args.check_tol:g}, per "
                              f"gradient group {args.check_group_tol:g}")
     if args.dry_run:
@@ -603,14 +644,18 @@ def parse_args(argv):
     parser.add_argument("--seq", type=int, default=None, help="train default 128; check/bench: see --batch")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                         help="activations (and, for check/bench, parameters; train keeps float32 parameters)")
-    parser.add_argument("--out", default=None, help="bench: results directory (default benchmarks/results); "
-                                                    "check: also write the results as JSON there")
+    parser.add_argument("--out", default=None,
+                        help=f"bench: results directory (default: benchmarks/results/ on a GPU; without one, for a "
+                             f"smoke run, {SMOKE_OUT}, outside the source tree); check: also write the results as "
+                             f"JSON there")
     parser.add_argument("--name", default=None, help="file stem (default llama_block-<device>-<date>)")
     parser.add_argument("--lr", type=float, default=3e-3, help="train: Adam learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=3, help="bench: untimed steps after compilation")
-    parser.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS,
-                        help="bench: the device's dense peak for MFU (default: H100 SXM bfloat16)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="bench: the device's dense peak for MFU (default: on a known GPU ("
+                             f"{', '.join(sorted({m for _, m in GPU_PEAK_TFLOPS.values()}))}) its dense "
+                             "bfloat16/float16 peak, for bfloat16 and float16 steps; no MFU otherwise)")
     parser.add_argument("--check-tol", type=float, default=2e-2,
                         help="check/bench: largest relative difference of the loss, and of all gradients together")
     parser.add_argument("--check-group-tol", type=float, default=5e-2,
@@ -631,7 +676,8 @@ def parse_args(argv):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             error(f"--{name} must be {'>= 0' if name == 'warmup' else 'positive'}, got {value}")
-    if min(args.check_tol, args.check_group_tol, args.peak_tflops, args.lr) <= 0:
+    if min(args.check_tol, args.check_group_tol, args.lr) <= 0 or (args.peak_tflops is not None
+                                                                   and args.peak_tflops <= 0):
         error("--check-tol, --check-group-tol, --peak-tflops and --lr must be positive")
     return args, error
 
@@ -663,7 +709,7 @@ def finish_args(args, error, on_gpu):
             error("--steps does not apply to --mode check")
         args.steps = args.steps or 10
         if args.mode == "bench":
-            args.out = args.out or RESULTS_DIR
+            args.out = args.out or (RESULTS_DIR if on_gpu else SMOKE_OUT)
     if args.mode != "bench" and not args.isolate:
         error("--no-isolate applies to --mode bench only")
 

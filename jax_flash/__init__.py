@@ -22,7 +22,7 @@ except importlib.metadata.PackageNotFoundError:
     __version__ = "0+unknown"
 
 
-def cuda_available():
+def cuda_available() -> bool:
     """True when the CUDA kernels are built, registered with JAX, and the CUDA runtime sees a GPU."""
     return _ffi.CUDA_REGISTERED and _ffi.cuda_device_count() > 0
 

@@ -13,13 +13,24 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import importlib.util
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _jax_flash_cpu
+try:
+    from jax_flash import _jax_flash_cpu
+except ImportError:
+    if importlib.util.find_spec("jax_flash._jax_flash_cpu") is not None:
+        raise  # the extension is there but does not load
+    raise ImportError(
+        f"jax_flash's compiled extension _jax_flash_cpu is missing from {os.path.dirname(__file__)}. Usually this "
+        "is the source tree, which holds no build, shadowing the installed package (Python was started in the "
+        "repository root, or has it on sys.path). Install the package with `pip install .` in the repository and "
+        "import it from another directory; to run the tests from the repository root, use the `pytest` command "
+        "(`python -m pytest` puts the current directory on sys.path).") from None
 
 FWD_TARGET = "jax_flash_fwd"
 BWD_TARGET = "jax_flash_bwd"

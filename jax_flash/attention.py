@@ -6,12 +6,17 @@ import math
 import numbers
 import operator
 import warnings
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jax_flash import _ffi
+
+#: The ``implementation`` argument: None for the jax_flash kernels, else jax.nn's implementation of that name.
+Implementation = Literal["xla", "cudnn"] | None
 
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
@@ -205,9 +210,22 @@ def _validate(query, key, value, is_causal, query_seq_lengths, key_value_seq_len
             _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch))
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                          implementation=None, return_residual=False, deterministic=False):
+def dot_product_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Implementation = None,
+    return_residual: bool = False,
+    deterministic: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Scaled dot-product attention; a drop-in for :func:`jax.nn.dot_product_attention` run by a fused kernel.
 
     Computes ``softmax(scale * Q K^T + mask) V`` per head without materialising the attention matrix, on CPU and
@@ -251,6 +269,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     Semantics differ from jax.nn's xla implementation in one case: a query row below its query length that sees
     no key (key/value length 0, or a window or causal mask excluding every key) outputs 0 and passes zero
     gradients, where jax.nn averages every value uniformly. Rows at or past ``query_seq_lengths`` are 0 in both.
+
+    Non-finite inputs: on CPU, nan and inf in query, key or value propagate as through jax.nn's xla implementation
+    (a nan or +inf logit makes its row nan, a -inf logit weighs 0, a non-finite value reaches the rows that see it,
+    and gradients follow), except that jax.nn also carries them through the zero weight of masked positions
+    (0 * nan) to rows that cannot see them. The kernel does that at most within one of its tiles, never from keys
+    that no row sees nor from rows that see no key, and rows that see no key still output 0 with zero gradients.
 
     Raises:
       ValueError: inconsistent shapes or dtypes between query, key and value; a head dim the kernels do not take;

@@ -25,20 +25,24 @@ sequence lengths instead of a mask to stay on the kernel.
 ``Attention`` is a grouped-query self-attention layer with rotary embeddings whose ``implementation`` can be
 switched between the kernel and jax.nn's implementations on the same parameters.
 
-This module needs ``flax`` (``pip install jax_flash[flax]``); ``import jax_flash`` does not import it.
+This module needs ``flax`` (``pip install ".[flax]"`` in the repository installs jax_flash with flax and optax);
+``import jax_flash`` does not import it.
 """
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
+from jax.typing import ArrayLike, DTypeLike
 
 from jax_flash import attention as attention_module
-from jax_flash.attention import dot_product_attention
+from jax_flash.attention import Implementation, dot_product_attention
 
 __all__ = ["Attention", "apply_rope", "attention_fn", "make_attention_fn"]
 
@@ -104,10 +108,28 @@ def _options_mask(seqlen_q, seqlen_k, local_window_size, query_seq_lengths, key_
     return mask
 
 
-def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
-                 dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
-                 promote_dtype=nnx_dtypes.promote_dtype, is_causal=False, *, local_window_size=None,
-                 query_seq_lengths=None, key_value_seq_lengths=None, implementation=None, **unused):
+def attention_fn(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: DTypeLike | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    module: Any = None,
+    promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+    is_causal: bool = False,
+    *,
+    local_window_size: int | tuple[int, int] | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    implementation: Implementation = None,
+    **unused: Any,
+) -> jax.Array:
     """Dot-product attention through the jax_flash kernels, a drop-in for Flax's ``attention_fn``.
 
     Takes the arguments that ``flax.nnx.MultiHeadAttention`` and ``flax.linen.MultiHeadDotProductAttention`` pass
@@ -145,10 +167,10 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
       query_seq_lengths: optional int32 array of the batch shape: query rows at or past it output 0.
       key_value_seq_lengths: optional int32 array of the batch shape: keys at or past it are masked.
       implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
-        :func:`jax.nn.dot_product_attention` with that implementation.
-      use_kernel: False is shorthand for ``implementation="xla"``, jax.nn's reference path, for A/B checks.
+        :func:`jax.nn.dot_product_attention` with that implementation (``"xla"`` is jax.nn's reference path, for
+        A/B checks).
       **unused: other keywords Flax may pass (``force_fp32_for_softmax``, ...), ignored: softmax always runs in
-        float32 in the kernels.
+        float32 in the kernels. ``use_kernel`` is refused (TypeError): ``implementation`` is the one choice.
 
     Returns:
       [batch..., q_length, num_heads, head_dim] in the promoted dtype.
@@ -156,6 +178,9 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
     A query row that sees no key (e.g. every key masked by the lengths) outputs 0 in the kernel, where Flax's and
     jax.nn's implementations average the values uniformly.
     """
+    if "use_kernel" in unused:
+        raise TypeError("attention_fn takes no use_kernel; choose with implementation=None (the kernel), 'xla' or "
+                        "'cudnn'")
     del unused
     _check_implementation(implementation)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
@@ -211,7 +236,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
     return out.reshape(out_shape)
 
 
-def make_attention_fn(*, is_causal=False, local_window_size=None, implementation=None):
+def make_attention_fn(*, is_causal: bool = False, local_window_size: int | tuple[int, int] | None = None,
+                      implementation: Implementation = None) -> Callable[..., jax.Array]:
     """``attention_fn`` with its masking options and implementation fixed.
 
     Unlike ``functools.partial(attention_fn, is_causal=True)``, ``is_causal=True`` here holds even when the caller
@@ -234,7 +260,7 @@ def make_attention_fn(*, is_causal=False, local_window_size=None, implementation
     return fn
 
 
-def apply_rope(x, positions, theta=10000.0):
+def apply_rope(x: jax.Array, positions: ArrayLike, theta: float = 10000.0) -> jax.Array:
     """Rotary position embedding, LLaMA's half-rotation convention, computed in float32.
 
     Dimension i < head_dim / 2 of every head is rotated together with dimension i + head_dim / 2 by the angle
@@ -281,8 +307,8 @@ class Attention(nnx.Module):
       rope: apply rotary embeddings (:func:`apply_rope`) to queries and keys.
       rope_theta: the base of the rotary frequencies.
       implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
-        :func:`jax.nn.dot_product_attention` with that implementation.
-      use_kernel: False is shorthand for ``implementation="xla"``, jax.nn's reference path, for A/B checks.
+        :func:`jax.nn.dot_product_attention` with that implementation (``"xla"`` is jax.nn's reference path, for
+        A/B checks).
       dtype: computation dtype of the projections and the attention (the kernels take bfloat16 and float16, and
         float32 on CPU); None promotes inputs and parameters.
       param_dtype: parameter dtype.
@@ -290,9 +316,23 @@ class Attention(nnx.Module):
       rngs: random number streams for the initializers.
     """
 
-    def __init__(self, d_model, num_heads, num_kv_heads=None, head_dim=None, *, is_causal=True,
-                 local_window_size=None, rope=True, rope_theta=10000.0, implementation=None, use_kernel=True,
-                 dtype=jnp.bfloat16, param_dtype=jnp.float32, kernel_init=nnx.initializers.lecun_normal(), rngs):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        is_causal: bool = True,
+        local_window_size: int | tuple[int, int] | None = None,
+        rope: bool = True,
+        rope_theta: float = 10000.0,
+        implementation: Implementation = None,
+        dtype: DTypeLike | None = jnp.bfloat16,
+        param_dtype: DTypeLike = jnp.float32,
+        kernel_init: jax.nn.initializers.Initializer = nnx.initializers.lecun_normal(),
+        rngs: nnx.Rngs,
+    ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, n in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(n, int) or n < 1:
@@ -312,11 +352,6 @@ class Attention(nnx.Module):
         self.is_causal = bool(is_causal)
         self.local_window_size = local_window_size
         self.rope, self.rope_theta = bool(rope), float(rope_theta)
-        if not use_kernel:
-            if implementation is not None:
-                raise ValueError(f"use_kernel=False selects implementation='xla'; got implementation="
-                                 f"{implementation!r} as well")
-            implementation = "xla"
         self.implementation = _check_implementation(implementation)
         linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                    kernel_init=kernel_init, rngs=rngs)
@@ -325,7 +360,9 @@ class Attention(nnx.Module):
         self.v_proj = linear(d_model, num_kv_heads * head_dim)
         self.o_proj = linear(num_heads * head_dim, d_model)
 
-    def __call__(self, x, *, positions=None, query_seq_lengths=None, key_value_seq_lengths=None):
+    def __call__(self, x: jax.Array, *, positions: ArrayLike | None = None,
+                 query_seq_lengths: ArrayLike | None = None,
+                 key_value_seq_lengths: ArrayLike | None = None) -> jax.Array:
         """Self-attention over x.
 
         Args:

@@ -3,10 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 
-def visible_mask(seqlen_q, seqlen_k, *, is_causal=False, local_window_size=None, query_seq_lengths=None,
-                 key_value_seq_lengths=None):
+def visible_mask(seqlen_q: int, seqlen_k: int, *, is_causal: bool = False,
+                 local_window_size: tuple[int, int] | None = None, query_seq_lengths: ArrayLike | None = None,
+                 key_value_seq_lengths: ArrayLike | None = None) -> jax.Array:
     """Boolean [B or 1, 1, Sq, Sk]: True where query row i may attend to key j.
 
     Key j is visible to row i when j <= i (if causal), i - left <= j <= i + right (for a window (left, right)),
@@ -28,8 +30,10 @@ def visible_mask(seqlen_q, seqlen_k, *, is_causal=False, local_window_size=None,
     return mask
 
 
-def reference_attention(query, key, value, *, scale=None, is_causal=False, query_seq_lengths=None,
-                        key_value_seq_lengths=None, local_window_size=None):
+def reference_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *, scale: float | None = None,
+                        is_causal: bool = False, query_seq_lengths: ArrayLike | None = None,
+                        key_value_seq_lengths: ArrayLike | None = None,
+                        local_window_size: int | tuple[int, int] | None = None) -> jax.Array:
     """Attention computed with a materialised softmax in the promoted dtype of query, key and value.
 
     Takes the arguments of :func:`jax_flash.dot_product_attention` (layout BTNH or TNH, grouped-query attention,

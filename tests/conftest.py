@@ -1,4 +1,5 @@
-"""Shared helpers: random inputs, forward+backward runners, and the accuracy check against a float64 reference.
+"""Shared helpers: random inputs, forward+backward runners, the accuracy check against a float64 reference, and the
+check of results for inputs holding nan or inf.
 
 Helpers reach the test modules through the ``attention_checks`` fixture; test modules describe cases as dicts of
 ``Case`` fields.
@@ -124,8 +125,55 @@ def numpy_reference(case, q, k, v, do, scale=None):
     return [out, dq, dk, dv]
 
 
+def masked_reference(case, q, k, v, do, scale=None):
+    """(out, dq, dk, dv) in float64 numpy, every sum running over the visible (row, key) pairs only.
+
+    numpy_reference and jax.nn add masked pairs into their sums with weight 0; here they are left out, so a nan or
+    inf input reaches exactly the entries that depend on it through visible pairs (never through 0 * nan). Semantics
+    as jax_flash: rows that see no key output 0 with zero dq, keys that no row sees get zero dk and dv; a row whose
+    visible logits are all -inf is 0 / 0 = nan. Products are spelt out elementwise (no BLAS) and one (batch, head)
+    at a time: meant for small cases with non-finite inputs.
+    """
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    scale = 1 / np.sqrt(case.head_dim) if scale is None else scale
+    group = case.heads_q // case.heads_kv
+    visible = np.broadcast_to(case.visible()[:, 0], (case.batch, case.seqlen_q, case.seqlen_k))
+    out, dq, dk, dv = np.zeros_like(q), np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+
+    def visible_sum(a, b, vis):
+        """[T, H]: sum over s of a[t, s] * b[s, h], for the pairs (t, s) with vis[t, s] only."""
+        return np.where(vis[:, :, None], a[:, :, None] * b[None], 0).sum(1)
+
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for b, n in np.ndindex(case.batch, case.heads_q):
+            vis, kvh = visible[b], n // group
+            qn, kn, vn, don = q[b, :, n], k[b, :, kvh], v[b, :, kvh], do[b, :, n]
+            logits = np.where(vis, scale * (qn[:, None] * kn[None]).sum(-1), -np.inf)
+            weights = np.where(vis, np.exp(logits - logits.max(1, keepdims=True)), 0)
+            probs = np.where(vis, weights / weights.sum(1, keepdims=True), 0)
+            o = visible_sum(probs, vn, vis)
+            dprobs = (don[:, None] * vn[None]).sum(-1)
+            dlogits = np.where(vis, probs * (dprobs - (don * o).sum(-1, keepdims=True)), 0)
+            out[b, :, n] = o
+            dq[b, :, n] = scale * visible_sum(dlogits, kn, vis)
+            dk[b, :, kvh] += scale * visible_sum(dlogits.T, qn, vis.T)
+            dv[b, :, kvh] += visible_sum(probs.T, don, vis.T)
+    return [out, dq, dk, dv]
+
+
 def max_abs(x):
     return float(np.max(np.abs(x))) if x.size else 0.0
+
+
+def jax_nn_fwd_bwd(q, k, v, do, implementation="xla", **kwargs):
+    """fwd_bwd of jax.nn.dot_product_attention with `implementation`.
+
+    jax.nn's xla path asks for F16_F16_F32 dots, which XLA:CPU cannot compile; float16 on CPU runs eagerly, where it
+    retries with the default precision.
+    """
+    jit = not (q.dtype == jnp.float16 and all(d.platform == "cpu" for d in q.devices()))
+    return fwd_bwd(functools.partial(jax.nn.dot_product_attention, implementation=implementation), q, k, v, do,
+                   jit=jit, **kwargs)
 
 
 def check_against_reference(case, dtype, baseline_implementation="xla", seed=0, factor=3.0, **jax_flash_options):
@@ -143,11 +191,7 @@ def check_against_reference(case, dtype, baseline_implementation="xla", seed=0, 
     ours = fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **kwargs, **jax_flash_options)
     agree = case.rows_like_jax_nn()
     do_base = do * jnp.asarray(agree, do.dtype)[:, :, None, None]
-    # jax.nn's xla path asks for F16_F16_F32 dots, which XLA:CPU cannot compile; run eagerly, it then retries with
-    # the default precision.
-    jit_base = not (dtype == jnp.float16 and all(d.platform == "cpu" for d in q.devices()))
-    base = fwd_bwd(functools.partial(jax.nn.dot_product_attention, implementation=baseline_implementation),
-                   q, k, v, do_base, jit=jit_base, **kwargs)
+    base = jax_nn_fwd_bwd(q, k, v, do_base, baseline_implementation, **kwargs)
     eps = float(jnp.finfo(dtype).eps)
     for name, x, b, r in zip(("output", "dq", "dk", "dv"), ours, base, ref):
         assert np.isfinite(x).all(), f"{case} {name}: non-finite values"
@@ -161,6 +205,82 @@ def check_against_reference(case, dtype, baseline_implementation="xla", seed=0, 
     dead = ~case.row_sees_key()
     assert not np.any(ours[0][dead]), f"{case}: rows that see no key must output 0"
     assert not np.any(ours[1][dead]), f"{case}: rows that see no key must get dq = 0"
+
+
+NONFINITE_TOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}  # check_nonfinite, by dtype name
+NONFINITE_VALUES = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
+
+# Logits of one sign: +inf in dim 0 of query row 30 (of key 30), and every key (query) of that sign in dim 0.
+INFINITE_LOGITS = {
+    "row_all_plus_inf": ("q", 1.0),  # softmax(+inf, ..., +inf) = nan
+    "row_all_minus_inf": ("q", -1.0),  # 0 / 0 = nan
+    "column_plus_inf": ("k", 1.0),  # nan in every row
+    "column_minus_inf": ("k", -1.0),  # weight 0: finite outputs; dq = 0 * -inf = nan in dim 0
+}
+
+
+def nonfinite_inputs(case, dtype, where, value, position, seed=0):
+    """make_inputs with NONFINITE_VALUES[value] at `position` (batch, row or key, head, dim) of `where` (q, k or v)."""
+    inputs = make_inputs(case, dtype, seed)
+    i = "qkv".index(where)
+    inputs[i] = inputs[i].at[position].set(NONFINITE_VALUES[value])
+    return inputs
+
+
+def infinite_logit_inputs(case, dtype, name, seed=0):
+    """make_inputs with the logits of INFINITE_LOGITS[name]: query row 30 of head 1 or key 30 of kv head 1 (the
+    case needs two heads)."""
+    q, k, v, do = make_inputs(case, dtype, seed)
+    where, sign = INFINITE_LOGITS[name]
+    if where == "q":
+        q = q.at[0, 30, 1, 0].set(np.inf)
+        k = k.at[..., 0].set(sign * jnp.abs(k[..., 0]))
+    else:
+        k = k.at[0, 30, 1, 0].set(np.inf)
+        q = q.at[..., 0].set(sign * jnp.abs(q[..., 0]))
+    return q, k, v, do
+
+
+def check_nonfinite(case, q, k, v, do):
+    """Checks jax_flash's output and gradients for inputs holding nan or inf; returns the non-finite patterns
+    (bool arrays for out, dq, dk, dv) of jax_flash and of jax.nn's xla implementation.
+
+    * Every entry that depends on a non-finite input through a visible (row, key) pair (masked_reference) is
+      non-finite.
+    * Any other non-finite entry is non-finite in jax.nn too: jax.nn sums over masked pairs with weight 0, so the nan
+      of 0 * nan reaches it from a masked position; jax_flash's kernels skip the key blocks a query block cannot see,
+      but within a tile they too multiply masked pairs by 0.
+    * Rows that see no key output exactly 0 and get dq = 0, and keys that no row sees get dk = dv = 0, whatever the
+      inputs hold (jax.nn gives a valid row that sees no key the average of all values, and multiplies rows past
+      the query length by 0, so nan stays nan there).
+    * The finite entries are accurate (against masked_reference, relative to the largest finite value).
+    """
+    kwargs = case.kwargs()
+    ours = fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **kwargs)
+    ref = masked_reference(case, q, k, v, do)
+    base = jax_nn_fwd_bwd(q, k, v, do, **kwargs)
+    tol = NONFINITE_TOL[q.dtype.name]
+    ours_bad, base_bad = [], []
+    for name, x, r, b in zip(("output", "dq", "dk", "dv"), ours, ref, base):
+        bad, ref_bad, b_bad = ~np.isfinite(x), ~np.isfinite(r), ~np.isfinite(b)
+        missing = ref_bad & ~bad
+        assert not missing.any(), f"{case} {name}: finite at {np.argwhere(missing)[:5].tolist()}, where it depends " \
+                                  "on a non-finite input"
+        extra = bad & ~ref_bad & ~b_bad
+        assert not extra.any(), f"{case} {name}: non-finite at {np.argwhere(extra)[:5].tolist()}, where neither " \
+                                "jax.nn nor the masked reference is"
+        finite = ~bad
+        err = max_abs(x[finite] - r[finite])
+        bound = tol * max(max_abs(r[finite]), 1.0)
+        assert err <= bound, f"{case} {name}: error {err:.3g} > {bound:.3g} on the finite entries"
+        ours_bad.append(bad)
+        base_bad.append(b_bad)
+    out, dq, dk, dv = ours
+    dead_rows = ~case.row_sees_key()  # [B, T]
+    dead_keys = ~case.visible().any(2)[:, 0]  # [B, S]
+    assert not out[dead_rows].any() and not dq[dead_rows].any(), f"{case}: rows that see no key must stay 0"
+    assert not dk[dead_keys].any() and not dv[dead_keys].any(), f"{case}: keys no row sees must get zero dk, dv"
+    return ours_bad, base_bad
 
 
 @pytest.fixture(autouse=True)
@@ -178,7 +298,9 @@ def attention_checks():
     """The helpers above, for test modules."""
     return types.SimpleNamespace(
         Case=Case, make_inputs=make_inputs, fwd_bwd=fwd_bwd, numpy_reference=numpy_reference,
-        max_abs=max_abs, check_against_reference=check_against_reference)
+        masked_reference=masked_reference, max_abs=max_abs, check_against_reference=check_against_reference,
+        nonfinite_inputs=nonfinite_inputs, infinite_logit_inputs=infinite_logit_inputs,
+        check_nonfinite=check_nonfinite)
 
 
 @pytest.fixture

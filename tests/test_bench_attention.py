@@ -1,13 +1,19 @@
 """benchmarks/bench_attention.py on the CPU: a complete run writes its table and removes the partial file; a run
 stopped after its first shape leaves that shape's rows in <stem>.partial.json, which --merge tabulates; the plot has
-a panel only for the (head dim, causal) pairs with data; --head-dims matching no shape is an argument error."""
+a panel only for the (head dim, causal) pairs with data; --head-dims matching no shape is an argument error; a run
+without a GPU says it is a smoke run, shows its (small) rates and jax_flash/xla ratios, and by default writes
+outside the source tree."""
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_attention.py"
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+_PATH = _ROOT / "benchmarks" / "bench_attention.py"
 
 
 @pytest.fixture
@@ -72,3 +78,43 @@ def test_head_dims_without_shapes_is_a_clear_error(bench, tmp_path, capsys):
         bench.main(ARGS + ["--head-dims", "512", "--out", str(tmp_path), "--name", "run"])
     assert "--head-dims 512: no shape" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_smoke_run_shows_rates_and_ratios(bench, tmp_path, capsys):
+    args = ["--impls", "jax_flash,xla"] + ARGS[2:] + ["--out", str(tmp_path), "--name", "run"]
+    assert bench.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "No GPU: a smoke run" in printed and "not performance numbers" in printed
+    assert " 0 TFLOP/s" not in printed
+    md = (tmp_path / "run.md").read_text()
+    assert "Smoke run without a GPU" in md and "ratio = jax_flash / xla" in md
+    table = [line.split(" | ") for line in md.splitlines() if line.startswith("| 1, ")]
+    assert len(table) == 2
+    for cells in table:  # jax_flash, xla, fwd ratio, bwd ratio
+        assert not cells[1].startswith("0 /") and float(cells[3]) > 0 and float(cells[4]) > 0
+    assert "Geometric mean jax_flash/xla" in md
+
+
+def _tree(root):
+    """{path: (size, mtime)} of every file under root but .git."""
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            stat = os.stat(path)
+            files[path] = (stat.st_size, stat.st_mtime_ns)
+    return files
+
+
+def test_cpu_run_writes_nothing_into_the_source_tree(tmp_path):
+    """Run as a script from the repository root (JAX on CPU): every file goes to the temp dir's jax_flash_bench/."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    before = _tree(_ROOT)
+    result = subprocess.run([sys.executable, "-B", str(_PATH), *ARGS], cwd=_ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _tree(_ROOT) == before
+    out = tmp_path / "jax_flash_bench"
+    assert f"Results go to {out}" in result.stdout
+    assert sorted(p.suffix for p in out.iterdir()) == [".json", ".md"]

@@ -1,4 +1,11 @@
-"""The FFI layer: target registration, the custom calls in lowered HLO, and the raw fwd/bwd calls."""
+"""The FFI layer: loading the extension, target registration, the custom calls in lowered HLO, and the raw fwd/bwd
+calls."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -130,3 +137,20 @@ def test_cpu_only_install_says_so(monkeypatch, caplog):
         jax_flash._report_cuda_status()
     assert "CPU-only install" in caplog.text and "only the CPU kernels" in caplog.text
     assert not jax_flash.cuda_available()
+
+
+def test_import_without_the_extension_says_what_to_do(tmp_path):
+    """The source tree's jax_flash (no compiled extension), found first on sys.path as from the repository root,
+    fails with an ImportError that says what happened and what to do, not a confusing circular-import error."""
+    source = pathlib.Path(__file__).resolve().parent.parent / "jax_flash"
+    (tmp_path / "jax_flash").mkdir()
+    for path in source.glob("*.py"):
+        shutil.copy(path, tmp_path / "jax_flash")
+    result = subprocess.run([sys.executable, "-c", "import jax_flash"], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: jax_flash's compiled extension _jax_flash_cpu is missing from "
+                           f"{tmp_path / 'jax_flash'}"), result.stderr
+    assert "`pip install .`" in last and "`pytest` command" in last
+    assert "circular import" not in result.stderr

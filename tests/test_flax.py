@@ -5,6 +5,8 @@ Everything runs on CPU with small shapes. Flax's own attention (same parameters)
 """
 
 import functools
+import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -16,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("flax", reason="the Flax integration needs flax (pip install jax_flash[flax])")
-optax = pytest.importorskip("optax", reason="the Flax integration tests need optax (pip install jax_flash[flax])")
+pytest.importorskip("flax", reason="the Flax integration needs flax (pip install '.[flax]')")
+optax = pytest.importorskip("optax", reason="the Flax integration tests need optax (pip install '.[flax]')")
 
 from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -408,12 +410,18 @@ def test_adam_step_lowers_the_loss():
     assert float(loss(model)) < before
 
 
-def test_use_kernel_false_is_the_xla_reference():
+def test_implementation_is_the_one_switch():
+    """``implementation`` (default None, the kernel) is the only way to choose the attention computation."""
     rngs = nnx.Rngs(0)
-    assert Attention(64, 4, 2, use_kernel=False, rngs=rngs).implementation == "xla"
     assert Attention(64, 4, 2, rngs=rngs).implementation is None
-    with pytest.raises(ValueError, match="use_kernel=False"):
-        Attention(64, 4, 2, use_kernel=False, implementation="cudnn", rngs=rngs)
+    assert Attention(64, 4, 2, implementation="xla", rngs=rngs).implementation == "xla"
+    with pytest.raises(TypeError, match="use_kernel"):
+        Attention(64, 4, 2, use_kernel=False, rngs=rngs)
+    with pytest.raises(TypeError, match="use_kernel"):
+        make_attention_fn(use_kernel=False)
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(TypeError, match="use_kernel"):  # not swallowed with the other keywords Flax may pass
+        attention_fn(q, q, q, use_kernel=False)
 
 
 def test_attention_rejects_bad_arguments():
@@ -440,8 +448,10 @@ def test_attention_rejects_bad_arguments():
 # examples/llama_block.py
 
 
-def run_example(*args):
-    proc = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=300)
+def run_example(*args, **env):
+    """Runs the example on the CPU (as every test of this module) with `env` added to the environment."""
+    proc = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", **env))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -449,3 +459,35 @@ def run_example(*args):
 def test_example_lowers_the_full_size_block():
     out = run_example("--mode", "bench", "--dry-run", "--attention", "jax_flash")
     assert out.count("calls jax_flash_fwd + jax_flash_bwd") == 2, out
+
+
+def test_example_check_writes_its_results(tmp_path):
+    run_example("--mode", "check", "--config", "tiny", "--batch", "1", "--seq", "64", "--attention", "jax_flash", "xla",
+                "--out", str(tmp_path))
+    checks = json.loads((tmp_path / "llama_block-check-cpu.json").read_text())["checks"]
+    assert [c["passed"] for c in checks] == [True]
+
+
+def test_example_bench_without_a_gpu_is_a_smoke_run(tmp_path):
+    """On the CPU: says it is a smoke run, reports no MFU (there is no known peak), writes to the temp dir."""
+    out = run_example("--mode", "bench", "--config", "tiny", "--batch", "1", "--seq", "64", "--attention", "jax_flash",
+                      "--steps", "1", "--warmup", "0", "--no-isolate", TMPDIR=str(tmp_path))
+    assert "No GPU: a smoke run" in out and "No MFU: no GPU" in out and "MFU 0" not in out
+    (md,) = (tmp_path / "jax_flash_bench").glob("llama_block-cpu-*.md")
+    text = md.read_text()
+    assert "Smoke run without a GPU" in text and "No MFU" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 1 x 64 | jax_flash"))
+    assert row.split(" | ")[5] == "–"  # the MFU column
+
+
+def test_example_mfu_only_against_a_known_peak():
+    spec = importlib.util.spec_from_file_location("llama_block", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    assert example.mfu_peak(None, "NVIDIA H100 80GB HBM3", True, bf16) == (
+        989.0, "the dense bfloat16/float16 peak of the H100 SXM")
+    assert example.mfu_peak(None, "NVIDIA H100 80GB HBM3", True, f32)[0] is None
+    assert example.mfu_peak(None, "NVIDIA GeForce RTX 4090", True, bf16)[0] is None
+    assert example.mfu_peak(None, "cpu", False, bf16) == (None, "no GPU (a smoke run)")
+    assert example.mfu_peak(500.0, "cpu", False, bf16) == (500.0, "--peak-tflops")

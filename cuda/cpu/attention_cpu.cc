@@ -17,6 +17,14 @@
 //     more, but every pass has plenty of independent items.
 // No two items write the same memory, so there are no data races and results do not depend on scheduling.
 //
+// Non-finite inputs propagate as through jax.nn's xla path: a row with a nan or +inf visible logit outputs nan, a
+// -inf logit weighs 0 (a row whose visible logits are all -inf is 0 / 0 = nan), a non-finite value of a visible key
+// makes that column of the row non-finite, and gradients follow. Masked logits and dS entries are selected away,
+// never multiplied by 0. A row that sees no key still outputs exactly 0 and gets a zero dQ, and keys that no row
+// sees get zero dK/dV, whatever the inputs hold; neither those rows' Q and dO nor those keys' K and V reach any
+// other result. A non-finite K or V of a key that some rows see may still reach other rows of its tile through a
+// zero weight (0 * nan); jax.nn's sums run over every key, so there it always does.
+//
 // Matrix products go through one register-blocked kernel on GCC vector extensions. All operands are first copied
 // into zero-padded float tiles, so the kernel only sees row counts that are multiples of its tile height and column
 // counts that are multiples of 8; sums over k run in order (no reassociation).
@@ -259,6 +267,20 @@ inline void RowSpan(const AttentionMask& mask, bool full, int q0, int i, int nq,
   }
 }
 
+// True when query row `row` sees at least one of the seqlen_k keys.
+inline bool RowSeesKey(const AttentionMask& mask, int row, int seqlen_k) {
+  return std::min(mask.hi(row), seqlen_k) > mask.lo(row);
+}
+
+// Zeroes row i of x (row stride ld, head_dim floats) for each query row q0 + i, i < n, that sees no key: dQ rows
+// that a product with a K tile holding nan could otherwise have made nan (0 * nan).
+inline void ZeroRowsThatSeeNoKey(const FlashParams& p, const AttentionMask& mask, int q0, int n, float* x,
+                                 int64_t ld) {
+  for (int i = 0; i < n; ++i) {
+    if (!RowSeesKey(mask, q0 + i, p.seqlen_k)) std::fill_n(x + i * ld, p.head_dim, 0.0f);
+  }
+}
+
 struct FwdScratch {
   std::vector<float> q, kt, v, s, o, m, l;
   explicit FwdScratch(const FlashParams& p)
@@ -292,10 +314,12 @@ struct BwdScratch {
         dsum(kBwdBlockQ) {}
 };
 
-// Loads the query-side tiles of rows [q0, q0 + nq) of (batch b, query head h): Q and dO (float, zero padding rows),
-// lse in the log2 domain and dsum (padding rows: +inf and 0).
+// Loads the query-side tiles of rows [q0, q0 + nq) of (batch b, query head h): Q and dO (float, zero padding rows
+// and rows that see no key, so that their contents never reach dK or dV), lse in the log2 domain and dsum
+// (padding rows: +inf and 0).
 template <typename T>
-inline void LoadQuerySide(const FlashParams& p, int b, int h, int q0, int nq, int nqp, BwdScratch& w) {
+inline void LoadQuerySide(const FlashParams& p, const AttentionMask& mask, int b, int h, int q0, int nq, int nqp,
+                          BwdScratch& w) {
   const int64_t q_rs = p.q_row_stride();
   const int64_t off = b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * p.head_dim;
   LoadRows(static_cast<const T*>(p.q) + off, q_rs, nq, nqp, p.head_dim, w.q.data(), w.ldd);
@@ -304,6 +328,10 @@ inline void LoadQuerySide(const FlashParams& p, int b, int h, int q0, int nq, in
   for (int i = 0; i < nq; ++i) {
     w.lse2[i] = p.lse[stat + i] * kLog2eF;
     w.dsum[i] = p.dsum[stat + i];
+    if (!RowSeesKey(mask, q0 + i, p.seqlen_k)) {
+      std::fill_n(w.q.data() + int64_t(i) * w.ldd, p.head_dim, 0.0f);
+      std::fill_n(w.dout.data() + int64_t(i) * w.ldd, p.head_dim, 0.0f);
+    }
   }
   for (int i = nq; i < nqp; ++i) {
     w.lse2[i] = kInf;
@@ -547,8 +575,8 @@ inline V Exp2(const V& x) {
   poly = poly * f + 6.931472028550421e-1f;
   poly = poly * f + 1.0f;
   const I n = (I)t - (I)magic;  // round(xc) as an integer
-  const V r = (V)((I)poly + (n << 23));
-  return x < lo ? V{} : r;
+  const V r = (V)((I)poly + (n << 23));  // garbage for nan x: the exponent bits come from its payload
+  return x < lo ? V{} : (x == x ? r : x);
 }
 inline float Exp2Scalar(float x) { return Exp2(VSplat(x))[0]; }
 
@@ -652,9 +680,12 @@ void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
         VStore(si + j, x);
         vmax = VMax(vmax, x);
       }
+      // vmax skips nan logits; they make their exponential (hence l and the row) nan below.
       const float m_new = std::max(m[i], HMax(vmax));
-      const float alpha = Exp2Scalar(m[i] - m_new);  // 0 while m[i] is still -inf
-      const V vm = VSplat(m_new);
+      const float alpha = m[i] == m_new ? 1.0f : Exp2Scalar(m[i] - m_new);  // 0 while m[i] is still -inf
+      // Exponents relative to m_new, or to 0 while every visible logit so far is -inf: those then weigh 0 instead
+      // of exp2(-inf + inf) = nan. A +inf logit makes m_new +inf and its own exponential nan, as in jax.nn.
+      const V vm = VSplat(m_new == -kInf ? 0.0f : m_new);
       V vsum = V{};
       for (int j = 0; j < nkp; j += kW) {
         const V e = Exp2(VLoad(si + j) - vm);  // masked: exp2(-inf) = 0
@@ -673,7 +704,9 @@ void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
   }
 
   for (int i = 0; i < nq; ++i) {
-    if (l[i] > 0.0f) {
+    // l >= 1 when the row's largest visible logit is finite; a nan l (nan or +inf logits) or l = 0 (every visible
+    // logit -inf) gives a nan row, and a nan or -inf lse, as jax.nn does.
+    if (RowSeesKey(mask, q0 + i, p.seqlen_k)) {
       StoreRows(acc + int64_t(i) * ldd, ldd, 1, D, 1.0f / l[i], o + i * q_rs, q_rs);
       lse[i] = (m[i] + std::log2(l[i])) * kLn2;
     } else {
@@ -709,9 +742,11 @@ inline void BackwardTile(const FlashParams& p, const AttentionMask& mask, int q0
     const V l2 = VSplat(w.lse2[i]), di = VSplat(w.dsum[i]);
     for (int j = 0; j < nkp; j += kW) {
       const I idx = Iota() + j;
-      const V e = (idx >= jlo) & (idx < jhi) ? Exp2(VLoad(pi + j) * vsl2 - l2) : V{};
+      const I visible = (idx >= jlo) & (idx < jhi);
+      const V e = visible ? Exp2(VLoad(pi + j) * vsl2 - l2) : V{};
       VStore(pi + j, e);
-      VStore(dsi + j, e * (VLoad(dsi + j) - di) * vscale);
+      // Selected, not multiplied by e = 0: dP of a masked key is nan when its V is.
+      VStore(dsi + j, visible ? e * (VLoad(dsi + j) - di) * vscale : V{});
     }
   }
 }
@@ -723,22 +758,26 @@ void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdScratch& 
   const int D = p.head_dim, ldd = w.ldd, ldk = w.ldk;
   const int G = p.group_size();
   const int64_t kv_rs = p.kv_row_stride(), q_rs = p.q_row_stride();
-  const int nk = std::min(w.bk, p.seqlen_k - k0);
-  const int nkp = RoundUp(nk, kNR);
+  const int nk_block = std::min(w.bk, p.seqlen_k - k0);
   const int64_t kv_off = b * p.kv_batch_stride() + int64_t(k0) * kv_rs + int64_t(kvh) * D;
   T* dk = static_cast<T*>(p.dk) + kv_off;
   T* dv = static_cast<T*>(p.dv) + kv_off;
   const AttentionMask mask = mask_for_batch(p, b);
 
+  // Keys at or past seen_end, the end of the last row's visible keys (hi() never decreases), are seen by no row:
+  // they are not loaded, so that their K and V never reach dQ, and get zero dK/dV.
+  int seen_begin, seen_end;
+  mask.key_range(0, p.seqlen_q, &seen_begin, &seen_end);
+  int nk = std::clamp(seen_end - k0, 0, nk_block);
   int r0, r1;
   mask.row_range(k0, k0 + nk, &r0, &r1);
   r0 = std::max(r0, 0);
   r1 = std::min(r1, p.seqlen_q);
-  if (r1 <= r0) {  // no query row sees these keys
-    StoreZeros(nk, D, dk, kv_rs);
-    StoreZeros(nk, D, dv, kv_rs);
-    return;
-  }
+  if (r1 <= r0) nk = 0;  // no query row sees these keys
+  StoreZeros(nk_block - nk, D, dk + nk * kv_rs, kv_rs);
+  StoreZeros(nk_block - nk, D, dv + nk * kv_rs, kv_rs);
+  if (nk == 0) return;
+  const int nkp = RoundUp(nk, kNR);
   LoadKeySide<T>(p, b, kvh, k0, nk, nkp, kFusedDq, w);
   float* __restrict dka = w.dk.data();
   float* __restrict dva = w.dv.data();
@@ -750,7 +789,7 @@ void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdScratch& 
     for (int q0 = r0; q0 < r1; q0 += kBwdBlockQ) {
       const int nq = std::min(kBwdBlockQ, r1 - q0);
       const int nqp = RoundUp(nq, kMR);
-      LoadQuerySide<T>(p, b, h, q0, nq, nqp, w);
+      LoadQuerySide<T>(p, mask, b, h, q0, nq, nqp, w);
       BackwardTile(p, mask, q0, nq, nqp, k0, nk, nkp, w);
       Gemm<true>(nkp, D, nqp, w.p.data(), 1, ldk, w.dout.data(), ldd, dva, ldd);  // dV += P^T dO
       Gemm<true>(nkp, D, nqp, w.ds.data(), 1, ldk, w.q.data(), ldd, dka, ldd);    // dK += dS^T Q
@@ -785,8 +824,10 @@ void BackwardFusedItem(const FlashParams& p, int64_t item, BwdScratch& w) {
     for (int i = 0; i < p.seqlen_q; ++i) std::fill(dqa + i * q_rs, dqa + i * q_rs + D, 0.0f);
   }
   for (int k0 = 0; k0 < p.seqlen_k; k0 += w.bk) BackwardKeyBlock<T, true>(p, b, kvh, k0, w);
+  const AttentionMask mask = mask_for_batch(p, b);
   for (int g = 0; g < G; ++g) {
     const int64_t off = b * p.q_batch_stride() + int64_t(kvh * G + g) * D;
+    ZeroRowsThatSeeNoKey(p, mask, 0, p.seqlen_q, p.dq_accum + off, q_rs);
     StoreRows(p.dq_accum + off, q_rs, p.seqlen_q, D, 1.0f, static_cast<T*>(p.dq) + off, q_rs);
   }
 }
@@ -824,7 +865,7 @@ void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   kb0 = std::max(kb0, 0);
   kb1 = std::min(kb1, p.seqlen_k);
   if (kb1 > kb0) {
-    LoadQuerySide<T>(p, b, h, q0, nq, nqp, w);
+    LoadQuerySide<T>(p, mask, b, h, q0, nq, nqp, w);
     for (int k0 = kb0; k0 < kb1; k0 += w.bk) {
       const int nk = std::min(w.bk, kb1 - k0);
       const int nkp = RoundUp(nk, kNR);
@@ -833,6 +874,7 @@ void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
       Gemm<true>(nqp, D, nkp, w.ds.data(), w.ldk, 1, w.k.data(), ldd, dqa, ldd);  // dQ += dS K
     }
   }
+  ZeroRowsThatSeeNoKey(p, mask, q0, nq, dqa, ldd);
   for (int i = 0; i < nq; ++i) std::memcpy(p.dq_accum + q_off + i * q_rs, dqa + int64_t(i) * ldd, sizeof(float) * D);
   StoreRows(dqa, ldd, nq, D, 1.0f, static_cast<T*>(p.dq) + q_off, q_rs);
 }
