@@ -147,7 +147,7 @@ def test_import_without_the_extension_says_what_to_do(tmp_path):
     for path in source.glob("*.py"):
         shutil.copy(path, tmp_path / "jax_flash")
     result = subprocess.run([sys.executable, "-c", "import jax_flash"], capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: jax_flash's compiled extension _jax_flash_cpu is missing from "
