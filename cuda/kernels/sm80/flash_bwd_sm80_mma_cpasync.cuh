@@ -180,10 +180,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
       for (int e = 0; e < 4; ++e) {
         const int m_local = mt * 8 + 2 * t + (e & 1);
         const int key = n0 + key_row0 + g + 8 * (e >> 1);
-        float pe = exp2f(acc_s[mt][e] * p.scale_log2 - sLses[m_local] * kLog2e);
-        if (need_mask && !mask.visible(m0 + m_local, key)) pe = 0.f;
+        // A hidden pair's P^T and dS^T are exactly 0, even where dP^T or dsum is not finite (as jax.nn's).
+        const bool hidden = need_mask && !mask.visible(m0 + m_local, key);
+        const float pe = hidden ? 0.f : exp2f(acc_s[mt][e] * p.scale_log2 - sLses[m_local] * kLog2e);
         acc_s[mt][e] = pe;
-        acc_dp[mt][e] = pe * (acc_dp[mt][e] - sDsums[m_local]);
+        acc_dp[mt][e] = hidden ? 0.f : pe * (acc_dp[mt][e] - sDsums[m_local]);
       }
     }
 

@@ -192,10 +192,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int e = 2 * r + c;
-            float pe = exp2f(acc_s[mi][nj][e] * p.scale_log2 - lse_log2);
-            if (need_mask && !mask.visible(m0 + m_local, key0 + mi * 16 + g + 8 * r)) pe = 0.f;
+            // A hidden pair's P^T and dS^T are exactly 0, even where dP^T or dsum is not finite (as jax.nn's).
+            const bool hidden = need_mask && !mask.visible(m0 + m_local, key0 + mi * 16 + g + 8 * r);
+            const float pe = hidden ? 0.f : exp2f(acc_s[mi][nj][e] * p.scale_log2 - lse_log2);
             acc_s[mi][nj][e] = pe;
-            acc_dp[mi][nj][e] = pe * (acc_dp[mi][nj][e] - dsum);
+            acc_dp[mi][nj][e] = hidden ? 0.f : pe * (acc_dp[mi][nj][e] - dsum);
           }
         }
       }

@@ -10,6 +10,7 @@
 #include "flash_params.h"
 #include "mask.h"
 #include "kernels/common/block_ranges.cuh"
+#include "kernels/common/row_finish.cuh"
 #include "kernels/sm80/kernel_traits_sm80.h"
 #include "kernels/sm80/utils_sm80.cuh"
 
@@ -250,9 +251,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   for (int mi = 0; mi < kTM; ++mi) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float sum = quad_sum(row_sum[mi][r]);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int row = warp_row0 + mi * kMmaM + g + 8 * r;  // inside the block
+      const RowFinish f = finish_row(row_max[mi][r], quad_sum(row_sum[mi][r]), p.scale,
+                                     mask.lo(m0 + row) < mask.hi(m0 + row));
+      const float inv = f.inv_sum;
       if (row < rows_valid) {
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
@@ -262,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
                 ET::pack(acc_o[mi][dt][2 * r] * inv, acc_o[mi][dt][2 * r + 1] * inv);
           }
         }
-        if (t == 0) gLse[row] = sum > 0.f ? row_max[mi][r] * p.scale + logf(sum) : INFINITY;
+        if (t == 0) gLse[row] = f.lse;
       }
     }
   }

@@ -26,9 +26,10 @@ __device__ __forceinline__ void load_kv_block(T* k, T* v, uint64_t* kv_full, con
 }
 
 // P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place, zero where the mask hides the pair. query0: the first
-// query of the accumulator's kSTiles * 8 columns; key0: the first of the warp's 16 keys.
+// query of the accumulator's kSTiles * 8 columns; key0: the first of the warp's 16 keys. Returns whether the tile
+// needed masking (dscores_from_probs then zeroes the hidden pairs' dS^T too).
 template <int kSTiles>
-__device__ __forceinline__ void probs_from_scores(float (&acc_s)[kSTiles * 4], const float2 (&lse_log2)[kSTiles],
+__device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], const float2 (&lse_log2)[kSTiles],
                                                   float scale_log2, const AttentionMask& mask, int query0, int key0,
                                                   int seqlen_q, int g, int t) {
 #pragma unroll
@@ -38,7 +39,8 @@ __device__ __forceinline__ void probs_from_scores(float (&acc_s)[kSTiles * 4], c
       acc_s[4 * j + e] = exp2f(acc_s[4 * j + e] * scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x));
     }
   }
-  if (!mask.tile_fully_visible(query0, query0 + kSTiles * 8, key0, key0 + kWarpRows, seqlen_q)) {
+  const bool masked = !mask.tile_fully_visible(query0, query0 + kSTiles * 8, key0, key0 + kWarpRows, seqlen_q);
+  if (masked) {
     int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
 #pragma unroll
     for (int r = 0; r < 2; ++r) mask.rows_seeing_key(key0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
@@ -52,17 +54,35 @@ __device__ __forceinline__ void probs_from_scores(float (&acc_s)[kSTiles * 4], c
       }
     }
   }
+  return masked;
 }
 
-// dS^T = P^T * (dP^T - dsum) in place of dP^T.
+// dS^T = P^T * (dP^T - dsum) in place of dP^T; in a masked tile (probs_from_scores' result; the same query0,
+// key0) exactly 0 where the mask hides the pair, as jax.nn's gradient of its masking select is, even where dP^T or
+// dsum is not finite (a row whose output is nan).
 template <int kSTiles>
 __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4], const float (&acc_s)[kSTiles * 4],
-                                                   const float2 (&dsum)[kSTiles]) {
+                                                   const float2 (&dsum)[kSTiles], bool masked,
+                                                   const AttentionMask& mask, int query0, int key0, int g, int t) {
 #pragma unroll
   for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
+    }
+  }
+  if (masked) {
+    int key_row_lo[2], key_row_hi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mask.rows_seeing_key(key0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = query0 + 8 * j + 2 * t + (e & 1);
+        const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
+        acc_dp[4 * j + e] = seen ? acc_dp[4 * j + e] : 0.f;
+      }
     }
   }
 }

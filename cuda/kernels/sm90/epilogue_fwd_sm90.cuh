@@ -8,12 +8,14 @@
 
 #include "flash_params.h"
 #include "kernels/common/element_traits.cuh"
+#include "kernels/common/row_finish.cuh"
 #include "kernels/common/warp_reduce.cuh"
 #include "kernels/sm90/kernel_traits_sm90.h"
 #include "kernels/sm90/named_barriers.h"
 #include "kernels/sm90/smem_layout.h"
 #include "kernels/sm90/tile_scheduler_fwd.cuh"
 #include "kernels/sm90/utils_sm90.cuh"
+#include "mask.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -31,10 +33,10 @@ struct FwdEpilogue {
   const CUtensorMap* tm_o;
 
   // Rows [m0, m0 + rows_valid) of tile `tile` from a consumer thread's accumulators (warpgroup cw, warp `warp` of
-  // it, lane `lane`, thread wg_tid of the warpgroup).
+  // it, lane `lane`, thread wg_tid of the warpgroup); `mask` tells rows that see no key (finish_row).
   template <typename Accumulators>
-  __device__ __forceinline__ void store(const FwdTile& tile, int m0, int rows_valid, const Accumulators& acc, int cw,
-                                        int warp, int lane, int wg_tid) const {
+  __device__ __forceinline__ void store(const FwdTile& tile, const AttentionMask& mask, int m0, int rows_valid,
+                                        const Accumulators& acc, int cw, int warp, int lane, int wg_tid) const {
     const int g = lane / 4;
     const int t = lane % 4;
     const int warp_row0 = cw * kWgmmaM + warp * kWarpRows;
@@ -42,10 +44,11 @@ struct FwdEpilogue {
     float* gLse = p.lse + (int64_t(tile.b) * p.heads_q + tile.h) * p.seqlen_q + m0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float sum = quad_sum(acc.row_sum[r]);
-      inv[r] = sum > 0.f ? 1.f / sum : 0.f;
       const int row = warp_row0 + g + 8 * r;
-      if (t == 0 && row < rows_valid) gLse[row] = sum > 0.f ? acc.row_max[r] * p.scale + logf(sum) : INFINITY;
+      const RowFinish f = finish_row(acc.row_max[r], quad_sum(acc.row_sum[r]), p.scale,
+                                     mask.lo(m0 + row) < mask.hi(m0 + row));
+      inv[r] = f.inv_sum;
+      if (t == 0 && row < rows_valid) gLse[row] = f.lse;
     }
     if constexpr (Traits::kStoreOSmem) {
       // This warpgroup's O: kColBlocks boxes of 64 rows x 128 bytes, 128-byte swizzled as TMA expects, written

@@ -279,14 +279,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // query 8 j + 2 t + e % 2.
     wgmma_wait<1>();
     fence_regs(acc_s);
-    probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, mask, m0, n0 + key_row0, p.seqlen_q, g, t);
+    const bool masked =
+        probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, mask, m0, n0 + key_row0, p.seqlen_q, g, t);
     // dS^T = P^T * (dP^T - dsum).
     float2 dsum[kSTiles];
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kBM + 8 * j + 2 * t) * sizeof(float));
     wgmma_wait<0>();
     fence_regs(acc_dp);
-    dscores_from_probs<kSTiles>(acc_dp, acc_s, dsum);
+    dscores_from_probs<kSTiles>(acc_dp, acc_s, dsum, masked, mask, m0, n0 + key_row0, g, t);
     // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
     uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
 #pragma unroll

@@ -234,14 +234,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
     // query q_col0 + 8 j + 2 t + e % 2.
     wgmma_wait<1>();
     fence_regs(acc_s);
-    probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, mask, m0 + q_col0, n0 + row0, p.seqlen_q, g, t);
+    const bool masked =
+        probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, mask, m0 + q_col0, n0 + row0, p.seqlen_q, g, t);
     // dS^T = P^T * (dP^T - dsum).
     float2 dsum[kSTiles];
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kQueries + 8 * j + 2 * t) * sizeof(float));
     wgmma_wait<0>();
     fence_regs(acc_dp);
-    dscores_from_probs<kSTiles>(acc_dp, acc_s, dsum);
+    dscores_from_probs<kSTiles>(acc_dp, acc_s, dsum, masked, mask, m0 + q_col0, n0 + row0, g, t);
 
     // This warpgroup's query half of P^T and dS^T -> shared memory ([key][kBM queries], one swizzled row per key):
     // column tile j is 16-byte chunk q_col0 / 8 + j of rows row0 + g and row0 + g + 8.

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       return;
     }
     mainloop.mma(mask, m0, n_begin, n_tiles, cw, warp, lane, pingpong, kv, q, acc);
-    epilogue.store(tile, m0, rows_valid, acc, cw, warp, lane, wg_tid);
+    epilogue.store(tile, mask, m0, rows_valid, acc, cw, warp, lane, wg_tid);
   });
   epilogue.finish(wg_tid);
   pingpong.close();
