@@ -1,7 +1,7 @@
 // The end of a row's online softmax, shared by every forward kernel: the factor that normalises the row's output
 // and its log-sum-exp, with jax.nn's semantics for non-finite logits (as the CPU kernel has them):
 //   sum > 0                  1 / sum, row_max * scale + log(sum)
-//   the row sees no key      0 (the output is 0), +inf
+//   the row sees no key      the output is exactly 0 (scaled() selects it: 0 x a nan value would be nan), +inf
 //   every visible logit -inf nan (0 / 0), -inf
 //   a nan or +inf logit      nan, nan (the sum is nan: exp of nan, or of +inf - +inf)
 // row_max is the running maximum of the raw logits (fmaxf skips nan), sum the row's sum of exp2 values.
@@ -16,12 +16,15 @@ namespace jax_flash::cuda {
 struct RowFinish {
   float inv_sum;
   float lse;
+  bool sees_a_key;
+  // The row's output value for accumulator value `acc`.
+  JF_HD float scaled(float acc) const { return sees_a_key ? acc * inv_sum : 0.f; }
 };
 
 JF_HD RowFinish finish_row(float row_max, float sum, float scale, bool sees_a_key) {
-  if (sum > 0.f) return {1.f / sum, row_max * scale + logf(sum)};
-  if (!sees_a_key) return {0.f, INFINITY};
-  return {NAN, sum == 0.f ? -INFINITY : NAN};
+  if (sum > 0.f) return {1.f / sum, row_max * scale + logf(sum), sees_a_key};
+  if (!sees_a_key) return {0.f, INFINITY, false};
+  return {NAN, sum == 0.f ? -INFINITY : NAN, true};
 }
 
 }  // namespace jax_flash::cuda

@@ -254,14 +254,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
       const int row = warp_row0 + mi * kMmaM + g + 8 * r;  // inside the block
       const RowFinish f = finish_row(row_max[mi][r], quad_sum(row_sum[mi][r]), p.scale,
                                      mask.lo(m0 + row) < mask.hi(m0 + row));
-      const float inv = f.inv_sum;
       if (row < rows_valid) {
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           const int col = dt * 8 + 2 * t;
           if (col < p.head_dim) {
             *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) =
-                ET::pack(acc_o[mi][dt][2 * r] * inv, acc_o[mi][dt][2 * r + 1] * inv);
+                ET::pack(f.scaled(acc_o[mi][dt][2 * r]), f.scaled(acc_o[mi][dt][2 * r + 1]));
           }
         }
         if (t == 0) gLse[row] = f.lse;

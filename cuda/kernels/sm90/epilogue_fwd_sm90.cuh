@@ -40,15 +40,13 @@ struct FwdEpilogue {
     const int g = lane / 4;
     const int t = lane % 4;
     const int warp_row0 = cw * kWgmmaM + warp * kWarpRows;
-    float inv[2];
+    RowFinish fin[2];
     float* gLse = p.lse + (int64_t(tile.b) * p.heads_q + tile.h) * p.seqlen_q + m0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp_row0 + g + 8 * r;
-      const RowFinish f = finish_row(acc.row_max[r], quad_sum(acc.row_sum[r]), p.scale,
-                                     mask.lo(m0 + row) < mask.hi(m0 + row));
-      inv[r] = f.inv_sum;
-      if (t == 0 && row < rows_valid) gLse[row] = f.lse;
+      fin[r] = finish_row(acc.row_max[r], quad_sum(acc.row_sum[r]), p.scale, mask.lo(m0 + row) < mask.hi(m0 + row));
+      if (t == 0 && row < rows_valid) gLse[row] = fin[r].lse;
     }
     if constexpr (Traits::kStoreOSmem) {
       // This warpgroup's O: kColBlocks boxes of 64 rows x 128 bytes, 128-byte swizzled as TMA expects, written
@@ -66,8 +64,10 @@ struct FwdEpilogue {
       for (int j2 = 0; j2 < kOTiles / 2; ++j2) {
         const uint32_t addr = stmatrix_x4_pair_offset(lane_addr, j2 % kPairsPerBox) + (j2 / kPairsPerBox) * kBoxBytes;
         const float* o8 = acc.o + 8 * j2;  // column tiles 2 j2, 2 j2 + 1
-        stmatrix_x4(addr, ET::pack(o8[0] * inv[0], o8[1] * inv[0]), ET::pack(o8[2] * inv[1], o8[3] * inv[1]),
-                    ET::pack(o8[4] * inv[0], o8[5] * inv[0]), ET::pack(o8[6] * inv[1], o8[7] * inv[1]));
+        stmatrix_x4(addr, ET::pack(fin[0].scaled(o8[0]), fin[0].scaled(o8[1])),
+                    ET::pack(fin[1].scaled(o8[2]), fin[1].scaled(o8[3])),
+                    ET::pack(fin[0].scaled(o8[4]), fin[0].scaled(o8[5])),
+                    ET::pack(fin[1].scaled(o8[6]), fin[1].scaled(o8[7])));
       }
       fence_proxy_async_smem();
       named_barrier_sync(barrier, kWarpgroupThreads);
@@ -82,7 +82,8 @@ struct FwdEpilogue {
       const int64_t q_stride = p.q_row_stride();
       T* gO = static_cast<T*>(p.o) + tile.b * p.q_batch_stride() + m0 * q_stride + int64_t(tile.h) * p.head_dim;
       for_each_acc_pair<kOTiles>(warp_row0, rows_valid, 0, p.head_dim, g, t, [&](int row, int col, int i, int r) {
-        *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) = ET::pack(acc.o[i] * inv[r], acc.o[i + 1] * inv[r]);
+        *reinterpret_cast<uint32_t*>(gO + row * q_stride + col) =
+            ET::pack(fin[r].scaled(acc.o[i]), fin[r].scaled(acc.o[i + 1]));
       });
     }
   }
