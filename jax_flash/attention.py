@@ -270,11 +270,12 @@ def dot_product_attention(
     no key (key/value length 0, or a window or causal mask excluding every key) outputs 0 and passes zero
     gradients, where jax.nn averages every value uniformly. Rows at or past ``query_seq_lengths`` are 0 in both.
 
-    Non-finite inputs: on CPU, nan and inf in query, key or value propagate as through jax.nn's xla implementation
-    (a nan or +inf logit makes its row nan, a -inf logit weighs 0, a non-finite value reaches the rows that see it,
-    and gradients follow), except that jax.nn also carries them through the zero weight of masked positions
-    (0 * nan) to rows that cannot see them. The kernel does that at most within one of its tiles, never from keys
-    that no row sees nor from rows that see no key, and rows that see no key still output 0 with zero gradients.
+    Non-finite inputs: nan and inf in query, key or value propagate as through jax.nn's xla implementation (a nan
+    or +inf logit makes its row nan, a -inf logit weighs 0, a row whose visible logits are all -inf is nan, a
+    non-finite value reaches the rows that see it, and gradients follow); rows that see no key still output 0.
+    jax.nn also carries them through the zero weight of masked positions (0 * nan) into other rows' gradients. The
+    CUDA kernels do too (their tensor-core products include such pairs with zero weights); the CPU kernel does that
+    at most within one of its tiles, never from keys that no row sees nor from rows that see no key.
 
     Raises:
       ValueError: inconsistent shapes or dtypes between query, key and value; a head dim the kernels do not take;
