@@ -25,9 +25,29 @@ __device__ __forceinline__ void load_kv_block(T* k, T* v, uint64_t* kv_full, con
   }
 }
 
-// P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place, zero where the mask hides the pair. query0: the first
-// query of the accumulator's kSTiles * 8 columns; key0: the first of the warp's 16 keys. Returns whether the tile
-// needed masking (dscores_from_probs then zeroes the hidden pairs' dS^T too).
+// Zero in place where the mask hides the pair: entry e of column tile j of a 64-key accumulator is key
+// key0 + g + 8 (e / 2) (key0: the first of the warp's 16 keys), query query0 + 8 j + 2 t + e % 2. A select, so a
+// hidden pair is exactly 0 whatever the accumulator held (nan included).
+template <int kSTiles>
+__device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], const AttentionMask& mask, int query0,
+                                                  int key0, int g, int t) {
+  int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
+#pragma unroll
+  for (int r = 0; r < 2; ++r) mask.rows_seeing_key(key0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
+#pragma unroll
+  for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int m = query0 + 8 * j + 2 * t + (e & 1);
+      const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
+      acc[4 * j + e] = seen ? acc[4 * j + e] : 0.f;
+    }
+  }
+}
+
+// P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place, zero where the mask hides the pair (query0, key0 as for
+// zero_hidden_pairs). Returns whether the tile needed masking (dscores_from_probs then zeroes the hidden pairs'
+// dS^T too).
 template <int kSTiles>
 __device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], const float2 (&lse_log2)[kSTiles],
                                                   float scale_log2, const AttentionMask& mask, int query0, int key0,
@@ -40,20 +60,7 @@ __device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], c
     }
   }
   const bool masked = !mask.tile_fully_visible(query0, query0 + kSTiles * 8, key0, key0 + kWarpRows, seqlen_q);
-  if (masked) {
-    int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
-#pragma unroll
-    for (int r = 0; r < 2; ++r) mask.rows_seeing_key(key0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int m = query0 + 8 * j + 2 * t + (e & 1);
-        const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
-        acc_s[4 * j + e] = seen ? acc_s[4 * j + e] : 0.f;
-      }
-    }
-  }
+  if (masked) zero_hidden_pairs<kSTiles>(acc_s, mask, query0, key0, g, t);
   return masked;
 }
 
@@ -71,20 +78,7 @@ __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4],
       acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
     }
   }
-  if (masked) {
-    int key_row_lo[2], key_row_hi[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) mask.rows_seeing_key(key0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int m = query0 + 8 * j + 2 * t + (e & 1);
-        const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
-        acc_dp[4 * j + e] = seen ? acc_dp[4 * j + e] : 0.f;
-      }
-    }
-  }
+  if (masked) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t);
 }
 
 // Epilogue: dK = scale * acc_dk, dV = acc_dv for this thread's keys row0 + g (+8) below `keys`, columns
