@@ -45,11 +45,15 @@ struct FlashParams {
   float scale_log2;
 
   // Mask (jax.nn.dot_product_attention semantics; every field combines with every other).
-  bool causal;       // key j visible to query i only if j <= i (top-left aligned)
+  bool causal;       // key j visible to query i only if j <= i (top-left aligned, at global positions)
   int window_left;   // key j visible only if j >= i - window_left; -1 = unbounded
   int window_right;  // key j visible only if j <= i + window_right; -1 = unbounded
   const int32_t* q_lens;   // [batch] valid query rows; rows >= q_lens[b] give zeros. Never null.
   const int32_t* kv_lens;  // [batch] valid keys; keys >= kv_lens[b] are masked. Never null.
+  // [batch] global positions of local query row 0 and local key 0 (a part of a longer sequence: sharding, ring
+  // attention); the masks and the lengths above apply to global positions. Zeros for a whole sequence. Never null.
+  const int32_t* q_offsets;
+  const int32_t* kv_offsets;
 
   // Forward.
   const void* q;

@@ -2,7 +2,10 @@
 //
 // Every mask jax.nn.dot_product_attention can express without a dense array (causal, local window, query and
 // key/value lengths) leaves each query row i a contiguous interval of visible keys [lo(i), hi(i)) whose ends never
-// decrease as i grows. Each policy below exposes the same hooks:
+// decrease as i grows. Rows and keys are local indices; when a call holds a part of a longer sequence (sharding,
+// ring attention), local row i is global position i + q_offset and local key j global position j + kv_offset, and
+// the masks apply to global positions: causal and window masks through the diagonal shift q_offset - kv_offset,
+// lengths (global) through the local lengths mask_for_batch derives. Each policy below exposes the same hooks:
 //   lo(i), hi(i)          visible keys of row i are [lo(i), hi(i)); empty when hi(i) <= lo(i)
 //   first_row(c)          the smallest row that can see key c or a later key
 //   last_row(c)           one past the largest row that can see a key below c
@@ -21,25 +24,27 @@ namespace jax_flash {
 JF_HD int imin(int a, int b) { return a < b ? a : b; }
 JF_HD int imax(int a, int b) { return a > b ? a : b; }
 
-// Key j visible to query i iff j <= i (jax.nn: top-left aligned tril).
+// Key j visible to query i iff j <= i + shift (jax.nn: top-left aligned tril at global positions).
 struct CausalPolicy {
   bool enabled;
+  int shift;
   JF_HD int lo(int) const { return 0; }
-  JF_HD int hi(int i) const { return enabled ? i + 1 : INT_MAX; }
+  JF_HD int hi(int i) const { return enabled ? i + shift + 1 : INT_MAX; }
   // Smallest row that sees key c (rows seeing key c or later keys start here).
-  JF_HD int first_row(int c) const { return enabled ? c : 0; }
+  JF_HD int first_row(int c) const { return enabled ? c - shift : 0; }
   // One past the largest row that sees a key below c.
   JF_HD int last_row(int) const { return INT_MAX; }
 };
 
-// Key j visible to query i iff i - left <= j <= i + right; a negative bound is unbounded.
+// Key j visible to query i iff i + shift - left <= j <= i + shift + right; a negative bound is unbounded.
 struct WindowPolicy {
   int left;
   int right;
-  JF_HD int lo(int i) const { return left >= 0 ? i - left : 0; }
-  JF_HD int hi(int i) const { return right >= 0 ? i + right + 1 : INT_MAX; }
-  JF_HD int first_row(int c) const { return right >= 0 ? c - right : 0; }
-  JF_HD int last_row(int c) const { return left >= 0 ? c + left : INT_MAX; }
+  int shift;
+  JF_HD int lo(int i) const { return left >= 0 ? i + shift - left : 0; }
+  JF_HD int hi(int i) const { return right >= 0 ? i + shift + right + 1 : INT_MAX; }
+  JF_HD int first_row(int c) const { return right >= 0 ? c - shift - right : 0; }
+  JF_HD int last_row(int c) const { return left >= 0 ? c - shift + left : INT_MAX; }
 };
 
 // Keys >= kv_len are masked; rows >= q_len see nothing (their output is zero).
@@ -57,8 +62,9 @@ struct AttentionMask {
   WindowPolicy window;
   LengthPolicy length;
 
-  JF_HD AttentionMask(bool is_causal, int window_left, int window_right, int q_len, int kv_len)
-      : causal{is_causal}, window{window_left, window_right}, length{q_len, kv_len} {}
+  // shift: the global position of local row 0 minus that of local key 0 (0 for a whole sequence).
+  JF_HD AttentionMask(bool is_causal, int window_left, int window_right, int q_len, int kv_len, int shift = 0)
+      : causal{is_causal, shift}, window{window_left, window_right, shift}, length{q_len, kv_len} {}
 
   JF_HD bool row_valid(int i) const { return i < length.q_len; }
   JF_HD int lo(int i) const { return imax(imax(causal.lo(i), window.lo(i)), imax(length.lo(i), 0)); }
@@ -68,8 +74,9 @@ struct AttentionMask {
   JF_HD bool visible(int i, int j) const { return j >= lo(i) && j < hi(i); }
   // Rows that see key j, the transpose of visible(): row i >= 0 sees j iff *row_lo <= i < *row_hi.
   JF_HD void rows_seeing_key(int j, int* row_lo, int* row_hi) const {
-    *row_lo = imax(causal.enabled ? j : 0, window.right >= 0 ? j - window.right : 0);
-    *row_hi = imin(length.q_len, window.left >= 0 ? j + window.left + 1 : INT_MAX);
+    *row_lo = imax(causal.enabled ? j - causal.shift : 0, window.right >= 0 ? j - window.shift - window.right : 0);
+    *row_lo = imax(*row_lo, 0);
+    *row_hi = imin(length.q_len, window.left >= 0 ? j - window.shift + window.left + 1 : INT_MAX);
     if (j < 0 || j >= length.kv_len) *row_hi = *row_lo;
   }
 
@@ -120,11 +127,21 @@ struct AttentionMask {
   }
 };
 
-// The mask of batch element b: lengths clamped to [0, seqlen].
+// The mask of batch element b in local indices: the global lengths less the offsets, clamped to [0, seqlen]; the
+// diagonal shifted by q_offset - kv_offset. A window side that no (row, key) pair of the call can reach becomes
+// unbounded, so such calls take the kernels' unmasked paths.
 JF_HD AttentionMask mask_for_batch(const FlashParams& p, int b) {
-  const int q_len = imin(imax(p.q_lens[b], 0), p.seqlen_q);
-  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
-  return AttentionMask(p.causal, p.window_left, p.window_right, q_len, kv_len);
+  const int q_off = p.q_offsets[b];
+  const int kv_off = p.kv_offsets[b];
+  const int q_len = imin(imax(p.q_lens[b] - q_off, 0), p.seqlen_q);
+  const int kv_len = imin(imax(p.kv_lens[b] - kv_off, 0), p.seqlen_k);
+  const int shift = q_off - kv_off;
+  // Row i >= 0's window starts at i + shift - left: at or below key 0 for every row below q_len when
+  // q_len - 1 + shift - left <= 0; it ends at i + shift + right, at or past the last key for every row when
+  // shift + right >= kv_len - 1.
+  const int left = p.window_left >= 0 && q_len - 1 + shift - p.window_left <= 0 ? -1 : p.window_left;
+  const int right = p.window_right >= 0 && shift + p.window_right >= kv_len - 1 ? -1 : p.window_right;
+  return AttentionMask(p.causal, left, right, q_len, kv_len, shift);
 }
 
 }  // namespace jax_flash

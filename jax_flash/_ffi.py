@@ -116,12 +116,21 @@ def _row_stats_shape(q_shape):
     return (*q_shape[:-3], q_shape[-2], q_shape[-3])
 
 
-def flash_fwd(q, k, v, q_lens, kv_lens, *, scale, is_causal, window_left, window_right):
+def _zero_offsets(offsets, lens):
+    return jnp.zeros_like(lens) if offsets is None else offsets
+
+
+def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, *, scale, is_causal, window_left,
+              window_right):
     """Runs the forward target.
 
     Args:
       q: [..., Sq, Hq, D]; k, v: [..., Sk, Hkv, D], all of one dtype (bfloat16, float16; float32 on CPU).
-      q_lens, kv_lens: int32 [...] (the leading dims of q): valid query rows / keys per batch element.
+      q_lens, kv_lens: int32 [...] (the leading dims of q): valid query rows / keys per batch element, counted in
+        global positions.
+      q_offsets, kv_offsets: int32 [...]: the global positions of local query row 0 and key 0 when q or k/v hold a
+        part of a longer sequence (sharding, ring attention); None for 0. Causal and window masks and the lengths
+        apply to global positions.
       scale: logit scale. is_causal: top-left aligned causal mask.
       window_left, window_right: local window bounds, -1 for unbounded.
 
@@ -137,14 +146,17 @@ def flash_fwd(q, k, v, q_lens, kv_lens, *, scale, is_causal, window_left, window
         ),
         vmap_method="broadcast_all",
     )
-    return call(q, k, v, q_lens, kv_lens, **_attrs(scale, is_causal, window_left, window_right))
+    return call(q, k, v, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens), _zero_offsets(kv_offsets, kv_lens),
+                **_attrs(scale, is_causal, window_left, window_right))
 
 
-def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, *, scale, is_causal, window_left, window_right,
-              deterministic=False):
+def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=None, *, scale, is_causal,
+              window_left, window_right, deterministic=False):
     """Runs the backward target: (dq, dk, dv) like (q, k, v), given the forward's o and lse and the cotangent do.
 
-    The attributes must match the forward call's. ``deterministic``: bitwise-reproducible dQ (the CPU backward
+    The attributes and offsets must match the forward call's; o and lse may be those of the whole attention over a
+    longer key sequence of which k, v are a part (ring attention: the backward of one part uses the global O and
+    log-sum-exp). ``deterministic``: bitwise-reproducible dQ (the CPU backward
     always is; on CUDA only the sm_90a backward implements it and the handler refuses the call otherwise).
     """
     call = jax.ffi.ffi_call(
@@ -159,6 +171,7 @@ def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, *, scale, is_causal, window_
         ),
         vmap_method="broadcast_all",
     )
-    dq, dk, dv, *_ = call(q, k, v, o, lse, do, q_lens, kv_lens, deterministic=bool(deterministic),
+    dq, dk, dv, *_ = call(q, k, v, o, lse, do, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens),
+                          _zero_offsets(kv_offsets, kv_lens), deterministic=bool(deterministic),
                           **_attrs(scale, is_causal, window_left, window_right))
     return dq, dk, dv

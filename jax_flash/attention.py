@@ -44,9 +44,13 @@ class _Config:
     window: tuple[int, int] | None  # (left, right), already clamped; None = unbounded
     kernel_platforms: tuple[str, ...]  # platforms that run the kernel; every other one runs jax.nn's xla path
     deterministic: bool = False  # bitwise-reproducible backward
+    # The kernels' window: -1 for a side no (row, key) pair of the call reaches, so that calls take the unmasked
+    # paths and kernel variants (None: as `window`). Only for calls without position offsets.
+    kernel_window: tuple[int, int] | None = None
 
     def attrs(self):
-        left, right = self.window if self.window is not None else (-1, -1)
+        window = self.kernel_window if self.kernel_window is not None else self.window
+        left, right = window if window is not None else (-1, -1)
         return dict(scale=self.scale, is_causal=self.is_causal, window_left=left, window_right=right)
 
 
@@ -326,8 +330,13 @@ def dot_product_attention(
     else:
         q_lens = jnp.full((batch,), seqlen_q, jnp.int32) if q_lens is None else jnp.clip(q_lens, 0, seqlen_q)
         kv_lens = jnp.full((batch,), seqlen_k, jnp.int32) if kv_lens is None else jnp.clip(kv_lens, 0, seqlen_k)
+        kernel_window = None
         if window is not None:
             window = tuple(min(w, seqlen_q + seqlen_k) for w in window)
+            # Key j >= i - left holds for every row i < seqlen_q once left >= seqlen_q - 1, and j <= i + right for
+            # every key j < seqlen_k once right >= seqlen_k - 1.
+            kernel_window = (-1 if window[0] >= seqlen_q - 1 else window[0],
+                             -1 if window[1] >= seqlen_k - 1 else window[1])
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         # The kernels take row maxima of the unscaled logits, which assumes scale > 0: fold the sign into q.
         if scale < 0:
@@ -335,7 +344,8 @@ def dot_product_attention(
         elif scale == 0:
             q, scale = jnp.zeros_like(q), 1.0
         cfg = _Config(scale=scale, is_causal=bool(is_causal), window=window,
-                      kernel_platforms=_kernel_platforms(q.dtype), deterministic=bool(deterministic))
+                      kernel_platforms=_kernel_platforms(q.dtype), deterministic=bool(deterministic),
+                      kernel_window=kernel_window)
         out, lse = _flash_attention(cfg, q, k, v, q_lens, kv_lens)
         if return_residual:
             # The kernels store +inf for rows that see no key; the log of their (zero) mass is -inf.

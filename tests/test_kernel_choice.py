@@ -54,8 +54,9 @@ def test_handler_rejects_an_unknown_kernel_attribute(platform):
     call = jax.ffi.ffi_call(_ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                               jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
     with pytest.raises(Exception, match="kernel must be 0"):
-        jax.block_until_ready(call(q, q, q, lens, lens, scale=np.float32(0.125), is_causal=False,
-                                   window_left=np.int64(-1), window_right=np.int64(-1), kernel=np.int32(7)))
+        jax.block_until_ready(call(q, q, q, lens, lens, 0 * lens, 0 * lens, scale=np.float32(0.125),
+                                   is_causal=False, window_left=np.int64(-1), window_right=np.int64(-1),
+                                   kernel=np.int32(7)))
 
 
 @pytest.mark.gpu

@@ -24,13 +24,15 @@ ffi::Error RunCatching(F&& f) {
 }
 
 ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_lens,
-                               ffi::Buffer<ffi::S32> kv_lens, float scale, bool is_causal, int64_t window_left,
+                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_offsets,
+                               ffi::Buffer<ffi::S32> kv_offsets, float scale, bool is_causal, int64_t window_left,
                                int64_t window_right, int32_t kernel, ffi::Result<ffi::AnyBuffer> o,
                                ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   KernelChoice choice;  // validated; the CPU has one kernel
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
-  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
+  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, q_offsets, kv_offsets, scale, is_causal, window_left,
+                                window_right, &p);
       e.failure()) {
     return e;
   }
@@ -42,17 +44,19 @@ ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
 
 ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                                 ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout, ffi::Buffer<ffi::S32> q_lens,
-                                ffi::Buffer<ffi::S32> kv_lens, float scale, bool is_causal, int64_t window_left,
+                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_offsets,
+                                ffi::Buffer<ffi::S32> kv_offsets, float scale, bool is_causal, int64_t window_left,
                                 int64_t window_right, bool deterministic, int32_t kernel,
-                                ffi::Result<ffi::AnyBuffer> dq,
-                                ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                                ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::Buffer<ffi::F32>> dsum,
+                                ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                                ffi::Result<ffi::Buffer<ffi::F32>> dsum,
                                 ffi::Result<ffi::Buffer<ffi::S32>> dq_semaphore) {
   // The CPU backward is deterministic whatever `deterministic` says (fixed work split, no atomics).
   KernelChoice choice;  // validated; the CPU has one kernel
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
-  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
+  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, q_offsets, kv_offsets, scale, is_causal, window_left,
+                                window_right, &p);
       e.failure()) {
     return e;
   }

@@ -18,13 +18,15 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 }
 
 ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
+                                ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_offsets, float scale,
                                 bool is_causal, int64_t window_left, int64_t window_right, int32_t kernel,
                                 ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   KernelChoice choice;
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
-  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
+  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, q_offsets, kv_offsets, scale, is_causal, window_left,
+                                window_right, &p);
       e.failure()) {
     return e;
   }
@@ -40,7 +42,8 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
 
 ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                  ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
-                                 ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
+                                 ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                                 ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_offsets, float scale,
                                  bool is_causal, int64_t window_left, int64_t window_right, bool deterministic,
                                  int32_t kernel, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                  ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
@@ -49,7 +52,8 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   KernelChoice choice;
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
-  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, scale, is_causal, window_left, window_right, &p);
+  if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, q_offsets, kv_offsets, scale, is_causal, window_left,
+                                window_right, &p);
       e.failure()) {
     return e;
   }
@@ -68,15 +72,15 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
 }  // namespace
 }  // namespace jax_flash
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardCuda, jax_flash::FlashForwardCudaImpl,
-                              jax_flash::BindForward(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashForwardCuda, jax_flash::FlashForwardCudaImpl,
+    jax_flash::BindForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardCuda, jax_flash::FlashBackwardCudaImpl,
-                              jax_flash::BindBackward(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashBackwardCuda, jax_flash::FlashBackwardCudaImpl,
+    jax_flash::BindBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
 NB_MODULE(_jax_flash_cuda, m) {
   m.def("registrations", []() {

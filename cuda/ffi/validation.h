@@ -62,7 +62,8 @@ ffi::Error ExpectShape(const Buf& buf, ffi::AnyBuffer::Dimensions expect, const 
 
 // Validates q, k, v, the length arrays and the mask attributes, and fills the shape/mask/input fields of `p`.
 inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
+                                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                                   ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_offsets, float scale,
                                    bool is_causal, int64_t window_left, int64_t window_right, FlashParams* p) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
@@ -102,6 +103,12 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                    std::to_string(batch) + "), got shapes " + ShapeString(q_lens.dimensions()) + " and " +
                    ShapeString(kv_lens.dimensions()));
   }
+  if (static_cast<int64_t>(q_offsets.element_count()) != batch ||
+      static_cast<int64_t>(kv_offsets.element_count()) != batch) {
+    return Invalid("q_offsets/kv_offsets must hold one position per batch element (" + std::to_string(batch) +
+                   "), got shapes " + ShapeString(q_offsets.dimensions()) + " and " +
+                   ShapeString(kv_offsets.dimensions()));
+  }
   if (window_left < -1 || window_right < -1) return Invalid("window sizes must be >= 0 (or -1 for unbounded)");
   if (!std::isfinite(scale)) return Invalid("scale must be finite");
   if (batch > INT32_MAX || qd[r - 3] > INT32_MAX || kd[r - 3] > INT32_MAX) return Invalid("dimension too large");
@@ -115,13 +122,16 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   p->scale = scale;
   p->scale_log2 = scale * kLog2e;
   p->causal = is_causal;
-  // A window side that no (row, key) pair can reach is unbounded (-1), so such calls take the kernels' unmasked
-  // paths: key j >= i - left holds for every row i < seqlen_q once left >= seqlen_q - 1, and j <= i + right for
-  // every key j < seqlen_k once right >= seqlen_k - 1.
-  p->window_left = window_left < 0 || window_left >= p->seqlen_q - 1 ? -1 : static_cast<int>(window_left);
-  p->window_right = window_right < 0 || window_right >= p->seqlen_k - 1 ? -1 : static_cast<int>(window_right);
+  // Positions are int32, so a window of 2^30 or more reaches every key a call can hold: unbounded (-1). The kernels
+  // drop a window side that no (row, key) pair of a batch element reaches (mask_for_batch: that needs the
+  // offsets, which are device values); callers with static knowledge drop it before (jax_flash.attention).
+  constexpr int64_t kUnreachable = int64_t(1) << 30;
+  p->window_left = window_left < 0 || window_left >= kUnreachable ? -1 : static_cast<int>(window_left);
+  p->window_right = window_right < 0 || window_right >= kUnreachable ? -1 : static_cast<int>(window_right);
   p->q_lens = q_lens.typed_data();
   p->kv_lens = kv_lens.typed_data();
+  p->q_offsets = q_offsets.typed_data();
+  p->kv_offsets = kv_offsets.typed_data();
   p->q = q.untyped_data();
   p->k = k.untyped_data();
   p->v = v.untyped_data();
@@ -198,6 +208,8 @@ auto BindForward(Binding b) {
       .template Arg<ffi::AnyBuffer>()                  // v [..., Sk, Hkv, D]
       .template Arg<ffi::Buffer<ffi::S32>>()           // q_lens [...]: valid query rows per batch element
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_lens [...]: valid keys per batch element
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_offsets [...]: global position of query row 0
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_offsets [...]: global position of key 0
       .template Attr<float>("scale")                   // logit scale
       .template Attr<bool>("is_causal")                // top-left aligned causal mask
       .template Attr<int64_t>("window_left")           // local window, keys before the query; -1 unbounded
@@ -217,6 +229,8 @@ auto BindBackward(Binding b) {
       .template Arg<ffi::AnyBuffer>()                  // dout [..., Sq, Hq, D]
       .template Arg<ffi::Buffer<ffi::S32>>()           // q_lens [...]
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_lens [...]
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_offsets [...]
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_offsets [...]
       .template Attr<float>("scale")                   // logit scale
       .template Attr<bool>("is_causal")                // top-left aligned causal mask
       .template Attr<int64_t>("window_left")           // -1 unbounded

@@ -2,6 +2,7 @@
 // definition every kernel's per-element mask must match. Prints "ok <cases>" or the first disagreements; exit 1 on
 // any. Built and run by tests/test_mask.py.
 #include <cstdio>
+#include <initializer_list>
 
 #include "mask.h"
 
@@ -21,7 +22,8 @@ int main() {
       for (int right = -1; right < 6; ++right) {
         for (int q_len = 0; q_len <= kRows; q_len += 3) {
           for (int kv_len = 0; kv_len <= kKeys; kv_len += 4) {
-            const AttentionMask mask(causal, left, right, q_len, kv_len);
+           for (int shift : {-7, -3, 0, 2, 5}) {  // the diagonal shift of a part of a longer sequence
+            const AttentionMask mask(causal, left, right, q_len, kv_len, shift);
             for (int j = -1; j < kKeys; ++j) {
               int row_lo, row_hi;
               mask.rows_seeing_key(j, &row_lo, &row_hi);
@@ -83,6 +85,45 @@ int main() {
                         }
                       }
                     }
+                  }
+                }
+              }
+            }
+           }
+          }
+        }
+      }
+    }
+  }
+  // mask_for_batch against the definition at global positions: local row i is global i + q_off, local key j global
+  // j + kv_off; lengths are global.
+  for (int causal = 0; causal < 2; ++causal) {
+    for (int left = -1; left < 5; ++left) {
+      for (int right = -1; right < 5; ++right) {
+        for (int q_off = 0; q_off < 20; q_off += 3) {
+          for (int kv_off = 0; kv_off < 20; kv_off += 4) {
+            for (int q_len_g = 0; q_len_g < 30; q_len_g += 7) {
+              for (int kv_len_g = 0; kv_len_g < 30; kv_len_g += 5) {
+                const int32_t q_lens[1] = {q_len_g}, kv_lens[1] = {kv_len_g};
+                const int32_t q_offs[1] = {q_off}, kv_offs[1] = {kv_off};
+                jax_flash::FlashParams p{};
+                p.seqlen_q = kRows;
+                p.seqlen_k = kKeys;
+                p.causal = causal;
+                p.window_left = left;
+                p.window_right = right;
+                p.q_lens = q_lens;
+                p.kv_lens = kv_lens;
+                p.q_offsets = q_offs;
+                p.kv_offsets = kv_offs;
+                const AttentionMask mask = jax_flash::mask_for_batch(p, 0);
+                for (int i = 0; i < kRows; ++i) {
+                  for (int j = 0; j < kKeys; ++j) {
+                    ++cases;
+                    const int gi = i + q_off, gj = j + kv_off;
+                    const bool visible = gi < q_len_g && gj < kv_len_g && (!causal || gj <= gi) &&
+                                         (left < 0 || gj >= gi - left) && (right < 0 || gj <= gi + right);
+                    if (visible != mask.visible(i, j)) fail("mask_for_batch", causal, left, right, q_off, kv_off, i, j);
                   }
                 }
               }
