@@ -295,6 +295,7 @@ int main(int argc, char** argv) {
   float* dq_accum = device_alloc<float>(q_elems);
   int32_t* q_lens = device_alloc<int32_t>(opt.batch);
   int32_t* kv_lens = device_alloc<int32_t>(opt.batch);
+  int32_t* offsets = device_alloc<int32_t>(opt.batch);  // whole sequences: global position 0
   DiffAccum* diff_scratch = device_alloc<DiffAccum>(1);
   {
     std::vector<Elem> host(q_elems);
@@ -305,6 +306,7 @@ int main(int argc, char** argv) {
     const std::vector<int32_t> lens(opt.batch, opt.seq);
     CUDA_CHECK(cudaMemcpy(q_lens, lens.data(), opt.batch * sizeof(int32_t), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(kv_lens, lens.data(), opt.batch * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(offsets, 0, opt.batch * sizeof(int32_t)));
   }
 
   // As FillCommonParams / FillBackwardParams would for this call.
@@ -320,6 +322,7 @@ int main(int argc, char** argv) {
   p.window_left = p.window_right = -1;
   p.q_lens = q_lens;
   p.kv_lens = kv_lens;
+  p.q_offsets = p.kv_offsets = offsets;
   p.q = q;
   p.k = k;
   p.v = v;
@@ -412,7 +415,8 @@ int main(int argc, char** argv) {
   for (auto& e : events) CUDA_CHECK(cudaEventDestroy(e));
   CUDA_CHECK(cudaStreamDestroy(stream));
   for (void* ptr : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)dout, (void*)grads, (void*)ref_grads, (void*)lse,
-                    (void*)dsum, (void*)dq_accum, (void*)q_lens, (void*)kv_lens, (void*)diff_scratch}) {
+                    (void*)dsum, (void*)dq_accum, (void*)q_lens, (void*)kv_lens, (void*)offsets,
+                    (void*)diff_scratch}) {
     CUDA_CHECK(cudaFree(ptr));
   }
   std::printf("\n%s (pass: rel L2 < %.0e vs the production launcher, every value finite)\n",
