@@ -1,0 +1,245 @@
+"""Multi-device checks of jax_flash.ring_attention, run by tests/test_ring.py in a subprocess with 8 fake CPU devices
+(JAX fixes its device count when it starts). Prints one JSON object: {case name: "ok" or an error message}.
+
+Usage: XLA_FLAGS=--xla_force_host_platform_device_count=8 python ring_check.py [case ...]
+"""
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_flash  # noqa: E402
+
+B, S, HQ, HKV, D = 2, 64, 4, 2, 32
+DP, CP = 2, 4
+TOL = 2e-5
+
+MASKS = {
+    "full": dict(),
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(9, 5)),
+    "causal_window": dict(is_causal=True, local_window_size=(20, 0)),
+    "padded": dict(is_causal=True, lens=((64, 37), (50, 23))),
+    "padded_full": dict(lens=((0, 45), (1, 64))),
+}
+
+
+def _mesh():
+    devices = np.array(jax.devices()[:DP * CP]).reshape(DP, CP)
+    return jax.sharding.Mesh(devices, ("dp", "cp"))
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _inputs(seed):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(s), jnp.float32)
+            for s in ((B, S, HQ, D), (B, S, HKV, D), (B, S, HKV, D), (B, S, HQ, D))]
+
+
+def _close(name, x, ref, tol=TOL):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    assert x.shape == ref.shape, (name, x.shape, ref.shape)
+    err = np.abs(x - ref).max()
+    bound = tol * max(np.abs(ref).max(), 1)
+    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+def _kwargs(mask):
+    kw = dict(MASKS[mask])
+    lens = kw.pop("lens", None)
+    if lens is not None:
+        kw["query_seq_lengths"] = jnp.asarray(lens[0], jnp.int32)
+        kw["key_value_seq_lengths"] = jnp.asarray(lens[1], jnp.int32)
+    return kw
+
+
+def _reference(q, k, v, do, kw):
+    """Unsharded jax_flash.dot_product_attention: output and (dq, dk, dv) of sum(o * do)."""
+    def loss(q, k, v):
+        o = jax_flash.dot_product_attention(q, k, v, **kw)
+        return jnp.sum(o * do), o
+    (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return o, grads
+
+
+def check_ring(layout, mask, explicit):
+    """ring_attention under an explicit shard_map (explicit=True) or through ring_attention_sharded."""
+    mesh = _mesh()
+    q, k, v, do = _inputs(hash((layout, mask)) % 1000)
+    kw = _kwargs(mask)
+    ref_o, ref_grads = _reference(q, k, v, do, kw)
+    order = (lambda x: jax_flash.zigzag_order(x, CP)) if layout == "zigzag" else (lambda x: x)
+    restore = (lambda x: jax_flash.zigzag_restore(x, CP)) if layout == "zigzag" else (lambda x: x)
+    q_lens, kv_lens = kw.pop("query_seq_lengths", None), kw.pop("key_value_seq_lengths", None)
+    if q_lens is None:
+        q_lens = kv_lens = jnp.full((B,), S, jnp.int32)
+
+    if explicit:
+        spec = P("dp", "cp")
+
+        def body(q, k, v, ql, kl):
+            return jax_flash.ring_attention(q, k, v, axis_name="cp", layout=layout, query_seq_lengths=ql,
+                                            key_value_seq_lengths=kl, **kw)
+        ring = _shard_map(body, mesh, (spec, spec, spec, P("dp"), P("dp")), spec)
+    else:
+        def ring(q, k, v, ql, kl):
+            return jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp", batch_axis="dp",
+                                                    layout=layout, query_seq_lengths=ql, key_value_seq_lengths=kl,
+                                                    **kw)
+
+    def loss(q, k, v):
+        o = ring(q, k, v, q_lens, kv_lens)
+        return jnp.sum(o * order(do)), o
+
+    sharding = NamedSharding(mesh, P("dp", "cp"))
+    args = [jax.device_put(order(x), sharding) for x in (q, k, v)]
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+    _close("o", restore(o), ref_o)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _close(name, restore(g), r)
+
+
+def check_head_sharded():
+    """Heads on the dp axis (not batch), zigzag causal, against the float64 reference."""
+    mesh = _mesh()
+    q, k, v, do = _inputs(7)
+    ref = jax_flash.reference_attention(q, k, v, is_causal=True)
+
+    def f(q, k, v):
+        o = jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp", head_axis="dp", layout="zigzag",
+                                             is_causal=True)
+        return jax_flash.zigzag_restore(o, CP)
+    o = jax.jit(f)(*(jax_flash.zigzag_order(x, CP) for x in (q, k, v)))
+    _close("o", o, ref, 1e-5)
+
+
+def _ring_hlo(layout):
+    mesh = _mesh()
+    q, k, v, do = _inputs(3)
+
+    def loss(q, k, v):
+        o = jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp", batch_axis="dp", layout=layout,
+                                             is_causal=True)
+        return jnp.sum(o * do)
+    sharding = NamedSharding(mesh, P("dp", "cp"))
+    args = [jax.device_put(x, sharding) for x in (q, k, v)]
+    fwd = jax.jit(lambda q, k, v: jax_flash.ring_attention_sharded(
+        q, k, v, mesh=mesh, seq_axis="cp", batch_axis="dp", layout=layout, is_causal=True)).lower(*args).compile()
+    bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    return fwd.as_text(), bwd.as_text()
+
+
+def check_hlo(layout):
+    """Only collective-permutes in the compiled ring: CP-1 for K and V each in the forward; in the gradient also CP
+    for dK and dV each (they travel with their block and come home); no all-gather / all-reduce / all-to-all."""
+    fwd, bwd = _ring_hlo(layout)
+    for name, text in (("forward", fwd), ("gradient", bwd)):
+        for op in ("all-gather", "all-reduce", "all-to-all", "reduce-scatter"):
+            assert op not in text, f"{name} holds {op}"
+        assert "collective-permute" in text, f"{name} holds no collective-permute"
+
+    # One array a transfer (no tuple-shaped, possibly mixed-dtype permute: jax issue 32148), and only the kv heads
+    # travel: the local block [B/dp, S/cp, HKV, D].
+    block = f"[{B // DP},{S // CP},{HKV},{D}]"
+    for name, text in (("forward", fwd), ("gradient", bwd)):
+        for line in text.splitlines():
+            if "= " in line and ("collective-permute(" in line or "collective-permute-start(" in line):
+                result = line.split("= ", 1)[1]
+                assert block in result.split("collective-permute")[0], f"{name}: unexpected transfer: {line}"
+
+    def count(text):
+        return sum(1 for line in text.splitlines()
+                   if "= " in line and ("collective-permute(" in line or "collective-permute-start(" in line))
+    assert count(fwd) == 2 * (CP - 1), f"forward: {count(fwd)} collective-permutes, expected {2 * (CP - 1)}"
+    # The gradient holds the forward's K/V ring, the backward's (sent again, not kept: an optimization barrier keeps
+    # XLA from merging the two) and dK, dV sent CP times each.
+    expected = 2 * (CP - 1) + 2 * (CP - 1) + 2 * CP
+    assert count(bwd) == expected, f"gradient: {count(bwd)} collective-permutes, expected {expected}"
+
+
+def check_errors():
+    mesh = _mesh()
+    q, k, v, _ = _inputs(0)
+    cases = [
+        (dict(layout="zigzag"), jnp.zeros((B, 60, HQ, D)), "divisible by 8"),
+        (dict(layout="contiguous"), jnp.zeros((B, 62, HQ, D)), "divisible by 4"),
+        (dict(layout="spiral"), q, "layout must be one of"),
+        (dict(layout="contiguous", head_axis="dp", batch_axis=None), jnp.zeros((B, S, 3, D)), None),
+    ]
+    for kw, x, match in cases:
+        kk = k if x.shape[2] != 3 else jnp.zeros((B, x.shape[1], 3, D))
+        kk = kk if x.shape[1] == S else jnp.zeros((B, x.shape[1], kk.shape[2], D))
+        kw = {"batch_axis": "dp", **kw}
+        try:
+            jax_flash.ring_attention_sharded(x, kk, kk, mesh=mesh, seq_axis="cp", **kw)
+        except ValueError as e:
+            assert match is None or match in str(e), (match, str(e))
+        else:
+            raise AssertionError(f"no error for {kw}, shape {x.shape}")
+    # Inside shard_map, a local length that cannot be cut into two chunks for zigzag.
+    spec = P(None, "cp")
+    f = _shard_map(lambda q: jax_flash.ring_attention(q, q, q, axis_name="cp", layout="zigzag"), mesh, (spec,), spec)
+    try:
+        f(jnp.zeros((1, 4 * 3, HQ, D)))
+    except ValueError as e:
+        assert "must be even" in str(e), str(e)
+    else:
+        raise AssertionError("odd local length accepted for zigzag")
+    try:
+        jax_flash.ring_attention(q, k, v, axis_name="cp")
+    except ValueError as e:
+        assert "inside jax.shard_map" in str(e), str(e)
+    else:
+        raise AssertionError("ring_attention outside shard_map accepted")
+
+
+def check_zigzag_helpers():
+    x = jnp.arange(2 * 16).reshape(2, 16)
+    z = jax_flash.zigzag_order(x, 4)
+    chunks = np.asarray(z[0]).reshape(8, 2)[:, 0] // 2
+    assert chunks.tolist() == [0, 7, 1, 6, 2, 5, 3, 4], chunks
+    assert (np.asarray(jax_flash.zigzag_restore(z, 4)) == np.asarray(x)).all()
+
+
+def all_cases():
+    cases = {}
+    for layout in ("contiguous", "zigzag"):
+        for mask in MASKS:
+            cases[f"{layout}-{mask}"] = (check_ring, layout, mask, mask in ("causal", "window", "padded"))
+        cases[f"hlo-{layout}"] = (check_hlo, layout)
+    cases["head_sharded"] = (check_head_sharded,)
+    cases["errors"] = (check_errors,)
+    cases["zigzag_helpers"] = (check_zigzag_helpers,)
+    return cases
+
+
+def main(names):
+    assert len(jax.devices()) >= DP * CP, f"needs {DP * CP} devices, got {jax.devices()}"
+    cases = all_cases()
+    results = {}
+    for name in names or cases:
+        fn, *args = cases[name]
+        try:
+            fn(*args)
+            results[name] = "ok"
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
