@@ -306,6 +306,13 @@ def dot_product_attention(
       The attention output with the shape and dtype of ``query``, or ``(output, residual)`` if
       ``return_residual``.
 
+    Sharding: under ``jax.jit`` with sharded inputs the call partitions instead of gathering (jax_flash.sharding):
+    batch and head dims of q (with k/v's heads alongside) stay sharded with no collective and the output keeps
+    q's sharding; with q's sequence sharded, K and V are all-gathered and each device runs its rows at their
+    global positions. ``Auto`` mesh axes go through custom_partitioning, ``Explicit`` ones through shard_map.
+    Query heads sharded over an axis whose size does not divide the key/value heads raise ValueError (except one
+    key/value head, which is replicated).
+
     Supported by the kernels: bfloat16 and float16 everywhere, float32 on CPU; H a multiple of 8 up to 256. With
     float32 inputs on a GPU (or on any platform without a kernel) the call runs jax.nn's xla implementation there,
     and warns once when such a backend is present.

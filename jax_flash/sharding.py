@@ -5,8 +5,9 @@ o like q, lse float32 [..., N, T]. Every device computes the attention of its ow
 
 * batch dims and the head dim may be sharded: q's heads and k/v's heads go together (shard r of the head axis
   holds query heads [r N/s, (r+1) N/s) and kv heads [r K/s, (r+1) K/s)); with one kv head (K = 1) K and V are
-  replicated to every head shard; otherwise K must be a multiple of the head axis size s, else ValueError.
-  No collective.
+  replicated to every head shard; otherwise K must be a multiple of the head axis size s, else ValueError naming
+  the sizes. No collective, except that with K = 1 and sharded query heads the gradient all-reduces dK and dV
+  over the head axis (every head shard holds a share of the one kv head's gradient).
 * q's sequence dim may be sharded: K and V are all-gathered along their sequence (the only collective of the
   forward), each device runs its rows with their global position (``q_offsets``: axis index × local length),
   and in the backward dK and dV are summed over the sequence axes (each device holds its rows' share).
@@ -21,7 +22,10 @@ Two mechanisms, by the mesh axes' type:
   head_dim and the kv sequence replicated itself. ``custom_partitioning`` has no batching rule: a
   ``jax.custom_batching.custom_vmap`` around it keeps a vmapped axis as an extra leading (batch) dim.
 
-With a single device in the process nothing changes: the kernel is called directly, as without this module.
+With a single device in the process nothing changes: the kernel is called directly, as without this module. Inside
+the user's own ``jax.shard_map`` (a Manual context) the kernel runs on each block as is; its results carry the
+inputs' varying axes, and a K/V replicated over a manual axis that q varies over gets its summed cotangent (see
+jax_flash._ffi.flash_bwd).
 """
 
 import functools
@@ -59,10 +63,16 @@ def _padded(spec, ndim):
     return spec + (None,) * (ndim - len(spec))
 
 
-def _plan(mesh, q_spec, num_q_heads, num_kv_heads):
+def _divisible(mesh, spec, shape):
+    """spec without the shardings of dims their axes do not divide (those are gathered instead of padded)."""
+    return tuple(e if shape[i] % _axis_size(mesh, _axes(e)) == 0 else None for i, e in enumerate(spec))
+
+
+def _plan(mesh, q_spec, q_shape, num_kv_heads):
     """The specs of one call, given q's spec: (q, kv, lens, lse) PartitionSpecs, q's sequence axes, and the axes
     the backward sums dK and dV over."""
-    q_spec = _padded(q_spec, 3)
+    q_spec = _divisible(mesh, _padded(q_spec, len(q_shape)), q_shape)
+    num_q_heads = q_shape[-2]
     lead, seq, heads = q_spec[:-3], _axes(q_spec[-3]), _axes(q_spec[-2])
     if _axes(q_spec[-1]):
         raise ValueError("jax_flash.dot_product_attention: head_dim (the last dim of query) must not be sharded, got "
@@ -115,23 +125,27 @@ def _explicit_spec(x):
     return None
 
 
-def _context_mesh_all_explicit():
+def _context_axis_types():
     try:
         mesh = jax.sharding.get_abstract_mesh()
     except Exception:  # noqa: BLE001
-        return False
-    names = getattr(mesh, "axis_names", ())
-    return bool(names) and all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+        return ()
+    return tuple(getattr(mesh, "axis_types", ())) if getattr(mesh, "axis_names", ()) else ()
 
 
 def _path(q, k, v):
     if jax.device_count() == 1:
         return "local", None
+    types = _context_axis_types()
+    if jax.sharding.AxisType.Manual in types:
+        # Inside shard_map: the arrays are per-device blocks. (Sharded Auto/Explicit axes left in a partly manual
+        # context are not partitioned: every device computes its whole block.)
+        return "local", None
     for x in (q, k, v):
         found = _explicit_spec(x)
         if found is not None:
             return "explicit", found[0]
-    if _context_mesh_all_explicit():
+    if types and all(t == jax.sharding.AxisType.Explicit for t in types):
         return "local", None  # replicated arrays on an Explicit mesh: every device computes everything
     return "auto", None
 
@@ -167,7 +181,7 @@ def _reshard(x, mesh, spec):
 def _explicit_specs(mesh, q, k):
     spec = _explicit_spec(q)
     q_spec = spec[1] if spec is not None else (None,) * q.ndim
-    return _plan(mesh, q_spec, q.shape[-2], k.shape[-2])
+    return _plan(mesh, q_spec, q.shape, k.shape[-2])
 
 
 def _explicit_forward(cfg, local_forward, mesh, q, k, v, q_lens, kv_lens):
@@ -250,7 +264,7 @@ def _partitioned(cfg, local_fn, kind, nlead, num_q_heads, num_kv_heads):
     def partition(mesh, arg_shapes, result_shape):
         q_shape = arg_shapes[0]
         q_spec, kv_spec, lens_spec, lse_spec, seq, reduce = _plan(
-            mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), num_q_heads, num_kv_heads)
+            mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), q_shape.shape, num_kv_heads)
         local_len = q_shape.shape[-3] // _axis_size(mesh, seq)
         ns = functools.partial(NamedSharding, mesh)
         if kind == "fwd":
@@ -273,7 +287,7 @@ def _partitioned(cfg, local_fn, kind, nlead, num_q_heads, num_kv_heads):
     def infer(mesh, arg_shapes, result_shape):  # GSPMD (the non-Shardy partitioner)
         q_shape = arg_shapes[0]
         q_spec, kv_spec, _, lse_spec, _, _ = _plan(
-            mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), num_q_heads, num_kv_heads)
+            mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), q_shape.shape, num_kv_heads)
         if kind == "fwd":
             return (NamedSharding(mesh, q_spec), NamedSharding(mesh, lse_spec))
         return (NamedSharding(mesh, q_spec), NamedSharding(mesh, kv_spec), NamedSharding(mesh, kv_spec))

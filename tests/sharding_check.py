@@ -50,7 +50,7 @@ def gathered_operands(hlo):
     return re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
 
 
-def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False):
+def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, in_shard_map=False):
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
     spec = SPECS[spec_name]
     kw = dict(MASKS[mask_name])
@@ -68,6 +68,9 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False):
                                                **kw)
 
     f = attn
+    if in_shard_map:  # the user's own shard_map: the kernel runs on each block (lengths: none with a sharded batch)
+        kv_spec = P(*[None if (i == 2 and hkv % 4) else e for i, e in enumerate(list(spec) + [None] * 3)][:3])
+        f = jax.shard_map(attn, mesh=mesh, in_specs=(spec, kv_spec, kv_spec), out_specs=spec)
     if remat:
         f = jax.checkpoint(f)
     if vmap:  # vmap over a leading axis of 1 (the mesh shards the dims after it)
@@ -110,7 +113,8 @@ def main(cases):
         axis_type, spec_name, hq, hkv, mask_name, *flags = case.split(":")
         args = (getattr(AxisType, axis_type), spec_name, int(hq), int(hkv), mask_name)
         try:
-            result = dict(case=case, ok=True, **run_case(*args, vmap="vmap" in flags, remat="remat" in flags))
+            result = dict(case=case, ok=True, **run_case(*args, vmap="vmap" in flags, remat="remat" in flags,
+                                                             in_shard_map="shardmap" in flags))
         except Exception as e:  # noqa: BLE001 - reported to the test
             result = dict(case=case, ok=False, error=f"{type(e).__name__}: {e}"[:2000],
                           trace=traceback.format_exc()[-3000:])

@@ -20,7 +20,7 @@ from jax_flash import sharding
 
 CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
 
-# spec:Hq:Hkv:mask[:vmap|:remat]
+# spec:Hq:Hkv:mask[:vmap|:remat|:shardmap] (shardmap: the call inside the user's jax.shard_map over the mesh)
 CASES = [
     "dp:8:8:causal", "dp:8:4:lens", "dp:8:1:window",
     "tp:8:8:window", "tp:8:4:causal_window_lens", "tp:8:1:causal",
@@ -28,6 +28,7 @@ CASES = [
     "repl:8:4:causal_window_lens",
     "sp:8:8:causal", "sp:8:4:causal_window_lens", "dp_sp:8:1:window",
     "dp_tp:8:4:causal:vmap", "dp:8:8:causal_window_lens:remat", "sp:8:4:causal:vmap", "sp:8:8:lens:remat",
+    "tp:8:4:causal_window_lens:shardmap", "tp:8:1:window:shardmap",
 ]
 ERROR_CASES = {"tp:8:2:none": "does not divide the 2 key/value heads"}
 FWD_TOL, GRAD_TOL = 2e-5, 1e-4
