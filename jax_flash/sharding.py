@@ -74,9 +74,7 @@ def _plan(mesh, q_spec, q_shape, num_kv_heads):
     q_spec = _divisible(mesh, _padded(q_spec, len(q_shape)), q_shape)
     num_q_heads = q_shape[-2]
     lead, seq, heads = q_spec[:-3], _axes(q_spec[-3]), _axes(q_spec[-2])
-    if _axes(q_spec[-1]):
-        raise ValueError("jax_flash.dot_product_attention: head_dim (the last dim of query) must not be sharded, got "
-                         f"query sharded as {P(*q_spec)}")
+    # head_dim is never split (q_out below replicates it: a head_dim sharding is gathered).
     kv_heads = heads
     if heads and num_kv_heads > 1:
         size = _axis_size(mesh, heads)
@@ -191,15 +189,17 @@ def _explicit_forward(cfg, local_forward, mesh, q, k, v, q_lens, kv_lens):
     def body(q, k, v, q_lens, kv_lens):
         return local_forward(cfg, q, k, v, q_lens, kv_lens, _q_offsets(seq, local_len, q_lens))
 
+    q_sharding = jax.typeof(q).sharding
     q = _reshard(q, mesh, q_spec)
     k, v = _reshard(k, mesh, kv_spec), _reshard(v, mesh, kv_spec)
     q_lens, kv_lens = _reshard(q_lens, mesh, lens_spec), _reshard(kv_lens, mesh, lens_spec)
-    return _shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, lens_spec, lens_spec),
-                      out_specs=(q_spec, lse_spec), check_vma=False)(q, k, v, q_lens, kv_lens)
+    o, lse = _shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, lens_spec, lens_spec),
+                        out_specs=(q_spec, lse_spec), check_vma=False)(q, k, v, q_lens, kv_lens)
+    return jax.sharding.reshard(o, q_sharding), lse  # (a head_dim sharding, gathered for the kernel, comes back)
 
 
 def _explicit_backward(cfg, local_backward, mesh, q, k, v, o, lse, do, q_lens, kv_lens):
-    k_sharding, v_sharding = jax.typeof(k).sharding, jax.typeof(v).sharding
+    q_sharding, k_sharding, v_sharding = jax.typeof(q).sharding, jax.typeof(k).sharding, jax.typeof(v).sharding
     q_spec, kv_spec, lens_spec, lse_spec, seq, reduce = _explicit_specs(mesh, q, k)
     local_len = q.shape[-3] // _axis_size(mesh, seq)
 
@@ -216,7 +216,8 @@ def _explicit_backward(cfg, local_backward, mesh, q, k, v, o, lse, do, q_lens, k
     dq, dk, dv = _shard_map(
         body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec, lens_spec, lens_spec),
         out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(q, k, v, o, lse, do, q_lens, kv_lens)
-    return dq, jax.sharding.reshard(dk, k_sharding), jax.sharding.reshard(dv, v_sharding)
+    return (jax.sharding.reshard(dq, q_sharding), jax.sharding.reshard(dk, k_sharding),
+            jax.sharding.reshard(dv, v_sharding))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ SPECS = {
     "repl": P(),
     "sp": P(None, "tp"),
     "dp_sp": P("dp", "tp"),
+    "hd": P(None, None, None, "tp"),  # head_dim sharded: gathered
 }
 MASKS = {
     "none": dict(),
@@ -50,7 +51,8 @@ def gathered_operands(hlo):
     return re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
 
 
-def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, in_shard_map=False):
+def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, in_shard_map=False,
+             set_mesh=True):
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
     spec = SPECS[spec_name]
     kw = dict(MASKS[mask_name])
@@ -85,11 +87,12 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
     ref_g = [np.asarray(x) for x in jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) * ct),
                                                      argnums=(0, 1, 2)))(q, k, v)]
     q_sharding = NamedSharding(mesh, spec)
-    kv_spec = list(spec) + [None] * (3 - len(spec))
+    kv_spec = list(spec) + [None] * (4 - len(spec))
     if hkv % 4:  # one kv head (or a count the head axis does not divide): K and V replicated over the heads
         kv_spec[2] = None
     kv_sharding = NamedSharding(mesh, P(*kv_spec))
-    with jax.set_mesh(mesh):
+    import contextlib
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():  # nomesh: sharded arrays only
         qs = jax.device_put(q, q_sharding)
         ks, vs = (jax.device_put(x, kv_sharding) for x in (k, v))
         o = fwd(qs, ks, vs)
@@ -114,7 +117,8 @@ def main(cases):
         args = (getattr(AxisType, axis_type), spec_name, int(hq), int(hkv), mask_name)
         try:
             result = dict(case=case, ok=True, **run_case(*args, vmap="vmap" in flags, remat="remat" in flags,
-                                                             in_shard_map="shardmap" in flags))
+                                                             in_shard_map="shardmap" in flags,
+                                                             set_mesh="nomesh" not in flags))
         except Exception as e:  # noqa: BLE001 - reported to the test
             result = dict(case=case, ok=False, error=f"{type(e).__name__}: {e}"[:2000],
                           trace=traceback.format_exc()[-3000:])

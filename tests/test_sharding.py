@@ -20,7 +20,8 @@ from jax_flash import sharding
 
 CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
 
-# spec:Hq:Hkv:mask[:vmap|:remat|:shardmap] (shardmap: the call inside the user's jax.shard_map over the mesh)
+# spec:Hq:Hkv:mask[:vmap|:remat|:shardmap|:nomesh] (shardmap: the call inside the user's jax.shard_map over the
+# mesh; nomesh: sharded arrays without jax.set_mesh)
 CASES = [
     "dp:8:8:causal", "dp:8:4:lens", "dp:8:1:window",
     "tp:8:8:window", "tp:8:4:causal_window_lens", "tp:8:1:causal",
@@ -29,6 +30,7 @@ CASES = [
     "sp:8:8:causal", "sp:8:4:causal_window_lens", "dp_sp:8:1:window",
     "dp_tp:8:4:causal:vmap", "dp:8:8:causal_window_lens:remat", "sp:8:4:causal:vmap", "sp:8:8:lens:remat",
     "tp:8:4:causal_window_lens:shardmap", "tp:8:1:window:shardmap",
+    "dp_tp:8:4:causal:nomesh", "sp:8:4:causal_window_lens:nomesh", "hd:8:4:causal",
 ]
 ERROR_CASES = {"tp:8:2:none": "does not divide the 2 key/value heads"}
 FWD_TOL, GRAD_TOL = 2e-5, 1e-4
@@ -68,6 +70,9 @@ def test_values_and_collectives(results, case):
     assert _spec(r["out_spec"]) == _spec(r["want_spec"]), r  # the output keeps q's sharding
     spec, hq, hkv, *_ = case.split(":")
     allowed_grad = set()
+    if spec == "hd":  # head_dim sharded: gathered for the kernel (q, k, v; in the gradient also o and do)
+        assert set(r["fwd_collectives"]) <= {"all-gather"} and set(r["grad_collectives"]) <= {"all-gather"}, r
+        return
     if "sp" in spec:  # sequence: K and V all-gathered (whole sequences), dK and dV summed over the sequence axis
         assert set(r["fwd_collectives"]) == {"all-gather"}, r
         assert r["fwd_collectives"]["all-gather"] <= 2, r
