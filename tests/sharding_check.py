@@ -3,6 +3,7 @@ count is fixed when it starts): ``XLA_FLAGS=--xla_force_host_platform_device_cou
 Prints one JSON line per case: {"case", "ok", "error"?, "fwd_err", "grad_err", "fwd_collectives",
 "grad_collectives", "out_spec"}."""
 
+import contextlib
 import json
 import re
 import sys
@@ -91,7 +92,6 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
     if hkv % 4:  # one kv head (or a count the head axis does not divide): K and V replicated over the heads
         kv_spec[2] = None
     kv_sharding = NamedSharding(mesh, P(*kv_spec))
-    import contextlib
     with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():  # nomesh: sharded arrays only
         qs = jax.device_put(q, q_sharding)
         ks, vs = (jax.device_put(x, kv_sharding) for x in (k, v))
