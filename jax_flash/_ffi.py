@@ -120,6 +120,29 @@ def _zero_offsets(offsets, lens):
     return jnp.zeros_like(lens) if offsets is None else offsets
 
 
+def _vma(x):
+    """The manual mesh axes x varies over inside shard_map (jax >= 0.11: aval.mat.varying; before: aval.vma)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def _varying_like(outputs, inputs):
+    """Marks the outputs as varying over the manual mesh axes the inputs vary over (inside ``jax.shard_map`` with
+    check_vma: an FFI call's results carry no such type, and ``platform_dependent`` needs its branches to agree)."""
+    vma = frozenset().union(*(_vma(x) for x in inputs))
+    if not vma:
+        return outputs
+    pcast = getattr(jax.lax, "pcast", None)
+    if pcast is not None:
+        cast = lambda x, axes: pcast(x, axes, to="varying")  # noqa: E731
+    else:  # jax < 0.7.1
+        cast = lambda x, axes: jax.lax.pvary(x, axes)  # noqa: E731
+    return tuple(cast(x, tuple(sorted(vma - _vma(x)))) if vma - _vma(x) else x for x in outputs)
+
+
 def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, *, scale, is_causal, window_left,
               window_right):
     """Runs the forward target.
@@ -146,8 +169,8 @@ def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, *, scal
         ),
         vmap_method="broadcast_all",
     )
-    return call(q, k, v, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens), _zero_offsets(kv_offsets, kv_lens),
-                **_attrs(scale, is_causal, window_left, window_right))
+    inputs = (q, k, v, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens), _zero_offsets(kv_offsets, kv_lens))
+    return _varying_like(call(*inputs, **_attrs(scale, is_causal, window_left, window_right)), inputs)
 
 
 def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=None, *, scale, is_causal,
@@ -171,7 +194,15 @@ def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=N
         ),
         vmap_method="broadcast_all",
     )
-    dq, dk, dv, *_ = call(q, k, v, o, lse, do, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens),
-                          _zero_offsets(kv_offsets, kv_lens), deterministic=bool(deterministic),
+    inputs = (q, k, v, o, lse, do, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens),
+              _zero_offsets(kv_offsets, kv_lens))
+    dq, dk, dv, *_ = call(*inputs, deterministic=bool(deterministic),
                           **_attrs(scale, is_causal, window_left, window_right))
+    dq, dk, dv = _varying_like((dq, dk, dv), inputs)  # each device's own share, then:
+    # Inside shard_map with check_vma, k or v may be invariant over manual axes that q or do vary over (K/V
+    # replicated over a head or sequence axis): their cotangent is then the sum of every device's share, as JAX's
+    # own transpose gives it.
+    vma = frozenset().union(*(_vma(x) for x in inputs))
+    dk, dv = (jax.lax.psum(d, tuple(sorted(vma - _vma(x)))) if vma - _vma(x) else d for d, x in ((dk, k), (dv, v)))
+    dk, dv = _varying_like((dk,), (k,))[0], _varying_like((dv,), (v,))[0]
     return dq, dk, dv

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jax_flash import _ffi
+from jax_flash import _ffi, sharding
 
 #: The ``implementation`` argument: None for the jax_flash kernels, else jax.nn's implementation of that name.
 Implementation = Literal["xla", "cudnn"] | None
@@ -54,34 +54,74 @@ class _Config:
         return dict(scale=self.scale, is_causal=self.is_causal, window_left=left, window_right=right)
 
 
-def _xla_attention(cfg, q, k, v, q_lens, kv_lens):
-    """jax.nn's xla implementation: (output, lse float32 [B, N, T]) for the platforms without a kernel."""
+def _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets=None):
+    """jax.nn's xla implementation: (output, lse float32 [B, N, T]) for the platforms without a kernel.
+
+    ``q_offsets`` (int32 [B], or None for 0): the global position of q's row 0 when q holds a part of the rows
+    (sequence sharding); the masks then go to jax.nn as a dense mask at global positions. Leading dims beyond the
+    batch (a vmapped axis kept by jax_flash.sharding) are folded into it."""
+    lead = q.shape[:-3]
+    if len(lead) != 1:
+        fold = lambda x, n: None if x is None else x.reshape(-1, *x.shape[len(x.shape) - n:])  # noqa: E731
+        out, lse = _xla_attention(cfg, fold(q, 3), fold(k, 3), fold(v, 3), fold(q_lens, 0), fold(kv_lens, 0),
+                                  fold(q_offsets, 0))
+        return out.reshape(q.shape), lse.reshape(*lead, *lse.shape[1:])
+    if q_offsets is None:
+        out, residual = jax.nn.dot_product_attention(
+            q, k, v, scale=cfg.scale, is_causal=cfg.is_causal, query_seq_lengths=q_lens,
+            key_value_seq_lengths=kv_lens, local_window_size=cfg.window, implementation="xla",
+            return_residual=True)
+        return out, jnp.swapaxes(residual, -1, -2).astype(jnp.float32)
+    rows = q_offsets[:, None] + jnp.arange(q.shape[-3], dtype=jnp.int32)  # [B, T] global positions
+    i, j = rows[:, :, None], jnp.arange(k.shape[-3], dtype=jnp.int32)[None, None, :]
+    visible = (i < q_lens[:, None, None]) & (j < kv_lens[:, None, None])
+    if cfg.is_causal:
+        visible &= j <= i
+    if cfg.window is not None:
+        visible &= (i - cfg.window[0] <= j) & (j <= i + cfg.window[1])
     out, residual = jax.nn.dot_product_attention(
-        q, k, v, scale=cfg.scale, is_causal=cfg.is_causal, query_seq_lengths=q_lens,
-        key_value_seq_lengths=kv_lens, local_window_size=cfg.window, implementation="xla", return_residual=True)
-    return out, jnp.swapaxes(residual, -1, -2).astype(jnp.float32)
+        q, k, v, mask=visible[:, None], scale=cfg.scale, implementation="xla", return_residual=True)
+    sees = jnp.any(visible, axis=-1)[:, :, None, None]  # [B, T, 1, 1]
+    out = jnp.where(sees, out, jnp.zeros((), out.dtype))
+    lse = jnp.swapaxes(jnp.where(sees[..., 0], residual, jnp.inf), -1, -2).astype(jnp.float32)
+    return out, lse
 
 
-def _forward(cfg, q, k, v, q_lens, kv_lens):
+def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_offsets=None):
+    """(o, lse) of one device's block: the kernel on its platforms, jax.nn's xla path elsewhere."""
     kernel = functools.partial(_ffi.flash_fwd, **cfg.attrs())
+    if q_offsets is None:
+        args = (q, k, v, q_lens, kv_lens)
+    else:
+        args = (q, k, v, q_lens, kv_lens, q_offsets)
     return jax.lax.platform_dependent(
-        q, k, v, q_lens, kv_lens,
+        *args,
         default=functools.partial(_xla_attention, cfg),
         **{platform: kernel for platform in cfg.kernel_platforms})
 
 
-def _xla_attention_vjp(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
+def _forward(cfg, q, k, v, q_lens, kv_lens):
+    return sharding.forward(cfg, _local_forward, q, k, v, q_lens, kv_lens)
+
+
+def _xla_attention_vjp(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None):
     del o, lse
-    _, vjp = jax.vjp(lambda q, k, v: _xla_attention(cfg, q, k, v, q_lens, kv_lens)[0], q, k, v)
+    _, vjp = jax.vjp(lambda q, k, v: _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets)[0], q, k, v)
     return vjp(do)
 
 
-def _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
+def _local_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None):
+    """(dq, dk, dv) of one device's block (dk, dv: the contributions of its query rows)."""
     kernel = functools.partial(_ffi.flash_bwd, **cfg.attrs(), deterministic=cfg.deterministic)
+    args = (q, k, v, o, lse, do, q_lens, kv_lens) + (() if q_offsets is None else (q_offsets,))
     return jax.lax.platform_dependent(
-        q, k, v, o, lse, do, q_lens, kv_lens,
+        *args,
         default=functools.partial(_xla_attention_vjp, cfg),
         **{platform: kernel for platform in cfg.kernel_platforms})
+
+
+def _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
+    return sharding.backward(cfg, _local_backward, q, k, v, o, lse, do, q_lens, kv_lens)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -265,6 +305,13 @@ def dot_product_attention(
     Returns:
       The attention output with the shape and dtype of ``query``, or ``(output, residual)`` if
       ``return_residual``.
+
+    Sharding: under ``jax.jit`` with sharded inputs the call partitions instead of gathering (jax_flash.sharding):
+    batch and head dims of q (with k/v's heads alongside) stay sharded with no collective and the output keeps
+    q's sharding; with q's sequence sharded, K and V are all-gathered and each device runs its rows at their
+    global positions. ``Auto`` mesh axes go through custom_partitioning, ``Explicit`` ones through shard_map.
+    Query heads sharded over an axis whose size does not divide the key/value heads raise ValueError (except one
+    key/value head, which is replicated).
 
     Supported by the kernels: bfloat16 and float16 everywhere, float32 on CPU; H a multiple of 8 up to 256. With
     float32 inputs on a GPU (or on any platform without a kernel) the call runs jax.nn's xla implementation there,

@@ -1,0 +1,316 @@
+"""How a jax_flash kernel call partitions over sharded arrays (used by jax_flash.attention's custom_vjp rules).
+
+Arrays: q [..., T, N, H], k and v [..., S, K, H], lengths int32 [...] (``...``: the batch dims, vmapped dims first),
+o like q, lse float32 [..., N, T]. Every device computes the attention of its own block:
+
+* batch dims and the head dim may be sharded: q's heads and k/v's heads go together (shard r of the head axis
+  holds query heads [r N/s, (r+1) N/s) and kv heads [r K/s, (r+1) K/s)); with one kv head (K = 1) K and V are
+  replicated to every head shard; otherwise K must be a multiple of the head axis size s, else ValueError naming
+  the sizes. No collective, except that with K = 1 and sharded query heads the gradient all-reduces dK and dV
+  over the head axis (every head shard holds a share of the one kv head's gradient).
+* q's sequence dim may be sharded: K and V are all-gathered along their sequence (the only collective of the
+  forward), each device runs its rows with their global position (``q_offsets``: axis index × local length),
+  and in the backward dK and dV are summed over the sequence axes (each device holds its rows' share).
+* head_dim and the kv sequence are never split: K/V sequence shardings are gathered.
+
+Two mechanisms, by the mesh axes' type:
+
+* ``Explicit`` axes (the sharding is in the types: ``jax.typeof(q).sharding``): the kernel runs under
+  ``jax.shard_map`` with the specs read from q; K, V and the lengths are ``reshard``-ed to what the call needs.
+* ``Auto`` axes (plain ``jit`` with in_shardings, or arrays placed with ``device_put``): a
+  ``jax.experimental.custom_partitioning`` op with a Shardy sharding rule; its ``partition`` callback forces
+  head_dim and the kv sequence replicated itself. ``custom_partitioning`` has no batching rule: a
+  ``jax.custom_batching.custom_vmap`` around it keeps a vmapped axis as an extra leading (batch) dim.
+
+With a single device in the process nothing changes: the kernel is called directly, as without this module. Inside
+the user's own ``jax.shard_map`` (a Manual context) the kernel runs on each block as is; its results carry the
+inputs' varying axes, and a K/V replicated over a manual axis that q varies over gets its summed cotangent (see
+jax_flash._ffi.flash_bwd).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+try:
+    _shard_map = jax.shard_map
+except AttributeError:  # pragma: no cover - jax < 0.6
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+
+def _axes(entry):
+    """A PartitionSpec entry as a tuple of mesh axis names."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _entry(axes):
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _axis_size(mesh, axes):
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _padded(spec, ndim):
+    spec = tuple(spec)
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _divisible(mesh, spec, shape):
+    """spec without the shardings of dims their axes do not divide (those are gathered instead of padded)."""
+    return tuple(e if shape[i] % _axis_size(mesh, _axes(e)) == 0 else None for i, e in enumerate(spec))
+
+
+def _plan(mesh, q_spec, q_shape, num_kv_heads):
+    """The specs of one call, given q's spec: (q, kv, lens, lse) PartitionSpecs, q's sequence axes, and the axes
+    the backward sums dK and dV over."""
+    q_spec = _divisible(mesh, _padded(q_spec, len(q_shape)), q_shape)
+    num_q_heads = q_shape[-2]
+    lead, seq, heads = q_spec[:-3], _axes(q_spec[-3]), _axes(q_spec[-2])
+    # head_dim is never split (q_out below replicates it: a head_dim sharding is gathered).
+    kv_heads = heads
+    if heads and num_kv_heads > 1:
+        size = _axis_size(mesh, heads)
+        if num_kv_heads % size:
+            raise ValueError(
+                f"jax_flash.dot_product_attention: the query heads are sharded over mesh axes {heads} of size {size}, "
+                f"which does not divide the {num_kv_heads} key/value heads ({num_q_heads} query heads): shard the "
+                f"heads over an axis whose size divides {num_kv_heads}, or use one key/value head (replicated)")
+    elif num_kv_heads == 1:
+        kv_heads = ()
+    q_out = P(*lead, _entry(seq), _entry(heads), None)
+    kv = P(*lead, None, _entry(kv_heads), None)
+    lens = P(*lead)
+    lse = P(*lead, _entry(heads), _entry(seq))
+    # dK, dV: each device holds the share of its query rows (sequence axes) and of its query heads (head axes that
+    # K, V are replicated over); summed over those axes.
+    reduce = seq + (heads if heads and not kv_heads else ())
+    return q_out, kv, lens, lse, seq, reduce
+
+
+def _q_offsets(seq_axes, local_len, lens):
+    """The global position of this device's query row 0, int32 like lens (inside shard_map / a partition)."""
+    if not seq_axes:
+        return None
+    index = jax.lax.axis_index(seq_axes[0] if len(seq_axes) == 1 else seq_axes)
+    return jnp.full(lens.shape, index * local_len, jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which path
+
+
+def _explicit_spec(x):
+    """x's PartitionSpec if its type carries an Explicit sharding with some sharded dim, else None."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except Exception:  # noqa: BLE001 - no sharding in the type (old jax, or a plain value)
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+        return None
+    explicit = {name for name, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+    spec = _padded(sharding.spec, x.ndim)
+    if any(set(_axes(e)) & explicit for e in spec):
+        return mesh, spec
+    return None
+
+
+def _context_axis_types():
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:  # noqa: BLE001
+        return ()
+    return tuple(getattr(mesh, "axis_types", ())) if getattr(mesh, "axis_names", ()) else ()
+
+
+def _path(q, k, v):
+    if jax.device_count() == 1:
+        return "local", None
+    types = _context_axis_types()
+    if jax.sharding.AxisType.Manual in types:
+        # Inside shard_map: the arrays are per-device blocks. (Sharded Auto/Explicit axes left in a partly manual
+        # context are not partitioned: every device computes its whole block.)
+        return "local", None
+    for x in (q, k, v):
+        found = _explicit_spec(x)
+        if found is not None:
+            return "explicit", found[0]
+    if types and all(t == jax.sharding.AxisType.Explicit for t in types):
+        return "local", None  # replicated arrays on an Explicit mesh: every device computes everything
+    return "auto", None
+
+
+def forward(cfg, local_forward, q, k, v, q_lens, kv_lens):
+    """(o, lse) of the whole attention, partitioned as q is sharded."""
+    path, mesh = _path(q, k, v)
+    if path == "local":
+        return local_forward(cfg, q, k, v, q_lens, kv_lens)
+    if path == "explicit":
+        return _explicit_forward(cfg, local_forward, mesh, q, k, v, q_lens, kv_lens)
+    return _auto_op(cfg, local_forward, "fwd")(q, k, v, q_lens, kv_lens)
+
+
+def backward(cfg, local_backward, q, k, v, o, lse, do, q_lens, kv_lens):
+    """(dq, dk, dv), partitioned as q is sharded."""
+    path, mesh = _path(q, k, v)
+    if path == "local":
+        return local_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens)
+    if path == "explicit":
+        return _explicit_backward(cfg, local_backward, mesh, q, k, v, o, lse, do, q_lens, kv_lens)
+    return _auto_op(cfg, local_backward, "bwd")(q, k, v, o, lse, do, q_lens, kv_lens)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Explicit axes: shard_map
+
+
+def _reshard(x, mesh, spec):
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
+def _explicit_specs(mesh, q, k):
+    spec = _explicit_spec(q)
+    q_spec = spec[1] if spec is not None else (None,) * q.ndim
+    return _plan(mesh, q_spec, q.shape, k.shape[-2])
+
+
+def _explicit_forward(cfg, local_forward, mesh, q, k, v, q_lens, kv_lens):
+    q_spec, kv_spec, lens_spec, lse_spec, seq, reduce = _explicit_specs(mesh, q, k)
+    local_len = q.shape[-3] // _axis_size(mesh, seq)
+
+    def body(q, k, v, q_lens, kv_lens):
+        return local_forward(cfg, q, k, v, q_lens, kv_lens, _q_offsets(seq, local_len, q_lens))
+
+    q_sharding = jax.typeof(q).sharding
+    q = _reshard(q, mesh, q_spec)
+    k, v = _reshard(k, mesh, kv_spec), _reshard(v, mesh, kv_spec)
+    q_lens, kv_lens = _reshard(q_lens, mesh, lens_spec), _reshard(kv_lens, mesh, lens_spec)
+    o, lse = _shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, lens_spec, lens_spec),
+                        out_specs=(q_spec, lse_spec), check_vma=False)(q, k, v, q_lens, kv_lens)
+    return jax.sharding.reshard(o, q_sharding), lse  # (a head_dim sharding, gathered for the kernel, comes back)
+
+
+def _explicit_backward(cfg, local_backward, mesh, q, k, v, o, lse, do, q_lens, kv_lens):
+    q_sharding, k_sharding, v_sharding = jax.typeof(q).sharding, jax.typeof(k).sharding, jax.typeof(v).sharding
+    q_spec, kv_spec, lens_spec, lse_spec, seq, reduce = _explicit_specs(mesh, q, k)
+    local_len = q.shape[-3] // _axis_size(mesh, seq)
+
+    def body(q, k, v, o, lse, do, q_lens, kv_lens):
+        dq, dk, dv = local_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, _q_offsets(seq, local_len, q_lens))
+        if reduce:  # each device holds its rows' and heads' share of dK, dV
+            dk, dv = jax.lax.psum((dk, dv), reduce)
+        return dq, dk, dv
+
+    q, o, do = (_reshard(x, mesh, q_spec) for x in (q, o, do))
+    k, v = _reshard(k, mesh, kv_spec), _reshard(v, mesh, kv_spec)
+    lse = _reshard(lse, mesh, lse_spec)
+    q_lens, kv_lens = _reshard(q_lens, mesh, lens_spec), _reshard(kv_lens, mesh, lens_spec)
+    dq, dk, dv = _shard_map(
+        body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec, lens_spec, lens_spec),
+        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(q, k, v, o, lse, do, q_lens, kv_lens)
+    return (jax.sharding.reshard(dq, q_sharding), jax.sharding.reshard(dk, k_sharding),
+            jax.sharding.reshard(dv, v_sharding))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Auto axes: custom_partitioning with a Shardy rule, under a custom_vmap
+
+
+def _rule(nlead, num_q_heads, num_kv_heads, kind):
+    """Shardy rule string and factor kwargs."""
+    lead = " ".join(f"b{i}" for i in range(nlead))
+    group = num_q_heads // num_kv_heads
+    if num_kv_heads == 1:
+        qh, kh, extra = "n", "k", {}
+    elif group == 1:
+        qh, kh, extra = "h", "h", {}
+    else:
+        qh, kh, extra = "(h g)", "h", {"g": group}
+    q, kv, lens = f"{lead} t {qh} d", f"{lead} s {kh} d", lead
+    lse = f"{lead} {qh} t"
+    if kind == "fwd":
+        rule = f"{q}, {kv}, {kv}, {lens}, {lens} -> {q}, {lse}"
+    else:
+        rule = f"{q}, {kv}, {kv}, {q}, {lse}, {q}, {lens}, {lens} -> {q}, {kv}, {kv}"
+    return rule, dict(need_replication_factors=("d", "s"), **extra)
+
+
+def _named_spec(sharding, ndim):
+    spec = getattr(sharding, "spec", None)
+    return _padded(spec if spec is not None else (), ndim)
+
+
+@functools.cache
+def _partitioned(cfg, local_fn, kind, nlead, num_q_heads, num_kv_heads):
+    """The custom_partitioning op of one call signature."""
+    # Under jit: custom_partitioning refuses a body with constants at its top level (the xla fallback has some).
+    if kind == "fwd":
+        @jax.jit
+        def fn(q, k, v, q_lens, kv_lens):
+            return local_fn(cfg, q, k, v, q_lens, kv_lens)
+    else:
+        @jax.jit
+        def fn(q, k, v, o, lse, do, q_lens, kv_lens):
+            return local_fn(cfg, q, k, v, o, lse, do, q_lens, kv_lens)
+    op = custom_partitioning(fn)
+
+    def partition(mesh, arg_shapes, result_shape):
+        q_shape = arg_shapes[0]
+        q_spec, kv_spec, lens_spec, lse_spec, seq, reduce = _plan(
+            mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), q_shape.shape, num_kv_heads)
+        local_len = q_shape.shape[-3] // _axis_size(mesh, seq)
+        ns = functools.partial(NamedSharding, mesh)
+        if kind == "fwd":
+            def lower(q, k, v, q_lens, kv_lens):
+                return local_fn(cfg, q, k, v, q_lens, kv_lens, _q_offsets(seq, local_len, q_lens))
+            args = (ns(q_spec), ns(kv_spec), ns(kv_spec), ns(lens_spec), ns(lens_spec))
+            results = (ns(q_spec), ns(lse_spec))
+        else:
+            def lower(q, k, v, o, lse, do, q_lens, kv_lens):
+                dq, dk, dv = local_fn(cfg, q, k, v, o, lse, do, q_lens, kv_lens,
+                                      _q_offsets(seq, local_len, q_lens))
+                if reduce:
+                    dk, dv = jax.lax.psum((dk, dv), reduce)
+                return dq, dk, dv
+            args = (ns(q_spec), ns(kv_spec), ns(kv_spec), ns(q_spec), ns(lse_spec), ns(q_spec), ns(lens_spec),
+                    ns(lens_spec))
+            results = (ns(q_spec), ns(kv_spec), ns(kv_spec))
+        return mesh, lower, results, args
+
+    def infer(mesh, arg_shapes, result_shape):  # GSPMD (the non-Shardy partitioner)
+        q_shape = arg_shapes[0]
+        q_spec, kv_spec, _, lse_spec, _, _ = _plan(
+            mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), q_shape.shape, num_kv_heads)
+        if kind == "fwd":
+            return (NamedSharding(mesh, q_spec), NamedSharding(mesh, lse_spec))
+        return (NamedSharding(mesh, q_spec), NamedSharding(mesh, kv_spec), NamedSharding(mesh, kv_spec))
+
+    rule, factors = _rule(nlead, num_q_heads, num_kv_heads, kind)
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule, **factors)
+    return op
+
+
+@functools.cache
+def _auto_op(cfg, local_fn, kind):
+    """custom_vmap(custom_partitioning op): a vmapped axis becomes one more leading batch dim."""
+
+    @jax.custom_batching.custom_vmap
+    def op(*args):
+        q, k = args[0], args[1]
+        return _partitioned(cfg, local_fn, kind, q.ndim - 3, q.shape[-2], k.shape[-2])(*args)
+
+    @op.def_vmap
+    def _vmap(axis_size, in_batched, *args):
+        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, batched in zip(args, in_batched)]
+        out = op(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return op

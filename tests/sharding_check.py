@@ -1,0 +1,129 @@
+"""Multi-device checks of jax_flash under sharding, run by tests/test_sharding.py in a subprocess (JAX's device
+count is fixed when it starts): ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python sharding_check.py``.
+Prints one JSON line per case: {"case", "ok", "error"?, "fwd_err", "grad_err", "fwd_collectives",
+"grad_collectives", "out_spec"}."""
+
+import contextlib
+import json
+import re
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_flash
+
+B, T, D = 4, 64, 32
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+
+SPECS = {
+    "dp": P("dp"),
+    "tp": P(None, None, "tp"),
+    "dp_tp": P("dp", None, "tp"),
+    "repl": P(),
+    "sp": P(None, "tp"),
+    "dp_sp": P("dp", "tp"),
+    "hd": P(None, None, None, "tp"),  # head_dim sharded: gathered
+}
+MASKS = {
+    "none": dict(),
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(7, 3)),
+    "causal_window_lens": dict(is_causal=True, local_window_size=(9, 0), lens=True),
+    "lens": dict(lens=True),
+}
+
+
+def collectives(hlo):
+    """{name: count} of the collectives in compiled HLO text (the -start of async pairs counted once)."""
+    counts = {}
+    for name in COLLECTIVES:
+        n = len(re.findall(rf"= [^=\n]*\b{name}(-start)?\(", hlo))
+        if n:
+            counts[name] = n
+    return counts
+
+
+def gathered_operands(hlo):
+    """Shapes gathered by the all-gathers of compiled HLO text."""
+    return re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
+
+
+def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, in_shard_map=False,
+             set_mesh=True):
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
+    spec = SPECS[spec_name]
+    kw = dict(MASKS[mask_name])
+    lens = kw.pop("lens", False)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, T, hq, D), np.float32)
+    k = rng.standard_normal((B, T, hkv, D), np.float32)
+    v = rng.standard_normal((B, T, hkv, D), np.float32)
+    ct = rng.standard_normal((B, T, hq, D), np.float32)
+    q_lens = np.array([T, 0, 1, 37], np.int32) if lens else None
+    kv_lens = np.array([50, 5, 0, T], np.int32) if lens else None
+
+    def attn(q, k, v):
+        return jax_flash.dot_product_attention(q, k, v, query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+                                               **kw)
+
+    f = attn
+    if in_shard_map:  # the user's own shard_map: the kernel runs on each block (lengths: none with a sharded batch)
+        kv_spec = P(*[None if (i == 2 and hkv % 4) else e for i, e in enumerate(list(spec) + [None] * 3)][:3])
+        f = jax.shard_map(attn, mesh=mesh, in_specs=(spec, kv_spec, kv_spec), out_specs=spec)
+    if remat:
+        f = jax.checkpoint(f)
+    if vmap:  # vmap over a leading axis of 1 (the mesh shards the dims after it)
+        inner = f
+        f = lambda q, k, v: jax.vmap(inner)(q[None], k[None], v[None])[0]  # noqa: E731
+
+    def loss(q, k, v):
+        return jnp.sum(f(q, k, v) * ct)
+
+    fwd, grad = jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    ref_o = np.asarray(jax.jit(attn)(q, k, v))
+    ref_g = [np.asarray(x) for x in jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) * ct),
+                                                     argnums=(0, 1, 2)))(q, k, v)]
+    q_sharding = NamedSharding(mesh, spec)
+    kv_spec = list(spec) + [None] * (4 - len(spec))
+    if hkv % 4:  # one kv head (or a count the head axis does not divide): K and V replicated over the heads
+        kv_spec[2] = None
+    kv_sharding = NamedSharding(mesh, P(*kv_spec))
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():  # nomesh: sharded arrays only
+        qs = jax.device_put(q, q_sharding)
+        ks, vs = (jax.device_put(x, kv_sharding) for x in (k, v))
+        o = fwd(qs, ks, vs)
+        g = grad(qs, ks, vs)
+        fwd_hlo = fwd.lower(qs, ks, vs).compile().as_text()
+        grad_hlo = grad.lower(qs, ks, vs).compile().as_text()
+    return dict(
+        fwd_err=float(np.max(np.abs(np.asarray(o) - ref_o))),
+        grad_err=max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(g, ref_g)),
+        fwd_collectives=collectives(fwd_hlo),
+        grad_collectives=collectives(grad_hlo),
+        fwd_gathered=gathered_operands(fwd_hlo),
+        out_spec=str(o.sharding.spec) if isinstance(o.sharding, NamedSharding) else str(o.sharding),
+        want_spec=str(spec),
+    )
+
+
+def main(cases):
+    assert jax.device_count() == 8, jax.devices()
+    for case in cases:
+        axis_type, spec_name, hq, hkv, mask_name, *flags = case.split(":")
+        args = (getattr(AxisType, axis_type), spec_name, int(hq), int(hkv), mask_name)
+        try:
+            result = dict(case=case, ok=True, **run_case(*args, vmap="vmap" in flags, remat="remat" in flags,
+                                                             in_shard_map="shardmap" in flags,
+                                                             set_mesh="nomesh" not in flags))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            result = dict(case=case, ok=False, error=f"{type(e).__name__}: {e}"[:2000],
+                          trace=traceback.format_exc()[-3000:])
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,136 @@
+"""jax_flash under sharding (issue 17 item 1), on CPU with 8 fake devices: mesh (2, 4) ("dp", "tp") of Auto axes
+(custom_partitioning) and of Explicit axes (shard_map); q sharded over batch, heads, both, sequence, or
+replicated; 8 query heads over 8, 4 and 1 kv heads; causal, windows, lengths (0 and 1 included). Forward and
+gradients against the unsharded call; the compiled HLO's collectives; the output keeps q's sharding.
+
+JAX fixes its device count when it starts, and this process has one CPU device: the cases run in a subprocess
+(tests/sharding_check.py) with ``--xla_force_host_platform_device_count=8``, one per axis type."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash import sharding
+
+CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
+
+# spec:Hq:Hkv:mask[:vmap|:remat|:shardmap|:nomesh] (shardmap: the call inside the user's jax.shard_map over the
+# mesh; nomesh: sharded arrays without jax.set_mesh)
+CASES = [
+    "dp:8:8:causal", "dp:8:4:lens", "dp:8:1:window",
+    "tp:8:8:window", "tp:8:4:causal_window_lens", "tp:8:1:causal",
+    "dp_tp:8:8:lens", "dp_tp:8:4:causal", "dp_tp:8:1:causal_window_lens",
+    "repl:8:4:causal_window_lens",
+    "sp:8:8:causal", "sp:8:4:causal_window_lens", "dp_sp:8:1:window",
+    "dp_tp:8:4:causal:vmap", "dp:8:8:causal_window_lens:remat", "sp:8:4:causal:vmap", "sp:8:8:lens:remat",
+    "tp:8:4:causal_window_lens:shardmap", "tp:8:1:window:shardmap",
+    "dp_tp:8:4:causal:nomesh", "sp:8:4:causal_window_lens:nomesh", "hd:8:4:causal",
+]
+ERROR_CASES = {"tp:8:2:none": "does not divide the 2 key/value heads"}
+FWD_TOL, GRAD_TOL = 2e-5, 1e-4
+
+
+def _run(axis_type):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    cases = [f"{axis_type}:{c}" for c in [*CASES, *ERROR_CASES]]
+    proc = subprocess.run([sys.executable, "-P", str(CHECK), *cases], env=env, capture_output=True, text=True,
+                          timeout=600, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in results] == cases, proc.stderr[-5000:]
+    return {r["case"].split(":", 1)[1]: r for r in results}
+
+
+@pytest.fixture(scope="module", params=["Auto", "Explicit"])
+def results(request):
+    return request.param, _run(request.param)
+
+
+def _spec(text):
+    """'P('dp', None, 'tp', None)' -> ('dp', None, 'tp') (trailing Nones dropped)."""
+    entries = [e.strip() for e in text[2:-1].split(",") if e.strip()]
+    while entries and entries[-1] == "None":
+        entries.pop()
+    return tuple(entries)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_values_and_collectives(results, case):
+    axis_type, by_case = results
+    r = by_case[case]
+    assert r["ok"], r.get("trace", r.get("error"))
+    assert r["fwd_err"] <= FWD_TOL, r
+    assert r["grad_err"] <= GRAD_TOL, r
+    assert _spec(r["out_spec"]) == _spec(r["want_spec"]), r  # the output keeps q's sharding
+    spec, hq, hkv, *_ = case.split(":")
+    allowed_grad = set()
+    if spec == "hd":  # head_dim sharded: gathered for the kernel (q, k, v; in the gradient also o and do)
+        assert set(r["fwd_collectives"]) <= {"all-gather"} and set(r["grad_collectives"]) <= {"all-gather"}, r
+        return
+    if "sp" in spec:  # sequence: K and V all-gathered (whole sequences), dK and dV summed over the sequence axis
+        assert set(r["fwd_collectives"]) == {"all-gather"}, r
+        assert r["fwd_collectives"]["all-gather"] <= 2, r
+        for shape in r["fwd_gathered"]:
+            assert f",64,{hkv},32]" in shape, r  # K or V: the whole sequence of the kv heads
+        allowed_grad = {"all-gather", "all-reduce"}
+    else:  # batch and heads: no collective at all ...
+        assert r["fwd_collectives"] == {}, r
+        if "tp" in spec and hkv == "1":  # ... but one kv head's dK/dV sums its query heads' shares over "tp"
+            allowed_grad = {"all-reduce"}
+    assert set(r["grad_collectives"]) <= allowed_grad, r
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_indivisible_kv_heads(results, case):
+    _, by_case = results
+    r = by_case[case]
+    assert not r["ok"], r
+    assert ERROR_CASES[case] in r["error"], r["error"]
+
+
+def test_single_device_path_unchanged():
+    """One device in the process: the kernel is called directly (no shard_map, no custom_partitioning)."""
+    assert jax.device_count() == 1
+    q = jax.numpy.ones((2, 16, 4, 32), jax.numpy.float32)
+    text = str(jax.make_jaxpr(jax_flash.dot_product_attention)(q, q, q))
+    assert "custom_partitioning" not in text and "shard_map" not in text and "custom_vmap" not in text
+    assert sharding._path(q, q, q)[0] == "local"
+
+
+@pytest.mark.parametrize("mask", [dict(is_causal=True), dict(window=(5, 3)), dict(is_causal=True, window=(9, 0))])
+def test_xla_fallback_with_offsets(mask):
+    """The platforms without a kernel run a query part at its global rows through jax.nn with a dense mask: equal
+    to the CPU kernel's part, forward and backward (rows that see no key: 0, as the kernel)."""
+    import dataclasses
+
+    import numpy as np
+
+    from jax_flash import attention
+
+    rng = np.random.default_rng(1)
+    b, t, s, hq, hkv, d = 2, 16, 48, 4, 2, 32
+    q, do = (jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.float32) for _ in range(2))
+    q_lens, kv_lens = jnp.array([40, 20], jnp.int32), jnp.array([48, 25], jnp.int32)
+    q_off = jnp.array([16, 32], jnp.int32)
+    window = mask.get("window")
+    kernel_cfg = attention._Config(scale=0.2, is_causal=mask.get("is_causal", False), window=window,
+                                   kernel_platforms=("cpu",))
+    xla_cfg = dataclasses.replace(kernel_cfg, kernel_platforms=())
+    o1, lse1 = attention._local_forward(kernel_cfg, q, k, v, q_lens, kv_lens, q_off)
+    o2, lse2 = attention._local_forward(xla_cfg, q, k, v, q_lens, kv_lens, q_off)
+    np.testing.assert_allclose(o2, o1, atol=2e-5)
+    finite = np.isfinite(np.asarray(lse1))
+    np.testing.assert_array_equal(finite, np.isfinite(np.asarray(lse2)))
+    np.testing.assert_allclose(np.asarray(lse2)[finite], np.asarray(lse1)[finite], atol=2e-5)
+    g1 = attention._local_backward(kernel_cfg, q, k, v, o1, lse1, do, q_lens, kv_lens, q_off)
+    g2 = attention._local_backward(xla_cfg, q, k, v, o2, lse2, do, q_lens, kv_lens, q_off)
+    for a, c in zip(g2, g1):
+        np.testing.assert_allclose(a, c, atol=1e-4)
