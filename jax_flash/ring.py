@@ -420,4 +420,15 @@ def ring_attention_sharded(query, key, value, *, mesh, seq_axis, batch_axis=None
                               key_value_seq_lengths=kv_lens, **kwargs)
 
     f = _shard_map(body, mesh, (spec, spec, spec, lens_spec, lens_spec), spec)
-    return f(q, k, v, *lens)
+    q, k, v = (_place(x, mesh, spec) for x in (q, k, v))
+    return f(q, k, v, *(_place(x, mesh, lens_spec) for x in lens))
+
+
+def _place(x, mesh, spec):
+    """x laid out as `spec` on `mesh`, as shard_map's in_specs need it (a mesh with Explicit axes checks them)."""
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    if any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ())):
+        return jax.sharding.reshard(x, sharding)
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)

@@ -217,6 +217,25 @@ def check_zigzag_helpers():
     assert (np.asarray(jax_flash.zigzag_restore(z, 4)) == np.asarray(x)).all()
 
 
+def check_unplaced_inputs():
+    """ring_attention_sharded takes arrays that are not yet laid out (as the README's example passes them), on meshes
+    of both axis types (jax.make_mesh gives Explicit axes by default), eagerly and under jit."""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((B, S, HQ, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, S, HKV, D)), jnp.float32) for _ in range(2))
+    ref = np.asarray(jax_flash.dot_product_attention(q, k, v, is_causal=True))
+    auto = getattr(jax.sharding.AxisType, "Auto", None)
+    for kwargs in ({}, {"axis_types": (auto, auto)}):
+        mesh = jax.make_mesh((DP, CP), ("dp", "cp"), **kwargs)
+        qz, kz, vz = (jax_flash.zigzag_order(x, CP) for x in (q, k, v))
+        out = jax_flash.ring_attention_sharded(qz, kz, vz, mesh=mesh, seq_axis="cp", batch_axis="dp",
+                                               layout="zigzag", is_causal=True)
+        np.testing.assert_allclose(np.asarray(jax_flash.zigzag_restore(out, CP)), ref, atol=TOL, rtol=TOL)
+        f = jax.jit(lambda q, k, v: jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp",
+                                                                     batch_axis="dp", is_causal=True))
+        np.testing.assert_allclose(np.asarray(f(q, k, v)), ref, atol=TOL, rtol=TOL)
+
+
 def all_cases():
     cases = {}
     for layout in ("contiguous", "zigzag"):
@@ -226,6 +245,7 @@ def all_cases():
     cases["head_sharded"] = (check_head_sharded,)
     cases["errors"] = (check_errors,)
     cases["zigzag_helpers"] = (check_zigzag_helpers,)
+    cases["unplaced_inputs"] = (check_unplaced_inputs,)
     return cases
 
 

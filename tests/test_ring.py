@@ -58,6 +58,10 @@ def test_ring_with_heads_sharded_on_another_axis(ring_results):
     _check(ring_results, "head_sharded")
 
 
+def test_ring_sharded_places_its_inputs(ring_results):
+    _check(ring_results, "unplaced_inputs")
+
+
 def test_ring_errors(ring_results):
     _check(ring_results, "errors")
 
