@@ -161,29 +161,6 @@ def _unfold_stats(x):
     return x.reshape(*x.shape[:2], -1)
 
 
-def _varying_axes(x):
-    """The manual mesh axes x varies over (shard_map's varying-axis type), or None on a JAX without it."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "manual_axis_type"):  # jax >= 0.11
-        return aval.manual_axis_type.varying
-    return getattr(aval, "vma", None)
-
-
-def _match_vma(like, *xs):
-    """Marks the kernel's outputs varying over the manual mesh axes `like` varies over (shard_map's check_vma: an
-    FFI call's results carry no such type)."""
-    want = _varying_axes(like)
-    if not want:
-        return xs
-    out = []
-    for x in xs:
-        missing = tuple(a for a in want if a not in _varying_axes(x))
-        if missing:
-            x = jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
-        out.append(x)
-    return tuple(out)
-
-
 def _ring_perm(n):
     return [(i, (i + 1) % n) for i in range(n)]
 
@@ -211,7 +188,6 @@ def _ring_forward(cfg, q, k, v, q_lens, kv_lens):
         kv_off = _flat(_offsets(cfg, source, c, batch, kv=True))
         o, lse = _ffi.flash_fwd(q_f, _flat(_fold_kv(k, m)), _flat(_fold_kv(v, m)), q_lens_f, kv_lens_f, q_off,
                                 kv_off, **cfg.attrs())
-        o, lse = _match_vma(q, o, lse)
         o, lse = _unflat(o, m).astype(jnp.float32), _unflat(lse, m)  # [qi, kj, B, ...]
         lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
         new = jnp.logaddexp(acc_lse, jax.scipy.special.logsumexp(lse, axis=1))
@@ -254,7 +230,6 @@ def _ring_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
         kv_off = _flat(_offsets(cfg, source, c, batch, kv=True))
         dq_f, dk_f, dv_f = _ffi.flash_bwd(q_f, _flat(_fold_kv(k, m)), _flat(_fold_kv(v, m)), o_f, lse_f, do_f,
                                           q_lens_f, kv_lens_f, q_off, kv_off, **cfg.attrs())
-        dq_f, dk_f, dv_f = _match_vma(q, dq_f, dk_f, dv_f)
         # dQ: sum over key chunks -> [qi, B, c, ...]; dK/dV: sum over query chunks -> [kj, B, c, ...].
         dq = dq + _unfold_rows(jnp.sum(_unflat(dq_f, m).astype(jnp.float32), axis=1))
         dk = dk + _unfold_rows(jnp.sum(_unflat(dk_f, m).astype(jnp.float32), axis=0))
