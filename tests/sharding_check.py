@@ -120,7 +120,7 @@ def main(cases):
                                                              in_shard_map="shardmap" in flags,
                                                              set_mesh="nomesh" not in flags))
         except Exception as e:  # noqa: BLE001 - reported to the test
-            result = dict(case=case, ok=False, error=f"{type(e).__name__}: {e}"[:2000],
+            result = dict(case=case, ok=False, error=f"{type(e).__name__}: {e}"[-2000:],  # the cause ends the message
                           trace=traceback.format_exc()[-3000:])
         print(json.dumps(result), flush=True)
 
