@@ -283,6 +283,20 @@ def check_nonfinite(case, q, k, v, do):
     return ours_bad, base_bad
 
 
+def check_nan_padding(case, dtype, seed):
+    """Fills the padding of `case` (query rows past q_lens of batch 1, keys and values past kv_lens of batch 0) with
+    nan and asserts the results equal those of zero padding, all finite. Returns the nan-padded inputs."""
+    q, k, v, do = make_inputs(case, dtype, seed)
+    zero_padded = fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **case.kwargs())
+    q_len, kv_len = case.q_lens[1], case.kv_lens[0]
+    q, k, v = q.at[1, q_len:].set(np.nan), k.at[0, kv_len:].set(np.nan), v.at[0, kv_len:].set(np.nan)
+    nan_padded = fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **case.kwargs())
+    for name, x, z in zip(("output", "dq", "dk", "dv"), nan_padded, zero_padded):
+        assert np.isfinite(z).all(), name
+        np.testing.assert_array_equal(x, z, err_msg=f"{name}: nan padding changed the results")
+    return q, k, v, do
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_gpu(request):
     """Tests not marked ``gpu`` exercise the CPU kernels, also on a machine with a GPU."""
@@ -300,7 +314,7 @@ def attention_checks():
         Case=Case, make_inputs=make_inputs, fwd_bwd=fwd_bwd, numpy_reference=numpy_reference,
         masked_reference=masked_reference, max_abs=max_abs, check_against_reference=check_against_reference,
         nonfinite_inputs=nonfinite_inputs, infinite_logit_inputs=infinite_logit_inputs,
-        check_nonfinite=check_nonfinite)
+        check_nonfinite=check_nonfinite, check_nan_padding=check_nan_padding)
 
 
 @pytest.fixture
