@@ -44,6 +44,7 @@ import functools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -55,12 +56,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_flash
 from jax_flash.flax import Attention
 
 ATTENTION = {"jax_flash": None, "cudnn": "cudnn", "xla": "xla"}  # --attention -> Attention(implementation=...)
-MODES = ("train", "check", "bench")
+MODES = ("train", "check", "bench", "multi")
 # Dense bfloat16/float16 tensor-core peaks of known GPUs, by JAX device_kind: (TFLOP/s, model), for MFU.
 GPU_PEAK_TFLOPS = {
     "NVIDIA H100 80GB HBM3": (989.0, "H100 SXM"),
@@ -624,6 +626,212 @@ def check_mode(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# multi: several devices
+
+
+STRATEGIES = ("dp", "fsdp", "tp")  # block train step over n devices
+CP_STRATEGIES = ("ring", "allgather", "cudnn")  # causal attention over one sequence cut into n parts
+
+
+def param_specs(params, strategy, axis):
+    """PartitionSpecs of the block's parameters: replicated (dp), each matrix cut along its input dimension (fsdp),
+    or Megatron-style over the heads (tp: q/k/v/gate/up by output columns, o/down by input rows)."""
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+    def spec(path, x):
+        name = jax.tree_util.keystr(path)
+        if x.ndim != 2 or strategy == "dp":
+            return P()
+        if strategy == "fsdp":
+            return P(axis, None)
+        return P(None, axis) if any(c in name for c in column) else P(axis, None)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def multi_block_row(cfg, dtype, args, n, strategy, attention, block):
+    """Times the block train step over the first n devices with `strategy`; returns a result row."""
+    devices = jax.devices()[:n]
+    axis = "dp" if strategy in ("dp", "fsdp") else "tp"
+    mesh = jax.make_mesh((n,), (axis,), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+    batch = args.batch * n if axis == "dp" else args.batch  # dp/fsdp: args.batch sequences per device
+    row = dict(kind="block", devices=n, strategy=strategy, impl=attention, batch=batch, seqlen=args.seq,
+               tokens=batch * args.seq, step_ms=None, tokens_per_s=None, tokens_per_s_per_device=None,
+               tflops_per_device=None, collectives=None, error=None)
+    try:
+        step, params = block_step(block, attention)
+        named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+        params = jax.device_put(params, jax.tree.map(named, param_specs(params, strategy, axis)))
+        x = jax.device_put(block_input(cfg, batch, args.seq, dtype, args.seed + 1),
+                           named(P(axis) if axis == "dp" else P()))
+        compiled = step.lower(params, x).compile()
+        row["collectives"] = hlo_collectives(compiled.as_text())
+        t = time_step(compiled, (params, x), args.warmup, args.steps)
+        row.update(step_ms=t * 1e3, tokens_per_s=row["tokens"] / t, tokens_per_s_per_device=row["tokens"] / t / n,
+                   tflops_per_device=step_flops(cfg, batch, args.seq) / t / n / 1e12)
+    except Exception as e:  # an implementation that refuses the sharding or runs out of memory
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return row
+
+
+def hlo_collectives(text):
+    """{collective: count} in compiled HLO text (an async pair counted once)."""
+    names = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+    counts = {name: len(re.findall(rf" {name}(?:-start)?\(", text)) for name in names}  # opcodes, not operands
+    return {k: v for k, v in counts.items() if v}
+
+
+def cp_attention_row(cfg, dtype, args, n, strategy, local_seq, impl="jax_flash"):
+    """Times causal attention forward + backward over one sequence of n * local_seq tokens on the first n devices:
+    `ring` (jax_flash.ring_attention_sharded, zigzag), `allgather` (jax_flash.dot_product_attention under jit on
+    sequence-sharded inputs: K and V gathered, Q kept sharded), `cudnn` (jax.nn.dot_product_attention on the same
+    inputs), or on one device (n = 1, strategy `single`, `impl` jax_flash or cudnn)."""
+    seq = n * local_seq
+    impl = "cudnn" if strategy == "cudnn" else impl
+    row = dict(kind="cp_attention", devices=n, strategy=strategy, impl=impl, batch=1, seqlen=seq,
+               local_seqlen=local_seq, heads_q=cfg.num_heads, heads_kv=cfg.num_kv_heads, head_dim=cfg.head_dim,
+               ms=None, tflops_per_device=None, collectives=None, error=None)
+    devices = jax.devices()[:n]
+    mesh = jax.make_mesh((n,), ("cp",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+    if strategy == "ring":
+        def attend(q, k, v):
+            return jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp", layout="zigzag",
+                                                    is_causal=True)
+    elif impl == "cudnn":
+        def attend(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    else:
+        def attend(q, k, v):
+            return jax_flash.dot_product_attention(q, k, v, is_causal=True)
+
+    def loss(q, k, v, do):
+        return jnp.sum((attend(q, k, v) * do).astype(jnp.float32))
+
+    try:
+        keys = jax.random.split(jax.random.key(args.seed), 4)
+        shapes = [(1, seq, cfg.num_heads, cfg.head_dim), (1, seq, cfg.num_kv_heads, cfg.head_dim),
+                  (1, seq, cfg.num_kv_heads, cfg.head_dim), (1, seq, cfg.num_heads, cfg.head_dim)]
+        sharding = NamedSharding(mesh, P(None, "cp"))
+        # The ring takes its inputs in zigzag order; the inputs are random, so they are drawn in that order.
+        q, k, v, do = (jax.device_put(jax.random.normal(key, shape, dtype), sharding)
+                       for key, shape in zip(keys, shapes))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, do).compile()
+        row["collectives"] = hlo_collectives(step.as_text())
+        t = time_step(step, (q, k, v, do), args.warmup, args.steps)
+        flops = 3.5 * 4.0 * seq * seq * cfg.num_heads * cfg.head_dim / 2  # causal forward + backward (2.5 x)
+        row.update(ms=t * 1e3, tflops_per_device=flops / t / n / 1e12)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return row
+
+
+def multi_markdown(meta, rows):
+    lines = [f"# LLaMA block and context-parallel attention on several devices: {meta['device']}, "
+             f"jax {meta['jax_version']}, {meta['date']}", "",
+             f"One `{meta['config_name']}` block, {meta['dtype']}, causal; median of {meta['steps']} timed steps after "
+             f"{meta['warmup']} warm-up steps. Block: {args_note(meta)}. Per-device numbers divide by the devices; "
+             "scaling = per-device throughput over the same implementation's on one device.", "",
+             "## Block train step", "",
+             "| devices | strategy | attention | B x S | ms / step | tokens/s | tokens/s per device | TFLOP/s per "
+             "device | scaling | collectives |", "|---|---|---|---|---|---|---|---|---|---|"]
+    one = {(r["impl"]): r for r in rows if r["kind"] == "block" and r["devices"] == 1 and not r["error"]}
+    for r in (r for r in rows if r["kind"] == "block"):
+        if r["error"]:
+            lines.append(f"| {r['devices']} | {r['strategy']} | {r['impl']} | {r['batch']} x {r['seqlen']} | error: "
+                         f"{r['error']} | | | | | |")
+            continue
+        base = one.get(r["impl"])
+        scaling = None if base is None else r["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
+        lines.append(f"| {r['devices']} | {r['strategy']} | {r['impl']} | {r['batch']} x {r['seqlen']} | "
+                     f"{r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | "
+                     f"{r['tflops_per_device']:.3g} | {fmt(scaling, '.3f')} | {collective_note(r)} |")
+    cp = [r for r in rows if r["kind"] == "cp_attention"]
+    if cp:
+        lines += ["", "## Context-parallel causal attention, forward + backward", "",
+                  "One sequence, zigzag ring (`ring_attention_sharded`), all-gather of K/V (`dot_product_attention` "
+                  "under jit on sequence-sharded inputs) and jax.nn cudnn on the same sharded inputs, against one "
+                  "device at the same local length. TFLOP/s: causal forward + backward FLOPs of the whole sequence "
+                  "(3.5 x 4 S^2 H D / 2) over the time and the devices.", "",
+                  "| devices | strategy | impl | S (local) | ms | TFLOP/s per device | vs one device | collectives |",
+                  "|---|---|---|---|---|---|---|---|"]
+        single = {r["local_seqlen"]: r for r in cp if r["devices"] == 1 and r["impl"] == "jax_flash" and not r["error"]}
+        for r in cp:
+            if r["error"]:
+                lines.append(f"| {r['devices']} | {r['strategy']} | {r['impl']} | {r['seqlen']} ({r['local_seqlen']}) "
+                             f"| error: {r['error']} | | | |")
+                continue
+            base = single.get(r["local_seqlen"])
+            ratio = None if base is None else r["tflops_per_device"] / base["tflops_per_device"]
+            lines.append(f"| {r['devices']} | {r['strategy']} | {r['impl']} | {r['seqlen']} ({r['local_seqlen']}) | "
+                         f"{r['ms']:.1f} | {r['tflops_per_device']:.3g} | {fmt(ratio, '.3f')} | {collective_note(r)} |")
+    return "\n".join(lines) + "\n"
+
+
+def args_note(meta):
+    return (f"data parallel (dp: weights replicated, fsdp: weights sharded) with {meta['batch']} x {meta['seq']} "
+            f"tokens per device; tensor parallel (tp) over the heads with {meta['batch']} x {meta['seq']} tokens in all")
+
+
+def collective_note(row):
+    return ", ".join(f"{k} {v}" for k, v in (row["collectives"] or {}).items()) or "none"
+
+
+def multi(args):
+    cfg = CONFIGS[args.config]
+    dtype = jnp.dtype(args.dtype)
+    _, kind, on_gpu = device_info()
+    counts = args.devices or sorted({1, jax.device_count()})
+    if max(counts) > jax.device_count():
+        log(f"error: --devices {max(counts)} but only {jax.device_count()} devices")
+        return 2
+    log(f"{kind} x {jax.device_count()} | jax {jax.__version__} | one {args.config} block, {dtype.name} | devices "
+        f"{counts} | strategies {', '.join(args.strategy)} | attention {', '.join(args.attention)}")
+    if not on_gpu:
+        log("No GPU: a smoke run of the multi-device pipeline; its timings are not performance numbers.")
+    rows = []
+    block = make_block(cfg, dtype, args.seed)
+    for n in counts:
+        for strategy in (["dp"] if n == 1 else args.strategy):
+            for attention in args.attention:
+                row = multi_block_row(cfg, dtype, args, n, strategy, attention, block)
+                rows.append(row)
+                log(f"block {n} device(s) {strategy:<5} {attention:<9} " + (
+                    f"ERROR {row['error']}" if row["error"] else
+                    f"{row['step_ms']:.1f} ms, {row['tokens_per_s_per_device']:,.0f} tokens/s per device, "
+                    f"collectives: {collective_note(row)}"))
+    local = args.cp_local_seq or (32768 if on_gpu else 64)
+    for n in counts:
+        strategies = ["single"] if n == 1 else args.cp_strategy
+        impls = [a for a in args.attention if a in ("jax_flash", "cudnn")] if n == 1 else [None]
+        for strategy in strategies:
+            for impl in impls:
+                row = cp_attention_row(cfg, dtype, args, n, strategy, local, impl or "jax_flash")
+                rows.append(row)
+                log(f"cp attention {n} device(s) {strategy:<9} {row['impl']:<9} S {row['seqlen']} " + (
+                    f"ERROR {row['error']}" if row["error"] else
+                    f"{row['ms']:.1f} ms, {row['tflops_per_device']:.1f} TFLOP/s per device, collectives: "
+                    f"{collective_note(row)}"))
+    date = datetime.date.today().isoformat()
+    meta = dict(device=kind, device_count=jax.device_count(), platform=jax.devices()[0].platform,
+                jax_version=jax.__version__, jax_flash_version=jax_flash.__version__, date=date, dtype=dtype.name,
+                config_name=args.config, config=dataclasses.asdict(cfg), steps=args.steps, warmup=args.warmup,
+                batch=args.batch, seq=args.seq, smoke=not on_gpu,
+                method="median wall clock of the jit-compiled step, block_until_ready")
+    for row in rows:
+        row.update(device=kind, jax_version=jax.__version__, date=date)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.name or f"llama_multi-{kind.replace(' ', '_')}-x{max(counts)}-{date}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    md = multi_markdown(meta, rows)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    log(md)
+    log(f"wrote {stem}.json, {stem}.md")
+    return 1 if any(r["error"] for r in rows) else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # command line
 
 
@@ -666,16 +874,26 @@ def parse_args(argv):
                              "measurement peak memory")
     parser.add_argument("--dry-run", action="store_true",
                         help="check/bench: lower every train step at full size from abstract shapes, run nothing")
+    parser.add_argument("--devices", type=int, nargs="+", default=None,
+                        help="multi: device counts to run (default 1 and all); the first n devices are used")
+    parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=None,
+                        help="multi: block strategies on more than one device (default all): dp (weights "
+                             "replicated), fsdp (weights sharded), tp (heads, Megatron-style)")
+    parser.add_argument("--cp-strategy", nargs="+", choices=CP_STRATEGIES, default=None,
+                        help="multi: context-parallel attention strategies on more than one device (default all)")
+    parser.add_argument("--cp-local-seq", type=int, default=None,
+                        help="multi: tokens per device of the context-parallel attention (default 32768 on a GPU, "
+                             "64 otherwise); the sequence is n times that")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # set by an isolating bench run
     args = parser.parse_args(argv)
 
     def error(message):
         parser.error(message)
 
-    for name in ("steps", "batch", "seq", "warmup"):
+    for name in ("steps", "batch", "seq", "warmup", "cp_local_seq"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
-            error(f"--{name} must be {'>= 0' if name == 'warmup' else 'positive'}, got {value}")
+            error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else 'positive'}, got {value}")
     if min(args.check_tol, args.check_group_tol, args.lr) <= 0 or (args.peak_tflops is not None
                                                                    and args.peak_tflops <= 0):
         error("--check-tol, --check-group-tol, --peak-tflops and --lr must be positive")
@@ -697,6 +915,16 @@ def finish_args(args, error, on_gpu):
         for name in ("dry_run", "out", "name"):
             if getattr(args, name):
                 error(f"--{name.replace('_', '-')} does not apply to --mode train")
+    elif args.mode == "multi":
+        args.config = args.config or ("llama3-8b" if on_gpu else "tiny")
+        args.attention = args.attention or (["jax_flash", "cudnn"] if on_gpu else ["jax_flash", "xla"])
+        if args.batch is None:
+            args.batch, args.seq = 2, args.seq or (4096 if args.config == "llama3-8b" else 64)
+        args.seq = args.seq or (4096 if args.config == "llama3-8b" else 64)
+        args.steps = args.steps or 10
+        args.out = args.out or (RESULTS_DIR if on_gpu else SMOKE_OUT)
+        if args.dry_run:
+            error("--dry-run does not apply to --mode multi")
     else:
         args.config = args.config or "llama3-8b"
         if args.attention is None:
@@ -710,6 +938,15 @@ def finish_args(args, error, on_gpu):
         args.steps = args.steps or 10
         if args.mode == "bench":
             args.out = args.out or (RESULTS_DIR if on_gpu else SMOKE_OUT)
+    if args.mode != "multi":
+        for name in ("devices", "strategy", "cp_strategy", "cp_local_seq"):
+            if getattr(args, name) is not None:
+                error(f"--{name.replace('_', '-')} applies to --mode multi only")
+    else:
+        args.strategy = args.strategy or list(STRATEGIES)
+        args.cp_strategy = args.cp_strategy or [c for c in CP_STRATEGIES if on_gpu or c != "cudnn"]
+        if args.devices is not None and min(args.devices) < 1:
+            error("--devices must be positive")
     if args.mode != "bench" and not args.isolate:
         error("--no-isolate applies to --mode bench only")
 
@@ -727,6 +964,8 @@ def main(argv=None):
         return train(args)
     if args.mode == "check":
         return check_mode(args)
+    if args.mode == "multi":
+        return multi(args)
     return bench(args, child_env)
 
 

@@ -72,3 +72,38 @@ def reference_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *, s
     probs = weights / jnp.where(denom > 0, denom, 1)
     out = jnp.einsum("bnts,bsnh->btnh", probs, v, precision=hi)
     return out[0] if rank3 else out
+
+
+def numpy_attention_fwd_bwd(query, key, value, dout, visible, *, scale=None):
+    """(out, dq, dk, dv) in float64 numpy, from a materialised softmax and its hand-written gradient.
+
+    query, dout: [B, T, N, H]; key, value: [B, S, K, H] (N a multiple of K); visible: bool, broadcastable to
+    [B, N, T, S] (for example ``visible_mask(...)``). Semantics as jax_flash: rows that see no key output 0 and pass
+    no gradient. Masked pairs enter the sums with weight 0, so this is for finite inputs.
+    """
+    q, k, v, do = (np.asarray(x, np.float64) for x in (query, key, value, dout))
+    visible = np.asarray(visible, bool)
+    heads_q, heads_kv, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    scale = 1 / np.sqrt(head_dim) if scale is None else scale
+    group = heads_q // heads_kv
+    k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+
+    def einsum(spec, a, b):
+        return np.einsum(spec, a, b, optimize=True)
+
+    logits = np.where(visible, scale * einsum("btnh,bsnh->bnts", q, k_rep), -np.inf)
+    row_max = logits.max(-1, keepdims=True)
+    weights = np.exp(logits - np.where(np.isfinite(row_max), row_max, 0))
+    denom = weights.sum(-1, keepdims=True)
+    probs = weights / np.where(denom > 0, denom, 1)
+    out = einsum("bnts,bsnh->btnh", probs, v_rep)
+    dprobs = einsum("btnh,bsnh->bnts", do, v_rep)
+    dlogits = probs * (dprobs - (dprobs * probs).sum(-1, keepdims=True))
+    dq = scale * einsum("bnts,bsnh->btnh", dlogits, k_rep)
+
+    def sum_groups(x):  # [B, S, N, H] -> [B, S, K, H]
+        return x.reshape(*x.shape[:2], heads_kv, group, x.shape[-1]).sum(3)
+
+    dk = sum_groups(scale * einsum("bnts,btnh->bsnh", dlogits, q))
+    dv = sum_groups(einsum("bnts,btnh->bsnh", probs, do))
+    return [out, dq, dk, dv]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jax_flash
+from jax_flash.reference import numpy_attention_fwd_bwd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,35 +95,10 @@ def fwd_bwd(attention, q, k, v, do, jit=True, **kwargs):
 
 
 def numpy_reference(case, q, k, v, do, scale=None):
-    """(out, dq, dk, dv) in float64 numpy, from a materialised softmax and its hand-written gradient.
-
-    Semantics as jax_flash: rows that see no key output 0 and pass no gradient. test_reference.py checks this
-    against jax_flash.reference_attention differentiated by JAX.
-    """
-    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-    scale = 1 / np.sqrt(case.head_dim) if scale is None else scale
-    group = case.heads_q // case.heads_kv
-    k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-
-    def einsum(spec, a, b):
-        return np.einsum(spec, a, b, optimize=True)
-
-    logits = np.where(case.visible(), scale * einsum("btnh,bsnh->bnts", q, k_rep), -np.inf)
-    row_max = logits.max(-1, keepdims=True)
-    weights = np.exp(logits - np.where(np.isfinite(row_max), row_max, 0))
-    denom = weights.sum(-1, keepdims=True)
-    probs = weights / np.where(denom > 0, denom, 1)
-    out = einsum("bnts,bsnh->btnh", probs, v_rep)
-    dprobs = einsum("btnh,bsnh->bnts", do, v_rep)
-    dlogits = probs * (dprobs - (dprobs * probs).sum(-1, keepdims=True))
-    dq = scale * einsum("bnts,bsnh->btnh", dlogits, k_rep)
-
-    def sum_groups(x):  # [B, S, N, H] -> [B, S, K, H]
-        return x.reshape(*x.shape[:2], case.heads_kv, group, x.shape[-1]).sum(3)
-
-    dk = sum_groups(scale * einsum("bnts,btnh->bsnh", dlogits, q))
-    dv = sum_groups(einsum("bnts,btnh->bsnh", probs, do))
-    return [out, dq, dk, dv]
+    """(out, dq, dk, dv) in float64 numpy (jax_flash.reference.numpy_attention_fwd_bwd with the case's mask, written
+    out here independently of jax_flash). test_reference.py checks it against jax_flash.reference_attention
+    differentiated by JAX."""
+    return numpy_attention_fwd_bwd(q, k, v, do, case.visible(), scale=scale)
 
 
 def masked_reference(case, q, k, v, do, scale=None):

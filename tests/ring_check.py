@@ -1,11 +1,16 @@
 """Multi-device checks of jax_flash.ring_attention, run by tests/test_ring.py in a subprocess with 8 fake CPU devices
-(JAX fixes its device count when it starts). Prints one JSON object: {case name: "ok" or an error message}.
+(JAX fixes its device count when it starts) or on GPUs. Prints one JSON object: {case name: "ok" or an error message}.
 
 Usage: XLA_FLAGS=--xla_force_host_platform_device_count=8 python ring_check.py [case ...]
+Environment: JAX_FLASH_CHECK_MESH (default "2x4") is the ("dp", "cp") mesh shape over the first devices,
+JAX_FLASH_CHECK_DTYPE (default "float32") the inputs' dtype. In float32 the ring is compared with the unsharded call
+(TOL); in a 16-bit dtype, its error against the float64 reference may be at most LOW_FACTOR x the unsharded call's
+plus LOW_FLOOR (relative to the reference's largest magnitude).
 """
 
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -17,10 +22,13 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_flash  # noqa: E402
+from jax_flash.reference import numpy_attention_fwd_bwd, visible_mask  # noqa: E402
 
 B, S, HQ, HKV, D = 2, 64, 4, 2, 32
-DP, CP = 2, 4
+DP, CP = (int(n) for n in os.environ.get("JAX_FLASH_CHECK_MESH", "2x4").split("x"))
+DTYPE = jnp.dtype(os.environ.get("JAX_FLASH_CHECK_DTYPE", "float32"))
 TOL = 2e-5
+LOW_FACTOR, LOW_FLOOR = 2.0, 2.0**-9
 
 MASKS = {
     "full": dict(),
@@ -46,7 +54,7 @@ def _shard_map(f, mesh, in_specs, out_specs):
 
 def _inputs(seed):
     rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.standard_normal(s), jnp.float32)
+    return [jnp.asarray(rng.standard_normal(s), DTYPE)
             for s in ((B, S, HQ, D), (B, S, HKV, D), (B, S, HKV, D), (B, S, HQ, D))]
 
 
@@ -56,6 +64,26 @@ def _close(name, x, ref, tol=TOL):
     err = np.abs(x - ref).max()
     bound = tol * max(np.abs(ref).max(), 1)
     assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+def _close_to_reference(name, x, ref64, base):
+    """In float32, x against the unsharded call `base`; in 16 bits, x's error against the float64 reference at most
+    LOW_FACTOR x base's plus LOW_FLOOR (relative to the reference's largest magnitude)."""
+    if DTYPE == jnp.float32:
+        return _close(name, x, base)
+    x, ref64, base = (np.asarray(a, np.float64) for a in (x, ref64, base))
+    scale = max(np.abs(ref64).max(), 1e-30)
+    err, base_err = np.abs(x - ref64).max() / scale, np.abs(base - ref64).max() / scale
+    bound = LOW_FACTOR * base_err + LOW_FLOOR
+    assert err <= bound, f"{name}: relative error {err:.3g} > {bound:.3g} (unsharded: {base_err:.3g})"
+
+
+def _reference64(q, k, v, do, kw):
+    """float64 (out, dq, dk, dv) of the mask in kw (dot_product_attention's keyword arguments)."""
+    visible = visible_mask(S, S, is_causal=kw.get("is_causal", False), local_window_size=kw.get("local_window_size"),
+                           query_seq_lengths=kw.get("query_seq_lengths"),
+                           key_value_seq_lengths=kw.get("key_value_seq_lengths"))
+    return numpy_attention_fwd_bwd(q, k, v, do, visible)
 
 
 def _kwargs(mask):
@@ -71,7 +99,7 @@ def _reference(q, k, v, do, kw):
     """Unsharded jax_flash.dot_product_attention: output and (dq, dk, dv) of sum(o * do)."""
     def loss(q, k, v):
         o = jax_flash.dot_product_attention(q, k, v, **kw)
-        return jnp.sum(o * do), o
+        return jnp.sum((o * do).astype(jnp.float32)), o
     (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     return o, grads
 
@@ -82,6 +110,7 @@ def check_ring(layout, mask, explicit):
     q, k, v, do = _inputs(hash((layout, mask)) % 1000)
     kw = _kwargs(mask)
     ref_o, ref_grads = _reference(q, k, v, do, kw)
+    ref64 = _reference64(q, k, v, do, kw)
     order = (lambda x: jax_flash.zigzag_order(x, CP)) if layout == "zigzag" else (lambda x: x)
     restore = (lambda x: jax_flash.zigzag_restore(x, CP)) if layout == "zigzag" else (lambda x: x)
     q_lens, kv_lens = kw.pop("query_seq_lengths", None), kw.pop("key_value_seq_lengths", None)
@@ -103,28 +132,32 @@ def check_ring(layout, mask, explicit):
 
     def loss(q, k, v):
         o = ring(q, k, v, q_lens, kv_lens)
-        return jnp.sum(o * order(do)), o
+        return jnp.sum((o * order(do)).astype(jnp.float32)), o
 
     sharding = NamedSharding(mesh, P("dp", "cp"))
     args = [jax.device_put(order(x), sharding) for x in (q, k, v)]
     (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
-    _close("o", restore(o), ref_o)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        _close(name, restore(g), r)
+    _close_to_reference("o", restore(o), ref64[0], ref_o)
+    for name, g, r, r64 in zip(("dq", "dk", "dv"), grads, ref_grads, ref64[1:]):
+        _close_to_reference(name, restore(g), r64, r)
 
 
 def check_head_sharded():
     """Heads on the dp axis (not batch), zigzag causal, against the float64 reference."""
     mesh = _mesh()
     q, k, v, do = _inputs(7)
-    ref = jax_flash.reference_attention(q, k, v, is_causal=True)
+    ref64 = _reference64(q, k, v, do, dict(is_causal=True))[0]
+    base = jax_flash.dot_product_attention(q, k, v, is_causal=True)
 
     def f(q, k, v):
         o = jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp", head_axis="dp", layout="zigzag",
                                              is_causal=True)
         return jax_flash.zigzag_restore(o, CP)
     o = jax.jit(f)(*(jax_flash.zigzag_order(x, CP) for x in (q, k, v)))
-    _close("o", o, ref, 1e-5)
+    if DTYPE == jnp.float32:
+        _close("o", o, ref64, 1e-5)
+    else:
+        _close_to_reference("o", o, ref64, base)
 
 
 def _ring_hlo(layout):
@@ -134,7 +167,7 @@ def _ring_hlo(layout):
     def loss(q, k, v):
         o = jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp", batch_axis="dp", layout=layout,
                                              is_causal=True)
-        return jnp.sum(o * do)
+        return jnp.sum((o * do).astype(jnp.float32))
     sharding = NamedSharding(mesh, P("dp", "cp"))
     args = [jax.device_put(x, sharding) for x in (q, k, v)]
     fwd = jax.jit(lambda q, k, v: jax_flash.ring_attention_sharded(
@@ -173,17 +206,75 @@ def check_hlo(layout):
         f"gradient: {count(bwd)} collective-permutes, expected {expected}")
 
 
+def _computations(hlo):
+    """{computation name: its instruction lines} of HLO text, in order (the schedule, in a scheduled module)."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            comps[name] = []
+        elif name and line.startswith(" ") and " = " in line:
+            comps[name].append(line.strip())
+    return comps
+
+
+def check_overlap(layout):
+    """In the scheduled GPU HLO of the ring's forward + backward, every K/V transfer (a collective-permute of a
+    [B/DP, S/CP, HKV, D] block in the inputs' dtype) has a jax_flash kernel between its start and its done: the
+    transfer of the next block overlaps the kernel on the current one."""
+    if jax.devices()[0].platform == "cpu":
+        return "skip: collectives on the CPU are synchronous (no start/done pairs)"
+    mesh = _mesh()
+    q, k, v, do = _inputs(3)
+
+    def loss(q, k, v):
+        o = jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp", batch_axis="dp", layout=layout,
+                                             is_causal=True)
+        return jnp.sum((o * do).astype(jnp.float32))
+    sharding = NamedSharding(mesh, P("dp", "cp"))
+    args = [jax.device_put(x, sharding) for x in (q, k, v)]
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    comps = _computations(hlo)
+    has_kernel = {name: any('custom_call_target="jax_flash' in line for line in lines)
+                  for name, lines in comps.items()}
+
+    def runs_kernel(line):
+        if 'custom_call_target="jax_flash' in line:
+            return True
+        return any(has_kernel.get(c, False) for c in re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", line))
+
+    block = f"{jnp.dtype(DTYPE).name.replace('bfloat16', 'bf16').replace('float16', 'f16')}" \
+            f"[{B // DP},{S // CP},{HKV},{D}]"
+    transfers, overlapped = 0, 0
+    for lines in comps.values():
+        for i, line in enumerate(lines):
+            if "collective-permute-start(" not in line or block not in line.split(" = ", 1)[1].split(
+                    "collective-permute-start(")[0]:
+                continue
+            start = line.split(" = ", 1)[0].lstrip("%").split()[0]
+            done = next(j for j in range(i + 1, len(lines))
+                        if "collective-permute-done(" in lines[j] and re.search(rf"%?{re.escape(start)}\b",
+                                                                                lines[j].split("(", 1)[1]))
+            transfers += 1
+            overlapped += any(runs_kernel(x) for x in lines[i + 1:done])
+    expected = 4 * (CP - 1)  # K and V, forward and backward rings
+    assert transfers == expected, f"{transfers} K/V collective-permute-starts in the scheduled HLO, expected {expected}"
+    assert overlapped == transfers, f"only {overlapped} of {transfers} K/V transfers have a kernel between start and done"
+
+
 def check_errors():
     mesh = _mesh()
     q, k, v, _ = _inputs(0)
     cases = [
-        (dict(layout="zigzag"), jnp.zeros((B, 60, HQ, D)), "divisible by 8"),
-        (dict(layout="contiguous"), jnp.zeros((B, 62, HQ, D)), "divisible by 4"),
+        (dict(layout="zigzag"), jnp.zeros((B, 2 * CP * 7 + 2, HQ, D)), f"divisible by {2 * CP}"),
+        (dict(layout="contiguous"), jnp.zeros((B, CP * 15 + 1, HQ, D)), f"divisible by {CP}"),
         (dict(layout="spiral"), q, "layout must be one of"),
-        (dict(layout="contiguous", head_axis="dp", batch_axis=None), jnp.zeros((B, S, 3, D)), None),
     ]
+    if DP > 1:  # a head axis that does not divide the heads
+        cases.append((dict(layout="contiguous", head_axis="dp", batch_axis=None), jnp.zeros((B, S, DP + 1, D)), None))
     for kw, x, match in cases:
-        kk = k if x.shape[2] != 3 else jnp.zeros((B, x.shape[1], 3, D))
+        kk = k if x.shape[2] == HQ else jnp.zeros((B, x.shape[1], x.shape[2], D))
         kk = kk if x.shape[1] == S else jnp.zeros((B, x.shape[1], kk.shape[2], D))
         kw = {"batch_axis": "dp", **kw}
         try:
@@ -196,7 +287,7 @@ def check_errors():
     spec = P(None, "cp")
     f = _shard_map(lambda q: jax_flash.ring_attention(q, q, q, axis_name="cp", layout="zigzag"), mesh, (spec,), spec)
     try:
-        f(jnp.zeros((1, 4 * 3, HQ, D)))
+        f(jnp.zeros((1, CP * 3, HQ, D)))
     except ValueError as e:
         assert "must be even" in str(e), str(e)
     else:
@@ -221,19 +312,20 @@ def check_unplaced_inputs():
     """ring_attention_sharded takes arrays that are not yet laid out (as the README's example passes them), on meshes
     of both axis types (jax.make_mesh gives Explicit axes by default), eagerly and under jit."""
     rng = np.random.default_rng(5)
-    q = jnp.asarray(rng.standard_normal((B, S, HQ, D)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((B, S, HKV, D)), jnp.float32) for _ in range(2))
-    ref = np.asarray(jax_flash.dot_product_attention(q, k, v, is_causal=True))
+    q = jnp.asarray(rng.standard_normal((B, S, HQ, D)), DTYPE)
+    k, v = (jnp.asarray(rng.standard_normal((B, S, HKV, D)), DTYPE) for _ in range(2))
+    ref = np.asarray(jax_flash.dot_product_attention(q, k, v, is_causal=True), np.float32)
+    tol = TOL if DTYPE == jnp.float32 else 2.0**-6  # 16 bits: a few roundings of the merged output
     auto = getattr(jax.sharding.AxisType, "Auto", None)
     for kwargs in ({}, {"axis_types": (auto, auto)}):
-        mesh = jax.make_mesh((DP, CP), ("dp", "cp"), **kwargs)
+        mesh = jax.make_mesh((DP, CP), ("dp", "cp"), devices=jax.devices()[:DP * CP], **kwargs)
         qz, kz, vz = (jax_flash.zigzag_order(x, CP) for x in (q, k, v))
         out = jax_flash.ring_attention_sharded(qz, kz, vz, mesh=mesh, seq_axis="cp", batch_axis="dp",
                                                layout="zigzag", is_causal=True)
-        np.testing.assert_allclose(np.asarray(jax_flash.zigzag_restore(out, CP)), ref, atol=TOL, rtol=TOL)
+        np.testing.assert_allclose(np.asarray(jax_flash.zigzag_restore(out, CP), np.float32), ref, atol=tol, rtol=tol)
         f = jax.jit(lambda q, k, v: jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp",
                                                                      batch_axis="dp", is_causal=True))
-        np.testing.assert_allclose(np.asarray(f(q, k, v)), ref, atol=TOL, rtol=TOL)
+        np.testing.assert_allclose(np.asarray(f(q, k, v), np.float32), ref, atol=tol, rtol=tol)
 
 
 def all_cases():
@@ -242,6 +334,7 @@ def all_cases():
         for mask in MASKS:
             cases[f"{layout}-{mask}"] = (check_ring, layout, mask, mask in ("causal", "window", "padded"))
         cases[f"hlo-{layout}"] = (check_hlo, layout)
+        cases[f"overlap-{layout}"] = (check_overlap, layout)
     cases["head_sharded"] = (check_head_sharded,)
     cases["errors"] = (check_errors,)
     cases["zigzag_helpers"] = (check_zigzag_helpers,)
@@ -256,8 +349,7 @@ def main(names):
     for name in names or cases:
         fn, *args = cases[name]
         try:
-            fn(*args)
-            results[name] = "ok"
+            results[name] = fn(*args) or "ok"
         except Exception as e:  # noqa: BLE001 (reported to the test)
             results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
     print(json.dumps(results))

@@ -1,10 +1,16 @@
 """Multi-device checks of jax_flash under sharding, run by tests/test_sharding.py in a subprocess (JAX's device
 count is fixed when it starts): ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python sharding_check.py``.
-Prints one JSON line per case: {"case", "ok", "error"?, "fwd_err", "grad_err", "fwd_collectives",
-"grad_collectives", "out_spec"}."""
+Prints one JSON line per case: {"case", "ok", "error"?, "fwd_err", "grad_err", "fwd_ref_err", "grad_ref_err",
+"base_fwd_ref_err", "base_grad_ref_err", "fwd_collectives", "grad_collectives", "out_spec"}: *_err against the
+unsharded call, *_ref_err of the sharded call and base_*_ref_err of the unsharded one against the float64 reference
+(relative to the reference's largest magnitude, the worst of dq, dk, dv for the gradients).
+
+Environment: JAX_FLASH_CHECK_MESH (default "2x4") is the ("dp", "tp") mesh shape over the first devices,
+JAX_FLASH_CHECK_DTYPE (default "float32") the inputs' dtype (bfloat16 on GPUs)."""
 
 import contextlib
 import json
+import os
 import re
 import sys
 import traceback
@@ -15,8 +21,11 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_flash
+from jax_flash.reference import numpy_attention_fwd_bwd, visible_mask
 
 B, T, D = 4, 64, 32
+MESH = tuple(int(n) for n in os.environ.get("JAX_FLASH_CHECK_MESH", "2x4").split("x"))
+DTYPE = jnp.dtype(os.environ.get("JAX_FLASH_CHECK_DTYPE", "float32"))
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 
 SPECS = {
@@ -41,7 +50,7 @@ def collectives(hlo):
     """{name: count} of the collectives in compiled HLO text (the -start of async pairs counted once)."""
     counts = {}
     for name in COLLECTIVES:
-        n = len(re.findall(rf"= [^=\n]*\b{name}(-start)?\(", hlo))
+        n = len(re.findall(rf" {name}(?:-start)?\(", hlo))  # the opcode (operands read "%all-gather.3")
         if n:
             counts[name] = n
     return counts
@@ -49,20 +58,19 @@ def collectives(hlo):
 
 def gathered_operands(hlo):
     """Shapes gathered by the all-gathers of compiled HLO text."""
-    return re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
+    return re.findall(r"^\s*\S+ = (.*?) all-gather(?:-start)?\(", hlo, re.M)
 
 
 def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, in_shard_map=False,
              set_mesh=True):
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
+    mesh = jax.make_mesh(MESH, ("dp", "tp"), axis_types=(axis_type,) * 2,
+                         devices=jax.devices()[:MESH[0] * MESH[1]])
     spec = SPECS[spec_name]
     kw = dict(MASKS[mask_name])
     lens = kw.pop("lens", False)
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((B, T, hq, D), np.float32)
-    k = rng.standard_normal((B, T, hkv, D), np.float32)
-    v = rng.standard_normal((B, T, hkv, D), np.float32)
-    ct = rng.standard_normal((B, T, hq, D), np.float32)
+    q, k, v, ct = (jnp.asarray(rng.standard_normal(shape, np.float32), DTYPE)
+                   for shape in ((B, T, hq, D), (B, T, hkv, D), (B, T, hkv, D), (B, T, hq, D)))
     q_lens = np.array([T, 0, 1, 37], np.int32) if lens else None
     kv_lens = np.array([50, 5, 0, T], np.int32) if lens else None
 
@@ -72,7 +80,7 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
 
     f = attn
     if in_shard_map:  # the user's own shard_map: the kernel runs on each block (lengths: none with a sharded batch)
-        kv_spec = P(*[None if (i == 2 and hkv % 4) else e for i, e in enumerate(list(spec) + [None] * 3)][:3])
+        kv_spec = P(*[None if (i == 2 and hkv % MESH[1]) else e for i, e in enumerate(list(spec) + [None] * 3)][:3])
         f = jax.shard_map(attn, mesh=mesh, in_specs=(spec, kv_spec, kv_spec), out_specs=spec)
     if remat:
         f = jax.checkpoint(f)
@@ -81,15 +89,18 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
         f = lambda q, k, v: jax.vmap(inner)(q[None], k[None], v[None])[0]  # noqa: E731
 
     def loss(q, k, v):
-        return jnp.sum(f(q, k, v) * ct)
+        return jnp.sum((f(q, k, v) * ct).astype(jnp.float32))
 
     fwd, grad = jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     ref_o = np.asarray(jax.jit(attn)(q, k, v))
-    ref_g = [np.asarray(x) for x in jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) * ct),
-                                                     argnums=(0, 1, 2)))(q, k, v)]
+    ref_g = [np.asarray(x) for x in jax.jit(jax.grad(lambda q, k, v: jnp.sum((attn(q, k, v) * ct).astype(
+        jnp.float32)), argnums=(0, 1, 2)))(q, k, v)]
+    visible = visible_mask(T, T, is_causal=kw.get("is_causal", False), local_window_size=kw.get("local_window_size"),
+                           query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
+    ref64 = numpy_attention_fwd_bwd(q, k, v, ct, visible)
     q_sharding = NamedSharding(mesh, spec)
     kv_spec = list(spec) + [None] * (4 - len(spec))
-    if hkv % 4:  # one kv head (or a count the head axis does not divide): K and V replicated over the heads
+    if hkv % MESH[1]:  # one kv head (or a count the head axis does not divide): K and V replicated over the heads
         kv_spec[2] = None
     kv_sharding = NamedSharding(mesh, P(*kv_spec))
     with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():  # nomesh: sharded arrays only
@@ -99,9 +110,20 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
         g = grad(qs, ks, vs)
         fwd_hlo = fwd.lower(qs, ks, vs).compile().as_text()
         grad_hlo = grad.lower(qs, ks, vs).compile().as_text()
+    def err(x, r):
+        return float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(r, np.float64))))
+
+    def ref_err(outs):  # relative to the reference's largest magnitude; gradients: the worst of dq, dk, dv
+        rel = [err(x, r) / max(float(np.max(np.abs(r))), 1e-30) for x, r in zip(outs, ref64)]
+        return rel[0], max(rel[1:])
+
+    fwd_ref_err, grad_ref_err = ref_err([o, *g])
+    base_fwd_ref_err, base_grad_ref_err = ref_err([ref_o, *ref_g])
     return dict(
-        fwd_err=float(np.max(np.abs(np.asarray(o) - ref_o))),
-        grad_err=max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(g, ref_g)),
+        fwd_err=err(o, ref_o),
+        grad_err=max(err(a, b) for a, b in zip(g, ref_g)),
+        fwd_ref_err=fwd_ref_err, grad_ref_err=grad_ref_err, base_fwd_ref_err=base_fwd_ref_err,
+        base_grad_ref_err=base_grad_ref_err,
         fwd_collectives=collectives(fwd_hlo),
         grad_collectives=collectives(grad_hlo),
         fwd_gathered=gathered_operands(fwd_hlo),
@@ -111,7 +133,7 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
 
 
 def main(cases):
-    assert jax.device_count() == 8, jax.devices()
+    assert jax.device_count() >= MESH[0] * MESH[1], (MESH, jax.devices())
     for case in cases:
         axis_type, spec_name, hq, hkv, mask_name, *flags = case.split(":")
         args = (getattr(AxisType, axis_type), spec_name, int(hq), int(hkv), mask_name)

@@ -480,6 +480,31 @@ def test_example_bench_without_a_gpu_is_a_smoke_run(tmp_path):
     assert row.split(" | ")[5] == "–"  # the MFU column
 
 
+def test_example_multi_device_smoke_run(tmp_path):
+    """--mode multi on 2 simulated CPU devices: one row per (devices, strategy, attention), the collectives each
+    strategy should hold (jax_flash adds none to data parallelism: only the gradients' all-reduce), rows carrying
+    the device, jax version and date."""
+    run_example("--mode", "multi", "--steps", "1", "--warmup", "0", "--out", str(tmp_path), "--name", "multi",
+                XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    rows = json.loads((tmp_path / "multi.json").read_text())["rows"]
+    assert not [r for r in rows if r["error"]], rows
+    block = {(r["devices"], r["strategy"], r["impl"]): r for r in rows if r["kind"] == "block"}
+    assert set(block) == {(1, "dp", a) for a in ("jax_flash", "xla")} | {
+        (2, s, a) for s in ("dp", "fsdp", "tp") for a in ("jax_flash", "xla")}
+    assert block[(1, "dp", "jax_flash")]["collectives"] == {}
+    assert set(block[(2, "dp", "jax_flash")]["collectives"]) == {"all-reduce"}
+    assert block[(2, "dp", "jax_flash")]["tokens"] == 2 * block[(1, "dp", "jax_flash")]["tokens"]
+    assert "all-gather" in block[(2, "fsdp", "jax_flash")]["collectives"]
+    cp = {(r["devices"], r["strategy"]): r for r in rows if r["kind"] == "cp_attention"}
+    assert set(cp) == {(1, "single"), (2, "ring"), (2, "allgather")}
+    assert set(cp[(2, "ring")]["collectives"]) == {"collective-permute"}
+    assert set(cp[(2, "allgather")]["collectives"]) <= {"all-gather", "all-reduce"}
+    assert cp[(2, "ring")]["seqlen"] == 2 * cp[(1, "single")]["seqlen"]
+    for r in rows:
+        assert r["device"] == "cpu" and r["jax_version"] == jax.__version__ and r["date"]
+        assert (r.get("tokens_per_s") or r.get("tflops_per_device")) > 0
+
+
 def test_example_mfu_only_against_a_known_peak():
     spec = importlib.util.spec_from_file_location("llama_block", EXAMPLE)
     example = importlib.util.module_from_spec(spec)

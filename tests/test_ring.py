@@ -5,7 +5,9 @@ the float64 reference; the compiled ring holds only collective-permutes of singl
 
 JAX fixes its device count when it starts and this process already runs with one CPU device, so the checks run once
 in a subprocess (tests/ring_check.py, with XLA_FLAGS=--xla_force_host_platform_device_count=8) and each test reports
-its case.
+its case. Where two GPUs are present the same checks run on them in bfloat16 (dp=1 x cp=2, against the float64
+reference), and the scheduled HLO must show every K/V transfer overlapping a kernel (collective-permute start and
+done with a jax_flash kernel between them).
 """
 
 import json
@@ -14,6 +16,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,11 +29,16 @@ LAYOUTS = ("contiguous", "zigzag")
 MASKS = ("full", "causal", "window", "causal_window", "padded", "padded_full")
 
 
-@pytest.fixture(scope="module")
-def ring_results():
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def ring_results(request):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
+    if request.param == "cpu":
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    else:  # the same checks on two GPUs in bfloat16: dp=1 x cp=2
+        if sum(d.platform == "gpu" for d in jax.devices()) < 2:
+            pytest.skip("needs 2 GPUs")
+        env.update(JAX_FLASH_CHECK_MESH="1x2", JAX_FLASH_CHECK_DTYPE="bfloat16", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     proc = subprocess.run([sys.executable, "-P", str(SCRIPT)], capture_output=True, text=True, env=env,
                           cwd=str(SCRIPT.parent.parent.parent), timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -40,6 +48,8 @@ def ring_results():
 
 def _check(results, name):
     assert name in results, f"ring_check.py ran no case {name!r}"
+    if results[name].startswith("skip: "):
+        pytest.skip(results[name][6:])
     assert results[name] == "ok", results[name]
 
 
@@ -52,6 +62,11 @@ def test_ring_matches_unsharded_forward_and_gradients(ring_results, layout, mask
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_ring_hlo_holds_only_collective_permutes_of_kv_blocks(ring_results, layout):
     _check(ring_results, f"hlo-{layout}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ring_kv_transfer_overlaps_kernel(ring_results, layout):
+    _check(ring_results, f"overlap-{layout}")
 
 
 def test_ring_with_heads_sharded_on_another_axis(ring_results):

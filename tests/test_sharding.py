@@ -4,7 +4,8 @@ replicated; 8 query heads over 8, 4 and 1 kv heads; causal, windows, lengths (0 
 gradients against the unsharded call; the compiled HLO's collectives; the output keeps q's sharding.
 
 JAX fixes its device count when it starts, and this process has one CPU device: the cases run in a subprocess
-(tests/sharding_check.py) with ``--xla_force_host_platform_device_count=8``, one per axis type."""
+(tests/sharding_check.py) with ``--xla_force_host_platform_device_count=8``, one per axis type. Where two GPUs are
+present the same cases run on them in bfloat16 (meshes 1x2 and 2x1), against the float64 reference."""
 
 import json
 import os
@@ -33,24 +34,47 @@ CASES = [
     "tp:8:4:causal_window_lens:shardmap", "tp:8:1:window:shardmap",
     "dp_tp:8:4:causal:nomesh", "sp:8:4:causal_window_lens:nomesh", "hd:8:4:causal",
 ]
-ERROR_CASES = {"tp:8:2:none": "does not divide the 2 key/value heads"}
-FWD_TOL, GRAD_TOL = 2e-5, 1e-4
+FWD_TOL, GRAD_TOL = 2e-5, 1e-4  # float32 on CPU: against the unsharded call
+# The same cases on 2 GPUs in bfloat16, meshes ("dp", "tp") of 1x2 (heads, sequence, head_dim sharded) and 2x1
+# (batch sharded): the sharded call's error against the float64 reference at most BF16_FACTOR x the unsharded
+# call's plus BF16_FLOOR (relative to the reference's largest magnitude).
+GPU_MESHES = {"1x2": CASES, "2x1": [c for c in CASES if c.split(":")[0] in ("dp", "dp_tp", "repl")]}
+BF16_FACTOR, BF16_FLOOR = 2.0, 2.0**-9
+# A head axis that does not divide the kv heads: an error naming the sizes (by the size of "tp").
+ERROR_CASES = {4: {"tp:8:2:none": "does not divide the 2 key/value heads"},
+               2: {"tp:6:3:none": "does not divide the 3 key/value heads"}, 1: {}}
+RUNS = [("Auto", "cpu"), ("Explicit", "cpu")] + [(t, f"gpu-{m}") for m in GPU_MESHES for t in ("Auto", "Explicit")]
 
 
-def _run(axis_type):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    cases = [f"{axis_type}:{c}" for c in [*CASES, *ERROR_CASES]]
+def _gpu_count():
+    return sum(d.platform == "gpu" for d in jax.devices())
+
+
+def _run(axis_type, platform):
+    """{case: result} of sharding_check.py's cases on 8 fake CPU devices (mesh 2x4, float32) or on 2 GPUs."""
+    if platform == "cpu":
+        mesh, cases = "2x4", CASES
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    else:
+        if _gpu_count() < 2:
+            pytest.skip("needs 2 GPUs")
+        mesh = platform.split("-")[1]
+        cases = GPU_MESHES[mesh]
+        env = dict(os.environ, JAX_FLASH_CHECK_DTYPE="bfloat16", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env["JAX_FLASH_CHECK_MESH"] = mesh
+    errors = ERROR_CASES[int(mesh.split("x")[1])]
+    cases = [f"{axis_type}:{c}" for c in [*cases, *errors]]
     proc = subprocess.run([sys.executable, "-P", str(CHECK), *cases], env=env, capture_output=True, text=True,
                           timeout=600, cwd="/")
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["case"] for r in results] == cases, proc.stderr[-5000:]
-    return {r["case"].split(":", 1)[1]: r for r in results}
+    return dict(platform=platform, errors=errors, cases={r["case"].split(":", 1)[1]: r for r in results})
 
 
-@pytest.fixture(scope="module", params=["Auto", "Explicit"])
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{t}-{p}" for t, p in RUNS])
 def results(request):
-    return request.param, _run(request.param)
+    return _run(*request.param)
 
 
 def _spec(text):
@@ -63,11 +87,16 @@ def _spec(text):
 
 @pytest.mark.parametrize("case", CASES)
 def test_values_and_collectives(results, case):
-    axis_type, by_case = results
-    r = by_case[case]
+    if case not in results["cases"]:
+        pytest.skip(f"not run on {results['platform']}")
+    r = results["cases"][case]
     assert r["ok"], r.get("trace", r.get("error"))
-    assert r["fwd_err"] <= FWD_TOL, r
-    assert r["grad_err"] <= GRAD_TOL, r
+    if results["platform"] == "cpu":
+        assert r["fwd_err"] <= FWD_TOL, r
+        assert r["grad_err"] <= GRAD_TOL, r
+    else:
+        assert r["fwd_ref_err"] <= BF16_FACTOR * r["base_fwd_ref_err"] + BF16_FLOOR, r
+        assert r["grad_ref_err"] <= BF16_FACTOR * r["base_grad_ref_err"] + BF16_FLOOR, r
     assert _spec(r["out_spec"]) == _spec(r["want_spec"]), r  # the output keeps q's sharding
     spec, hq, hkv, *_ = case.split(":")
     allowed_grad = set()
@@ -87,12 +116,13 @@ def test_values_and_collectives(results, case):
     assert set(r["grad_collectives"]) <= allowed_grad, r
 
 
-@pytest.mark.parametrize("case", list(ERROR_CASES))
-def test_indivisible_kv_heads(results, case):
-    _, by_case = results
-    r = by_case[case]
-    assert not r["ok"], r
-    assert ERROR_CASES[case] in r["error"], r["error"]
+def test_indivisible_kv_heads(results):
+    if not results["errors"]:
+        pytest.skip("the head axis has size 1")
+    for case, message in results["errors"].items():
+        r = results["cases"][case]
+        assert not r["ok"], r
+        assert message in r["error"], r["error"]
 
 
 def test_single_device_path_unchanged():
