@@ -629,6 +629,7 @@ def check_mode(args):
 # multi: several devices
 
 
+LHS_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 STRATEGIES = ("dp", "fsdp", "tp")  # block train step over n devices
 CP_STRATEGIES = ("ring", "allgather", "cudnn")  # causal attention over one sequence cut into n parts
 
@@ -665,13 +666,23 @@ def multi_block_row(cfg, dtype, args, n, strategy, attention, block):
         x = jax.device_put(block_input(cfg, batch, args.seq, dtype, args.seed + 1),
                            named(P(axis) if axis == "dp" else P()))
         compiled = step.lower(params, x).compile()
-        row["collectives"] = hlo_collectives(compiled.as_text())
+        row["collectives"] = hlo_collectives(dump_hlo(args, compiled, f"block-{n}-{strategy}-{attention}"))
         t = time_step(compiled, (params, x), args.warmup, args.steps)
         row.update(step_ms=t * 1e3, tokens_per_s=row["tokens"] / t, tokens_per_s_per_device=row["tokens"] / t / n,
                    tflops_per_device=step_flops(cfg, batch, args.seq) / t / n / 1e12)
     except Exception as e:  # an implementation that refuses the sharding or runs out of memory
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return row
+
+
+def dump_hlo(args, compiled, name):
+    """The compiled (scheduled) HLO text; also written to --dump-hlo/<name>.hlo.txt when given."""
+    text = compiled.as_text()
+    if args.dump_hlo:
+        os.makedirs(args.dump_hlo, exist_ok=True)
+        with open(os.path.join(args.dump_hlo, name + ".hlo.txt"), "w") as f:
+            f.write(text)
+    return text
 
 
 def hlo_collectives(text):
@@ -716,7 +727,7 @@ def cp_attention_row(cfg, dtype, args, n, strategy, local_seq, impl="jax_flash")
         q, k, v, do = (jax.device_put(jax.random.normal(key, shape, dtype), sharding)
                        for key, shape in zip(keys, shapes))
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, do).compile()
-        row["collectives"] = hlo_collectives(step.as_text())
+        row["collectives"] = hlo_collectives(dump_hlo(args, step, f"cp-{n}-{strategy}-{impl}"))
         t = time_step(step, (q, k, v, do), args.warmup, args.steps)
         flops = 3.5 * 4.0 * seq * seq * cfg.num_heads * cfg.head_dim / 2  # causal forward + backward (2.5 x)
         row.update(ms=t * 1e3, tflops_per_device=flops / t / n / 1e12)
@@ -730,7 +741,8 @@ def multi_markdown(meta, rows):
              f"jax {meta['jax_version']}, {meta['date']}", "",
              f"One `{meta['config_name']}` block, {meta['dtype']}, causal; median of {meta['steps']} timed steps after "
              f"{meta['warmup']} warm-up steps. Block: {args_note(meta)}. Per-device numbers divide by the devices; "
-             "scaling = per-device throughput over the same implementation's on one device.", "",
+             "scaling = per-device throughput over the same implementation's on one device. "
+             f"XLA_FLAGS: `{meta['xla_flags'] or '(none)'}`.", "",
              "## Block train step", "",
              "| devices | strategy | attention | B x S | ms / step | tokens/s | tokens/s per device | TFLOP/s per "
              "device | scaling | collectives |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -815,7 +827,7 @@ def multi(args):
     meta = dict(device=kind, device_count=jax.device_count(), platform=jax.devices()[0].platform,
                 jax_version=jax.__version__, jax_flash_version=jax_flash.__version__, date=date, dtype=dtype.name,
                 config_name=args.config, config=dataclasses.asdict(cfg), steps=args.steps, warmup=args.warmup,
-                batch=args.batch, seq=args.seq, smoke=not on_gpu,
+                batch=args.batch, seq=args.seq, smoke=not on_gpu, xla_flags=os.environ.get("XLA_FLAGS", ""),
                 method="median wall clock of the jit-compiled step, block_until_ready")
     for row in rows:
         row.update(device=kind, jax_version=jax.__version__, date=date)
@@ -884,6 +896,11 @@ def parse_args(argv):
     parser.add_argument("--cp-local-seq", type=int, default=None,
                         help="multi: tokens per device of the context-parallel attention (default 32768 on a GPU, "
                              "64 otherwise); the sequence is n times that")
+    parser.add_argument("--latency-hiding", action=argparse.BooleanOptionalAction, default=True,
+                        help="multi: run with XLA's latency-hiding scheduler (XLA_FLAGS="
+                             f"{LHS_FLAG}; off by default in XLA), which overlaps collectives with compute (the "
+                             "gradients' all-reduce with the backward)")
+    parser.add_argument("--dump-hlo", default=None, help="multi: write each compiled step's HLO text to this directory")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # set by an isolating bench run
     args = parser.parse_args(argv)
 
@@ -939,7 +956,7 @@ def finish_args(args, error, on_gpu):
         if args.mode == "bench":
             args.out = args.out or (RESULTS_DIR if on_gpu else SMOKE_OUT)
     if args.mode != "multi":
-        for name in ("devices", "strategy", "cp_strategy", "cp_local_seq"):
+        for name in ("devices", "strategy", "cp_strategy", "cp_local_seq", "dump_hlo"):
             if getattr(args, name) is not None:
                 error(f"--{name.replace('_', '-')} applies to --mode multi only")
     else:
@@ -953,6 +970,8 @@ def finish_args(args, error, on_gpu):
 
 def main(argv=None):
     args, error = parse_args(argv)
+    if args.mode == "multi" and args.latency_hiding and LHS_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + LHS_FLAG).strip()  # before JAX starts
     child_env = dict(os.environ)
     if args.mode in (None, "bench") and args.isolate and not args.dry_run:
         # An orchestrating bench process only looks up the device: it must not preallocate the accelerator memory

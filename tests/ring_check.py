@@ -177,33 +177,36 @@ def _ring_hlo(layout):
 
 
 def check_hlo(layout):
-    """Only collective-permutes in the compiled ring: CP-1 for K and V each in the forward; in the gradient also CP
-    for dK and dV each (they travel with their block and come home); no all-gather / all-reduce / all-to-all."""
+    """Only collective-permutes in the compiled ring, each of one dtype (no mixed-dtype permute: jax issue 32148)
+    and carrying local kv-head blocks [B/DP, S/CP, HKV, D] only: 2 (CP-1) K/V blocks in the forward; in the gradient
+    also 2 CP dK/dV blocks in float32 (they travel with their block and come home); no all-gather / all-reduce /
+    all-to-all. XLA may combine several blocks into one permute."""
     fwd, bwd = _ring_hlo(layout)
     for name, text in (("forward", fwd), ("gradient", bwd)):
         for op in ("all-gather", "all-reduce", "all-to-all", "reduce-scatter"):
             assert op not in text, f"{name} holds {op}"
         assert "collective-permute" in text, f"{name} holds no collective-permute"
-
-    # One array a transfer (no tuple-shaped, possibly mixed-dtype permute: jax issue 32148), and only the kv heads
-    # travel: the local block [B/dp, S/cp, HKV, D].
-    block = f"[{B // DP},{S // CP},{HKV},{D}]"
+    dims = f"{B // DP},{S // CP},{HKV},{D}"
+    counts = {}
     for name, text in (("forward", fwd), ("gradient", bwd)):
-        for line in text.splitlines():
-            if "= " in line and ("collective-permute(" in line or "collective-permute-start(" in line):
-                result = line.split("= ", 1)[1]
-                assert block in result.split("collective-permute")[0], f"{name}: unexpected transfer: {line}"
-
-    def count(text):
-        return sum(1 for line in text.splitlines()
-                   if "= " in line and ("collective-permute(" in line or "collective-permute-start(" in line))
-    assert count(fwd) == 2 * (CP - 1), f"forward: {count(fwd)} collective-permutes, expected {2 * (CP - 1)}"
+        counts[name] = {}
+        for _, _, op, operands in _permutes(text):
+            assert operands and len({dt for dt, _ in operands}) == 1, f"{name}: {op} mixes dtypes: {operands}"
+            assert all(d == dims for _, d in operands), f"{name}: {op} moves {operands}, not [{dims}] blocks"
+            counts[name][operands[0][0]] = counts[name].get(operands[0][0], 0) + len(operands)
+    kv, f32 = _hlo_dtype(DTYPE), "f32"
+    assert counts["forward"] == {kv: 2 * (CP - 1)}, (
+        f"forward transfers {counts['forward']}, expected {{{kv!r}: {2 * (CP - 1)}}}")
     # The gradient holds the forward's K/V ring, the backward's (sent again, not kept: an optimization barrier keeps
     # XLA from merging the two; jax 0.10's XLA still reuses the forward's transfers) and dK, dV sent CP times each.
-    expected = 2 * (CP - 1) + 2 * (CP - 1) + 2 * CP
-    merged = 2 * (CP - 1) + 2 * CP
-    assert count(bwd) == expected or (count(bwd) == merged and jax.__version__.startswith("0.10.")), (
-        f"gradient: {count(bwd)} collective-permutes, expected {expected}")
+    grad = counts["gradient"]
+    if kv == f32:
+        expected = [{f32: 4 * (CP - 1) + 2 * CP}]
+        if jax.__version__.startswith("0.10."):
+            expected.append({f32: 2 * (CP - 1) + 2 * CP})
+    else:
+        expected = [{kv: 4 * (CP - 1), f32: 2 * CP}]
+    assert grad in expected, f"gradient transfers {grad}, expected {expected[0]}"
 
 
 def _computations(hlo):
@@ -219,10 +222,32 @@ def _computations(hlo):
     return comps
 
 
+def _permutes(hlo):
+    """[(computation, index, name, operands)] of the collective-permutes (or -starts) of HLO text; operands as
+    [(dtype, "dims")], e.g. [("bf16", "1,32,2,32")] (XLA may combine several arrays into one permute)."""
+    found = []
+    for comp, lines in _computations(hlo).items():
+        for i, line in enumerate(lines):
+            m = re.search(r" collective-permute(-start)?\((.*?)\)(?:,|$)", line)
+            if m:
+                name = line.split(" = ", 1)[0].lstrip("%").split()[0]
+                operands = re.findall(r"(\w+)\[([\d,]*)\]", m.group(2))
+                if not operands:  # operand types not printed: read the result type
+                    result = re.findall(r"(\w+)\[([\d,]+)\]", line.split(" = ", 1)[1].split(" collective-")[0])
+                    # a -start's result holds its operands, then as many outputs (and scalar contexts)
+                    operands = result[:len(result) // 2] if m.group(1) else result
+                found.append((comp, i, name, operands))
+    return found
+
+
+def _hlo_dtype(dtype):
+    return {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[jnp.dtype(dtype).name]
+
+
 def check_overlap(layout):
-    """In the scheduled GPU HLO of the ring's forward + backward, every K/V transfer (a collective-permute of a
-    [B/DP, S/CP, HKV, D] block in the inputs' dtype) has a jax_flash kernel between its start and its done: the
-    transfer of the next block overlaps the kernel on the current one."""
+    """In the scheduled GPU HLO of the ring's forward + backward, every permute carrying K/V blocks (in the inputs'
+    dtype) has a jax_flash kernel between its start and its done: the transfer of the next block overlaps the kernel
+    on the current one."""
     if jax.devices()[0].platform == "cpu":
         return "skip: collectives on the CPU are synchronous (no start/done pairs)"
     mesh = _mesh()
@@ -235,6 +260,9 @@ def check_overlap(layout):
     sharding = NamedSharding(mesh, P("dp", "cp"))
     args = [jax.device_put(x, sharding) for x in (q, k, v)]
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    if os.environ.get("JAX_FLASH_CHECK_DUMP"):
+        with open(os.path.join(os.environ["JAX_FLASH_CHECK_DUMP"], f"ring-grad-{layout}.hlo.txt"), "w") as f:
+            f.write(hlo)
     comps = _computations(hlo)
     has_kernel = {name: any('custom_call_target="jax_flash' in line for line in lines)
                   for name, lines in comps.items()}
@@ -244,23 +272,22 @@ def check_overlap(layout):
             return True
         return any(has_kernel.get(c, False) for c in re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", line))
 
-    block = f"{jnp.dtype(DTYPE).name.replace('bfloat16', 'bf16').replace('float16', 'f16')}" \
-            f"[{B // DP},{S // CP},{HKV},{D}]"
-    transfers, overlapped = 0, 0
-    for lines in comps.values():
-        for i, line in enumerate(lines):
-            if "collective-permute-start(" not in line or block not in line.split(" = ", 1)[1].split(
-                    "collective-permute-start(")[0]:
-                continue
-            start = line.split(" = ", 1)[0].lstrip("%").split()[0]
-            done = next(j for j in range(i + 1, len(lines))
-                        if "collective-permute-done(" in lines[j] and re.search(rf"%?{re.escape(start)}\b",
-                                                                                lines[j].split("(", 1)[1]))
-            transfers += 1
-            overlapped += any(runs_kernel(x) for x in lines[i + 1:done])
-    expected = 4 * (CP - 1)  # K and V, forward and backward rings
-    assert transfers == expected, f"{transfers} K/V collective-permute-starts in the scheduled HLO, expected {expected}"
-    assert overlapped == transfers, f"only {overlapped} of {transfers} K/V transfers have a kernel between start and done"
+    kv = _hlo_dtype(DTYPE)
+    blocks, overlapped, report = 0, 0, []
+    for comp, i, start, operands in _permutes(hlo):
+        if not operands or operands[0][0] != kv:
+            continue
+        lines = comps[comp]
+        assert "collective-permute-start(" in lines[i], f"{start} is synchronous: {lines[i][:200]}"
+        done = next(j for j in range(i + 1, len(lines))
+                    if "collective-permute-done(" in lines[j] and re.search(rf"%{re.escape(start)}\b", lines[j]))
+        kernels = sum(runs_kernel(x) for x in lines[i + 1:done])
+        blocks += len(operands)
+        overlapped += len(operands) if kernels else 0
+        report.append(f"{start}: {len(operands)} block(s), {done - i - 1} instructions and {kernels} kernel(s) "
+                      "between start and done")
+    assert blocks == 4 * (CP - 1), f"{blocks} K/V blocks sent in the gradient, expected {4 * (CP - 1)}: {report}"
+    assert overlapped == blocks, f"only {overlapped} of {blocks} K/V blocks overlap a kernel: {report}"
 
 
 def check_errors():

@@ -8,7 +8,9 @@ JAX fixes its device count when it starts, and this process has one CPU device: 
 present the same cases run on them in bfloat16 (meshes 1x2 and 2x1), against the float64 reference."""
 
 import json
+import math
 import os
+import re
 import pathlib
 import subprocess
 import sys
@@ -69,7 +71,9 @@ def _run(axis_type, platform):
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["case"] for r in results] == cases, proc.stderr[-5000:]
-    return dict(platform=platform, errors=errors, cases={r["case"].split(":", 1)[1]: r for r in results})
+    sizes = dict(zip(("dp", "tp"), (int(n) for n in mesh.split("x"))))
+    return dict(platform=platform, errors=errors, sizes=sizes,
+                cases={r["case"].split(":", 1)[1]: r for r in results})
 
 
 @pytest.fixture(scope="module", params=RUNS, ids=[f"{t}-{p}" for t, p in RUNS])
@@ -77,12 +81,21 @@ def results(request):
     return _run(*request.param)
 
 
-def _spec(text):
-    """'P('dp', None, 'tp', None)' -> ('dp', None, 'tp') (trailing Nones dropped)."""
-    entries = [e.strip() for e in text[2:-1].split(",") if e.strip()]
-    while entries and entries[-1] == "None":
+def _spec(text, sizes):
+    """"P('dp', None, 'tp', None)" -> ("dp", None, "tp"): mesh axes of size 1 (in `sizes`) and trailing Nones dropped
+    (they shard nothing: jax may print a spec with or without them)."""
+    entries = []
+    for e in re.findall(r"\(.*?\)|[^,\s()]+", text[2:-1]):
+        axes = [a for a in re.findall(r"'(\w+)'", e) if sizes.get(a, 1) > 1]
+        entries.append(tuple(axes) if len(axes) > 1 else axes[0] if axes else None)
+    while entries and entries[-1] is None:
         entries.pop()
     return tuple(entries)
+
+
+def _elements(shapes):
+    """The element count of the largest array shape in HLO type text such as '(bf16[4,32,8,32]{...}, ...)'."""
+    return max(math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", shapes))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -97,7 +110,8 @@ def test_values_and_collectives(results, case):
     else:
         assert r["fwd_ref_err"] <= BF16_FACTOR * r["base_fwd_ref_err"] + BF16_FLOOR, r
         assert r["grad_ref_err"] <= BF16_FACTOR * r["base_grad_ref_err"] + BF16_FLOOR, r
-    assert _spec(r["out_spec"]) == _spec(r["want_spec"]), r  # the output keeps q's sharding
+    sizes = results["sizes"]
+    assert _spec(r["out_spec"], sizes) == _spec(r["want_spec"], sizes), r  # the output keeps q's sharding
     spec, hq, hkv, *_ = case.split(":")
     allowed_grad = set()
     if spec == "hd":  # head_dim sharded: gathered for the kernel (q, k, v; in the gradient also o and do)
@@ -106,8 +120,10 @@ def test_values_and_collectives(results, case):
     if "sp" in spec:  # sequence: K and V all-gathered (whole sequences), dK and dV summed over the sequence axis
         assert set(r["fwd_collectives"]) == {"all-gather"}, r
         assert r["fwd_collectives"]["all-gather"] <= 2, r
-        for shape in r["fwd_gathered"]:
-            assert f",64,{hkv},32]" in shape, r  # K or V: the whole sequence of the kv heads
+        assert r["fwd_gathered"], r
+        batch = 4 // results["sizes"]["dp"] if spec.startswith("dp") else 4
+        for shape in r["fwd_gathered"]:  # K or V: the whole sequence of the local batch's kv heads
+            assert _elements(shape) == batch * 64 * int(hkv) * 32, r
         allowed_grad = {"all-gather", "all-reduce"}
     else:  # batch and heads: no collective at all ...
         assert r["fwd_collectives"] == {}, r
