@@ -234,6 +234,10 @@ def _ring_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
         dq = dq + _unfold_rows(jnp.sum(_unflat(dq_f, m).astype(jnp.float32), axis=1))
         dk = dk + _unfold_rows(jnp.sum(_unflat(dk_f, m).astype(jnp.float32), axis=0))
         dv = dv + _unfold_rows(jnp.sum(_unflat(dv_f, m).astype(jnp.float32), axis=0))
+        if step + 1 < n:
+            # The dK/dV sends below wait for the next block's arrival: otherwise XLA's collective-permute combiner
+            # may merge them with the next block's K/V transfer, which then cannot start before this kernel ends.
+            dk, dv, k_next, v_next = jax.lax.optimization_barrier((dk, dv, k_next, v_next))
         # The block's gradients move on with it; after the last step this send brings them home.
         dk = jax.lax.ppermute(dk, cfg.axis_name, perm)
         dv = jax.lax.ppermute(dv, cfg.axis_name, perm)

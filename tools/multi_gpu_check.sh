@@ -32,33 +32,37 @@ fi
 status=0
 if [ "$MODE" != bench ]; then
   t0=$SECONDS
-  mkdir -p "$OUT/hlo-default" "$OUT/hlo-lhs"
+  mkdir -p "$OUT/hlo-default"
   JAX_FLASH_CHECK_DUMP="$OUT/hlo-default" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${PYTEST_LIMIT:-400}" \
     pytest -q -p no:cacheprovider -p no:xdist -rfs tests/test_sharding.py tests/test_ring.py -k gpu 2>&1 |
     tee "$OUT/pytest-multi.log" | tail -15
   rc=${PIPESTATUS[0]}
   note "pytest (2-GPU cases of test_sharding, test_ring): rc=$rc $(tail -1 "$OUT/pytest-multi.log") ($((SECONDS - t0)) s)"
   [ $rc -eq 0 ] || status=1
-  # The ring's transfer/kernel overlap again with XLA's latency-hiding scheduler (what llama_block --mode multi runs).
-  out=$(cd /tmp && JAX_FLASH_CHECK_DUMP="$OUT/hlo-lhs" JAX_FLASH_CHECK_MESH=1x2 JAX_FLASH_CHECK_DTYPE=bfloat16 \
-    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
-    python3 -P "$OLDPWD/tests/ring_check.py" overlap-contiguous overlap-zigzag 2>&1 | tail -1)
-  note "ring overlap with the latency-hiding scheduler: ${out:0:3000}"
+  # The ring's transfer/kernel overlap again under XLA flag sets (the latency-hiding scheduler is what
+  # llama_block --mode multi runs; the collective-permute combiner may merge transfers).
+  for flags in "--xla_gpu_enable_latency_hiding_scheduler=true" \
+      "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_collective_permute_combine_threshold_bytes=0"; do
+    tag=$(echo "$flags" | md5sum | cut -c1-6)
+    mkdir -p "$OUT/hlo-$tag"
+    out=$(cd /tmp && JAX_FLASH_CHECK_DUMP="$OUT/hlo-$tag" JAX_FLASH_CHECK_MESH=1x2 JAX_FLASH_CHECK_DTYPE=bfloat16 \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$flags" \
+      python3 -P "$OLDPWD/tests/ring_check.py" overlap-contiguous overlap-zigzag 2>&1 | tail -1)
+    note "ring overlap with XLA_FLAGS=$flags (hlo-$tag): ${out:0:2500}"
+  done
 fi
 if [ "$MODE" != tests ]; then
   t0=$SECONDS
-  # With XLA's latency-hiding scheduler (the example's default), then without it (XLA's default).
-  for lhs in latency-hiding no-latency-hiding; do
+  # The example's default (XLA's latency-hiding scheduler), then also without XLA's collective-permute combiner.
+  for flags in "" "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_collective_permute_combine_threshold_bytes=0"; do
+    name=llama_multi-$( [ -z "$flags" ] && echo default || echo nocombine)
     t0=$SECONDS
-    timeout "${BENCH_LIMIT:-240}" python3 examples/llama_block.py --mode multi --out "$OUT" --$lhs \
-      --dump-hlo "$OUT/hlo-bench-$lhs" "$@" 2>&1 | tee "$OUT/llama_multi-$lhs.log" | tail -40
-    rc=${PIPESTATUS[0]}
-    note "llama_block --mode multi --$lhs: rc=$rc ($((SECONDS - t0)) s)"
-    mv "$OUT"/llama_multi-*-x*-????-??-??.json "$OUT/llama_multi-$lhs.json" 2>/dev/null
-    mv "$OUT"/llama_multi-*-x*-????-??-??.md "$OUT/llama_multi-$lhs.md" 2>/dev/null
+    XLA_FLAGS="$flags" timeout "${BENCH_LIMIT:-240}" python3 examples/llama_block.py --mode multi --out "$OUT" \
+      --name "$name" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
+    note "llama_block --mode multi (XLA_FLAGS=$flags): rc=${PIPESTATUS[0]} ($((SECONDS - t0)) s)"
   done
 fi
-gzip -rq "$OUT"/hlo-* 2>/dev/null
+(cd "$OUT" && tar czf hlo.tgz hlo-* && rm -rf hlo-*) 2>/dev/null
 note "multi_gpu_check done: status=$status"
 cat "$SUMMARY"
 exit $status
