@@ -671,8 +671,16 @@ def multi_block_row(cfg, dtype, args, n, strategy, attention, block):
         row.update(step_ms=t * 1e3, tokens_per_s=row["tokens"] / t, tokens_per_s_per_device=row["tokens"] / t / n,
                    tflops_per_device=step_flops(cfg, batch, args.seq) / t / n / 1e12)
     except Exception as e:  # an implementation that refuses the sharding or runs out of memory
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        row["error"] = error_text(e)
     return row
+
+
+def error_text(e):
+    """An exception in one line: its type, first line and (for a long message, such as a traceback relayed by a
+    partitioner) its last line, which names the cause."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [""]
+    text = lines[0][:200] + (f" ... {lines[-1][:300]}" if len(lines) > 1 else "")
+    return f"{type(e).__name__}: {text}"
 
 
 def dump_hlo(args, compiled, name):
@@ -732,7 +740,7 @@ def cp_attention_row(cfg, dtype, args, n, strategy, local_seq, impl="jax_flash")
         flops = 3.5 * 4.0 * seq * seq * cfg.num_heads * cfg.head_dim / 2  # causal forward + backward (2.5 x)
         row.update(ms=t * 1e3, tflops_per_device=flops / t / n / 1e12)
     except Exception as e:
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        row["error"] = error_text(e)
     return row
 
 
