@@ -38,6 +38,11 @@ import numpy as np
 import jax_flash
 
 IMPLS = ("jax_flash", "cudnn", "xla")
+# jax_flash with one more option, for its cost against the plain call (only through --impls). The values keep the
+# output equal to the plain call's (so the error column stays comparable) and the work the same: sinks of -1e4
+# (weights exp(-1e4 - lse) = 0), a soft cap of 1e4 (c tanh(x / c) = x to float32 rounding at these logits).
+VARIANTS = {"jax_flash+sinks": dict(sinks=-1e4), "jax_flash+softcap": dict(logits_soft_cap=1e4)}
+ALL_IMPLS = IMPLS + tuple(VARIANTS)
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # default --out on a GPU
 SMOKE_OUT = os.path.join(tempfile.gettempdir(), "jax_flash_bench")  # default --out without one
 TOKENS = 16384
@@ -102,9 +107,16 @@ def parse_shapes(spec):
 
 
 def attention_fn(impl, causal, deterministic=False):
-    if impl == "jax_flash":
+    if impl == "jax_flash" or impl in VARIANTS:
+        options = dict(VARIANTS.get(impl, {}))
+        if "sinks" in options:
+            def with_sinks(q, k, v):
+                sinks = jnp.full((q.shape[2],), options["sinks"], jnp.float32)
+                return jax_flash.dot_product_attention(q, k, v, is_causal=causal, deterministic=deterministic,
+                                                       sinks=sinks)
+            return with_sinks
         return lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal,
-                                                               deterministic=deterministic)
+                                                               deterministic=deterministic, **options)
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
@@ -193,7 +205,7 @@ def markdown(rows, meta):
     by = {}
     for r in rows:
         by.setdefault((r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"]), {})[r["impl"]] = r
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    impls = [i for i in ALL_IMPLS if any(r["impl"] == i for r in rows)]
     baseline = next((i for i in ("cudnn", "xla") if i in impls and "jax_flash" in impls), None)  # of the ratios
     lines = [f"# Attention benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
              ("Smoke run without a GPU: the timings are not performance numbers. " if meta.get("smoke") else "") +
@@ -258,7 +270,7 @@ def plot(rows, meta, path):
     for col, (d, causal) in enumerate(panels):
         for row_i, key in enumerate(("fwd_tflops", "bwd_tflops")):
             ax = axes[row_i][col]
-            for impl in IMPLS:
+            for impl in ALL_IMPLS:
                 pts = sorted((r["Sq"], r[key]) for r in mha
                              if r["impl"] == impl and r["D"] == d and r["causal"] == causal and r[key])
                 if pts:
@@ -290,7 +302,9 @@ def warm_up_device(seconds=2.0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a handful of shapes")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help="comma-separated subset of " + ",".join(ALL_IMPLS) + " (the last two: jax_flash with "
+                             "sinks or a soft cap, for their cost)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--out", default=None,
                         help=f"results directory (default: benchmarks/results/ on a GPU; without one, for a smoke "
@@ -321,6 +335,9 @@ def main(argv=None):
     on_gpu = device.platform == "gpu"
     out = args.out or default_out(device.platform)
     impls = [i for i in args.impls.split(",") if i]
+    unknown = [i for i in impls if i not in ALL_IMPLS]
+    if unknown:
+        parser.error(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(ALL_IMPLS)}")
     if not on_gpu:
         impls = [i for i in impls if i != "cudnn"]
     dtype = jnp.dtype(args.dtype)

@@ -8,7 +8,8 @@ untied LM head. ``--attention`` switches only the attention computation, on the 
 Modes (default: ``bench`` when JAX's default device is a GPU, ``train`` otherwise):
 
 * ``train``: trains a tiny decoder with Adam on synthetic sequences (arithmetic progressions mod the vocabulary,
-  a random start and stride per sequence) and prints the falling loss.
+  a random start and stride per sequence) and prints the falling loss. ``--packed N`` packs N such documents into
+  each row, with segment ids (each token attends within its document) and positions restarting per document.
 * ``check``: for one LLaMA-3-8B-like block (``--config``), computes the loss and the gradients of a train step
   with each attention choice and compares them with the first choice's: the relative differences of the loss and
   of all gradients together must stay below ``--check-tol`` (2e-2), that of each gradient group (the q, k, v, o
@@ -32,6 +33,7 @@ backward counts twice the forward). RMSNorm, RoPE, SwiGLU's elementwise work and
 
     python examples/llama_block.py                                # train on CPU, bench on GPU
     python examples/llama_block.py --mode train --attention xla --steps 50
+    python examples/llama_block.py --mode train --packed 4       # 4 documents per row, segment ids
     python examples/llama_block.py --mode check --config tiny
     python examples/llama_block.py --mode bench --batch 1 --seq 8192 --attention jax_flash cudnn
     python examples/llama_block.py --mode bench --dry-run          # lower every step at full size, run nothing
@@ -131,8 +133,8 @@ class Block(nnx.Module):
         self.mlp_norm = norm()
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x):
-        h = x + self.attn(self.attn_norm(x))
+    def __call__(self, x, positions=None, segment_ids=None):
+        h = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -149,10 +151,11 @@ class Decoder(nnx.Module):
         self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                   kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        """tokens [B, S]; for packed rows, segment_ids [B, S] and positions [B, S] that restart at each document."""
         x = self.embed(tokens)
         for block in self.layers:
-            x = block(x)
+            x = block(x, positions=positions, segment_ids=segment_ids)
         return self.lm_head(self.final_norm(x)).astype(jnp.float32)
 
 
@@ -180,14 +183,41 @@ def progression_batch(key, batch, seqlen, vocab, max_stride=4):
     return ((start + stride * jnp.arange(seqlen + 1)) % vocab).astype(jnp.int32)
 
 
-def cross_entropy(model, tokens):
-    logits = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+def packed_progression_batch(key, batch, seqlen, vocab, docs, max_stride=4):
+    """(tokens, segment_ids, positions), each [batch, seqlen + 1] int32: every row packs `docs` arithmetic
+    progressions of random lengths (cut points drawn per row), each with its own start and stride; positions
+    restart at 0 in each document."""
+    k_cut, k_start, k_stride = jax.random.split(key, 3)
+    cut_keys = jax.random.split(k_cut, batch)
+    cuts = jax.vmap(lambda k: jnp.sort(jax.random.choice(k, jnp.arange(1, seqlen + 1), (docs - 1,),
+                                                         replace=False)))(cut_keys)
+    index = jnp.arange(seqlen + 1)
+    segment = jax.vmap(lambda c: jnp.searchsorted(c, index, side="right"))(cuts).astype(jnp.int32)
+    first = jnp.concatenate([jnp.zeros((batch, 1), cuts.dtype), cuts], axis=1)  # [batch, docs]: each doc's start
+    positions = (index - jnp.take_along_axis(first, segment, axis=1)).astype(jnp.int32)
+    start = jax.random.randint(k_start, (batch, docs), 0, vocab)
+    stride = jax.random.randint(k_stride, (batch, docs), 1, max_stride + 1)
+    pick = lambda x: jnp.take_along_axis(x, segment, axis=1)  # noqa: E731
+    tokens = ((pick(start) + pick(stride) * positions) % vocab).astype(jnp.int32)
+    return tokens, segment, positions
+
+
+def cross_entropy(model, batch):
+    """Next-token loss; for packed rows (tokens, segment_ids, positions) the tokens see only their own document
+    (segment ids) and the first token of a document is not predicted from the one before."""
+    if not isinstance(batch, tuple):
+        logits = model(batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    tokens, segment, positions = batch
+    logits = model(tokens[:, :-1], positions=positions[:, :-1], segment_ids=segment[:, :-1])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    same = (segment[:, :-1] == segment[:, 1:]).astype(losses.dtype)
+    return jnp.sum(losses * same) / jnp.maximum(jnp.sum(same), 1)
 
 
 @nnx.jit
-def train_step(model, optimizer, tokens):
-    loss, grads = nnx.value_and_grad(cross_entropy)(model, tokens)
+def train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(cross_entropy)(model, batch)
     optimizer.update(model, grads)
     return loss
 
@@ -200,11 +230,18 @@ def train(args):
     model = Decoder(cfg, attention=attention, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
-    make_batch = jax.jit(functools.partial(progression_batch, batch=args.batch, seqlen=args.seq, vocab=cfg.vocab))
+    if args.packed > 1:
+        make_batch = jax.jit(functools.partial(packed_progression_batch, batch=args.batch, seqlen=args.seq,
+                                               vocab=cfg.vocab, docs=args.packed))
+    else:
+        make_batch = jax.jit(functools.partial(progression_batch, batch=args.batch, seqlen=args.seq,
+                                               vocab=cfg.vocab))
     log(f"{kind} | jax {jax.__version__} | attention {attention} | {cfg.num_layers} layers, d_model {cfg.d_model}, "
         f"{cfg.num_heads} q / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, {n_params / 1e6:.2f}M params, "
         f"{dtype.name} activations | batch {args.batch} x seq {args.seq}, adam lr {args.lr}, {args.steps} steps")
-    log(f"task: next token of arithmetic progressions mod {cfg.vocab} (uniform guess: loss {math.log(cfg.vocab):.2f})")
+    log(f"task: next token of arithmetic progressions mod {cfg.vocab} (uniform guess: loss {math.log(cfg.vocab):.2f})"
+        + (f"; {args.packed} documents packed per row, attention within each (segment ids)" if args.packed > 1
+           else ""))
     key = jax.random.key(args.seed + 1)
     losses = []
     for step in range(1, args.steps + 1):
@@ -878,6 +915,9 @@ def parse_args(argv):
                              f"JSON there")
     parser.add_argument("--name", default=None, help="file stem (default llama_block-<device>-<date>)")
     parser.add_argument("--lr", type=float, default=3e-3, help="train: Adam learning rate")
+    parser.add_argument("--packed", type=int, default=1,
+                        help="train: documents packed into each row (segment ids keep attention within each; "
+                             "positions restart per document); 1 = one sequence per row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=3, help="bench: untimed steps after compilation")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -940,6 +980,8 @@ def finish_args(args, error, on_gpu):
         for name in ("dry_run", "out", "name"):
             if getattr(args, name):
                 error(f"--{name.replace('_', '-')} does not apply to --mode train")
+        if not 1 <= args.packed <= args.seq:
+            error(f"--packed must be between 1 and --seq ({args.seq}), got {args.packed}")
     elif args.mode == "multi":
         args.config = args.config or ("llama3-8b" if on_gpu else "tiny")
         args.attention = args.attention or (["jax_flash", "cudnn"] if on_gpu else ["jax_flash", "xla"])
@@ -963,6 +1005,8 @@ def finish_args(args, error, on_gpu):
         args.steps = args.steps or 10
         if args.mode == "bench":
             args.out = args.out or (RESULTS_DIR if on_gpu else SMOKE_OUT)
+    if args.mode != "train" and args.packed != 1:
+        error("--packed applies to --mode train only")
     if args.mode != "multi":
         for name in ("devices", "strategy", "cp_strategy", "cp_local_seq", "dump_hlo"):
             if getattr(args, name) is not None:

@@ -87,6 +87,19 @@ def _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets=None):
     return out, lse
 
 
+def _dense_attention(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, *, scale, is_causal, window, softcap):
+    """(o, lse) of a materialised softmax in float32 (jax_flash.reference), differentiated by JAX: the path for
+    segment ids and soft-capping until the kernels take them. lse [B, N, T] float32 as the kernels give it
+    (+inf for rows that see no key and have no sink)."""
+    from jax_flash import reference
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    out, lse = reference.attention_with_lse(
+        *f32, scale=scale, is_causal=is_causal, query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+        local_window_size=window, q_segment_ids=q_seg, kv_segment_ids=kv_seg, sinks=sinks, logits_soft_cap=softcap)
+    return out.astype(q.dtype), jnp.where(lse == -jnp.inf, jnp.inf, lse)
+
+
 def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_offsets=None):
     """(o, lse) of one device's block: the kernel on its platforms, jax.nn's xla path elsewhere."""
     kernel = functools.partial(_ffi.flash_fwd, **cfg.attrs())
@@ -124,22 +137,44 @@ def _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
     return sharding.backward(cfg, _local_backward, q, k, v, o, lse, do, q_lens, kv_lens)
 
 
+def _with_sinks(o, lse, sinks):
+    """The keys' (o, lse) -> those of a softmax whose denominator also holds exp(sinks[h]) per head h.
+
+    lse: float32 [..., N, T], +inf (kept) for rows that see no key; o: [..., T, N, H]. The sink has no value:
+    o scales by exp(lse - lse')."""
+    dead = lse == jnp.inf
+    keys = jnp.where(dead, -jnp.inf, lse)
+    new = jnp.logaddexp(keys, sinks.astype(jnp.float32)[:, None])
+    weight = jnp.swapaxes(jnp.exp(keys - new), -1, -2)[..., None]  # [..., T, N, 1]; 0 for dead rows
+    return (o.astype(jnp.float32) * weight).astype(o.dtype), jnp.where(dead, jnp.inf, new)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_attention(cfg, q, k, v, q_lens, kv_lens):
-    """(o, lse) for q [B, T, N, H], k/v [B, S, K, H], int32 lengths [B]."""
-    return _forward(cfg, q, k, v, q_lens, kv_lens)
+def _flash_attention(cfg, q, k, v, q_lens, kv_lens, sinks):
+    """(o, lse) for q [B, T, N, H], k/v [B, S, K, H], int32 lengths [B], float32 sinks [N] or None."""
+    return _flash_attention_fwd(cfg, q, k, v, q_lens, kv_lens, sinks)[0]
 
 
-def _flash_attention_fwd(cfg, q, k, v, q_lens, kv_lens):
+def _flash_attention_fwd(cfg, q, k, v, q_lens, kv_lens, sinks):
     o, lse = _forward(cfg, q, k, v, q_lens, kv_lens)
-    return (o, lse), (q, k, v, o, lse, q_lens, kv_lens)
+    if sinks is not None:
+        o, lse = _with_sinks(o, lse, sinks)
+    return (o, lse), (q, k, v, o, lse, q_lens, kv_lens, sinks)
 
 
 def _flash_attention_bwd(cfg, residuals, cotangents):
-    q, k, v, o, lse, q_lens, kv_lens = residuals
+    q, k, v, o, lse, q_lens, kv_lens, sinks = residuals
     do, _ = cotangents  # lse only leaves through stop_gradient
+    # With sinks, o and lse already hold them: the kernels' P = exp(logit - lse) and rowsum(dO * O) are those of
+    # the softmax with sinks, so dq, dk, dv come out right.
     dq, dk, dv = _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens)
-    return dq, dk, dv, None, None
+    dsinks = None
+    if sinks is not None:
+        # d o_i / d s_h = -p_sink(i) o_i, p_sink(i) = exp(s_h - lse_i): d sinks_h = -sum_i p_sink(i) dO_i . O_i.
+        delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [..., T, N]
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[:, None] - lse)  # [..., N, T]; 0 where lse = +inf
+        dsinks = -jnp.einsum("...nt,...tn->n", p_sink, delta).astype(sinks.dtype)
+    return dq, dk, dv, None, None, dsinks
 
 
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
@@ -228,6 +263,71 @@ def _check_window(local_window_size):
     return tuple(window)
 
 
+def _dtype_of(x):
+    """x's dtype as given, before jnp.asarray narrows 64-bit types (arrays, tracers, Python sequences)."""
+    dtype = getattr(x, "dtype", None)
+    return np.dtype(dtype if dtype is not None else np.asarray(x).dtype)
+
+
+def _check_segment_ids(q_segment_ids, kv_segment_ids, query, key):
+    """(q ids, kv ids) as int32 arrays [B, T], [B, S] ([T], [S] for rank-3 inputs), or (None, None)."""
+    if q_segment_ids is None:
+        if kv_segment_ids is not None:
+            raise ValueError("kv_segment_ids needs q_segment_ids (a query's segment decides which keys it sees)")
+        return None, None
+    lead = query.shape[:-2]  # (B, T) or (T,)
+    if kv_segment_ids is None:
+        if query.shape[-3] != key.shape[-3]:
+            raise ValueError(f"kv_segment_ids is required when the query and key/value lengths differ (got "
+                             f"{query.shape[-3]} and {key.shape[-3]}); it defaults to q_segment_ids only when they "
+                             "are equal")
+        kv_segment_ids = q_segment_ids
+    ids = []
+    for name, x, shape in (("q_segment_ids", q_segment_ids, lead), ("kv_segment_ids", kv_segment_ids,
+                                                                     key.shape[:-2])):
+        dtype = _dtype_of(x)
+        if dtype != np.int32:
+            raise TypeError(f"{name} must be int32, got {dtype}")
+        x = jnp.asarray(x)
+        if x.shape != shape:
+            raise ValueError(f"{name} must have shape {shape} ((batch, length) of the "
+                             f"{'query' if name[0] == 'q' else 'key/value'}; (length,) for rank-3 inputs), got "
+                             f"{x.shape}")
+        ids.append(x)
+    return tuple(ids)
+
+
+def _check_sinks(sinks, num_heads):
+    if sinks is None:
+        return None
+    dtype = _dtype_of(sinks)
+    if dtype != np.float32:
+        raise TypeError(f"sinks must be float32, got {dtype}")
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must have shape (num_query_heads,) = ({num_heads},), got {sinks.shape}")
+    return sinks
+
+
+def _check_soft_cap(logits_soft_cap):
+    if logits_soft_cap is None:
+        return None
+    message = f"logits_soft_cap must be None or a static Python float, got {logits_soft_cap!r}"
+    if isinstance(logits_soft_cap, (bool, np.bool_)) or not isinstance(logits_soft_cap, (numbers.Real, np.ndarray,
+                                                                                          jax.Array)):
+        raise TypeError(message)
+    try:
+        value = np.asarray(logits_soft_cap)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(message) from e
+    if value.ndim != 0 or value.dtype.kind not in "fiu":
+        raise TypeError(message)
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"logits_soft_cap must be finite and > 0, got {value}")
+    return value
+
+
 def _validate(query, key, value, is_causal, query_seq_lengths, key_value_seq_lengths):
     """Checks what every implementation needs; returns the length arrays as arrays."""
     if query.ndim not in (3, 4):
@@ -269,6 +369,10 @@ def dot_product_attention(
     implementation: Implementation = None,
     return_residual: bool = False,
     deterministic: bool = False,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Scaled dot-product attention; a drop-in for :func:`jax.nn.dot_product_attention` run by a fused kernel.
 
@@ -295,12 +399,24 @@ def dot_product_attention(
       implementation: None (default) runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` call
         jax.nn.dot_product_attention with that implementation.
       return_residual: also return the log-sum-exp of the masked, scaled logits, shape (B, T, N) or (T, N), in
-        the input dtype, under stop_gradient; -inf for rows that see no key.
+        the input dtype, under stop_gradient; -inf for rows that see no key (with ``sinks``: the sink-inclusive
+        log-sum-exp, the sink's logit for such rows).
       deterministic: (jax_flash only) make the kernel backward bitwise reproducible: key blocks add their dQ
         contributions in a fixed order instead of as they finish. The CPU kernel always is. On CUDA it needs the
         sm_90a backward (compute capability 9.0, H <= 128); elsewhere the backward fails with an error saying so.
         The forward is deterministic either way. Costs some backward speed (key blocks wait for their turn).
         Ignored with ``implementation="xla"`` or ``"cudnn"`` and on jax.nn fallback paths.
+      q_segment_ids: optional int32 (B, T) (or (T,)): packed sequences; query i sees key j only if their ids are
+        equal (and every other mask allows it). MaxText's ``decoder_segment_ids`` pass through unchanged.
+      kv_segment_ids: optional int32 (B, S) (or (S,)); defaults to ``q_segment_ids`` when T == S.
+      sinks: optional float32 (N,), differentiable: attention sinks, a per-head logit with no value in the softmax
+        denominator: ``p_ij = exp(x_ij) / (exp(sinks[h]) + sum_j exp(x_ij))``. The residual is then the
+        sink-inclusive log-sum-exp; the gradient with respect to the sinks is returned.
+      logits_soft_cap: optional static float c > 0: logits become ``c * tanh(scale * q.k / c)`` before masking
+        (Gemma 2).
+
+    Segment ids and soft-capping run a materialised float32 softmax in plain JAX (O(T * S) memory) until the
+    kernels take them, and warn once; sinks run through the kernels.
 
     Returns:
       The attention output with the shape and dtype of ``query``, or ``(output, residual)`` if
@@ -330,12 +446,20 @@ def dot_product_attention(
 
     Raises:
       ValueError: inconsistent shapes or dtypes between query, key and value; a head dim the kernels do not take;
-        length arrays that are not int32 (B,); a negative window or non-finite scale; an unknown implementation.
-      TypeError: an unsupported dtype; a non-bool ``is_causal`` or ``deterministic``; a window or scale that is not
-        a static number.
+        length arrays that are not int32 (B,); segment ids or sinks of the wrong shape; a negative window,
+        non-finite scale or a soft cap that is not finite and > 0; an unknown implementation; segment ids, sinks
+        or a soft cap with ``implementation="xla"``/``"cudnn"`` or with ``bias``/``mask``.
+      TypeError: an unsupported dtype; segment ids that are not int32 or sinks that are not float32; a non-bool
+        ``is_causal`` or ``deterministic``; a window, scale or soft cap that is not a static number.
     """
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    extras = [name for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids),
+                                   ("sinks", sinks), ("logits_soft_cap", logits_soft_cap)) if x is not None]
+    if extras and (implementation is not None or bias is not None or mask is not None):
+        why = f"implementation={implementation!r}" if implementation is not None else "a dense bias or mask"
+        raise ValueError(f"{', '.join(extras)}: jax_flash options that jax.nn.dot_product_attention does not take; "
+                         f"they cannot be combined with {why}")
     if implementation in ("xla", "cudnn"):
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
@@ -348,6 +472,9 @@ def dot_product_attention(
     q_lens, kv_lens = _validate(q, k, v, is_causal, query_seq_lengths, key_value_seq_lengths)
     scale = _check_scale(scale)
     window = _check_window(local_window_size)
+    q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q, k)
+    sinks = _check_sinks(sinks, q.shape[-2])
+    soft_cap = _check_soft_cap(logits_soft_cap)
 
     for name, array in (("bias", bias), ("mask", mask)):
         if array is not None:
@@ -368,12 +495,14 @@ def dot_product_attention(
     rank3 = q.ndim == 3
     if rank3:
         q, k, v = q[None], k[None], v[None]
+        q_seg, kv_seg = (None if x is None else x[None] for x in (q_seg, kv_seg))
     batch, seqlen_q, _, _ = q.shape
     seqlen_k = k.shape[1]
 
     if q.size == 0 or k.size == 0:  # nothing to attend to (or nothing asks): every row outputs 0
         out = jnp.zeros_like(q)
-        lse = jnp.full(q.shape[:-1], -jnp.inf, q.dtype)
+        empty = -jnp.inf if sinks is None else sinks.astype(q.dtype)  # the sink alone
+        lse = jnp.broadcast_to(jnp.asarray(empty, q.dtype), q.shape[:-1])
     else:
         q_lens = jnp.full((batch,), seqlen_q, jnp.int32) if q_lens is None else jnp.clip(q_lens, 0, seqlen_q)
         kv_lens = jnp.full((batch,), seqlen_k, jnp.int32) if kv_lens is None else jnp.clip(kv_lens, 0, seqlen_k)
@@ -393,10 +522,19 @@ def dot_product_attention(
         cfg = _Config(scale=scale, is_causal=bool(is_causal), window=window,
                       kernel_platforms=_kernel_platforms(q.dtype), deterministic=bool(deterministic),
                       kernel_window=kernel_window)
-        out, lse = _flash_attention(cfg, q, k, v, q_lens, kv_lens)
+        if q_seg is not None or soft_cap is not None:
+            what = " and ".join(n for n, x in (("segment ids", q_seg), ("logits_soft_cap", soft_cap)) if x is not None)
+            _warn_once(f"dense:{what}", f"jax_flash.dot_product_attention: the kernels do not take {what} yet; "
+                                        "running a materialised float32 softmax in plain JAX (O(T * S) memory)",
+                       stacklevel=2)
+            out, lse = _dense_attention(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, scale=scale,
+                                        is_causal=bool(is_causal), window=window, softcap=soft_cap)
+        else:
+            out, lse = _flash_attention(cfg, q, k, v, q_lens, kv_lens, sinks)
         if return_residual:
-            # The kernels store +inf for rows that see no key; the log of their (zero) mass is -inf.
-            lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
+            # The kernels store +inf for rows that see no key (and have no sink); the log of their mass is -inf.
+            dead = -jnp.inf if sinks is None else sinks[:, None]  # a row that sees no key: the sink's mass alone
+            lse = jnp.where(lse == jnp.inf, dead, lse)
             lse = jnp.swapaxes(lse, -1, -2).astype(q.dtype)
 
     if rank3:

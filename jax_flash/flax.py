@@ -128,6 +128,10 @@ def attention_fn(
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
     implementation: Implementation = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    logits_soft_cap: float | None = None,
     **unused: Any,
 ) -> jax.Array:
     """Dot-product attention through the jax_flash kernels, a drop-in for Flax's ``attention_fn``.
@@ -169,6 +173,10 @@ def attention_fn(
       implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
         :func:`jax.nn.dot_product_attention` with that implementation (``"xla"`` is jax.nn's reference path, for
         A/B checks).
+      q_segment_ids, kv_segment_ids: optional int32 [batch..., q_length] / [batch..., kv_length] segment ids of
+        packed sequences (kv defaults to q when the lengths are equal); sinks: optional float32 [num_heads]
+        attention sinks; logits_soft_cap: optional float cap, as in :func:`jax_flash.dot_product_attention`. They
+        cannot be combined with ``mask``, ``bias`` or active dropout (ValueError).
       **unused: other keywords Flax may pass (``force_fp32_for_softmax``, ...), ignored: softmax always runs in
         float32 in the kernels. ``use_kernel`` is refused (TypeError): ``implementation`` is the one choice.
 
@@ -193,6 +201,18 @@ def attention_fn(
                          f"{value.shape}")
     q_lens = _flatten_lengths(query_seq_lengths, "query_seq_lengths", batch_shape)
     kv_lens = _flatten_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch_shape)
+    extras = {name: x for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids),
+                                      ("sinks", sinks), ("logits_soft_cap", logits_soft_cap)) if x is not None}
+    if extras and (mask is not None or bias is not None or (dropout_rate > 0.0 and not deterministic)):
+        raise ValueError(f"jax_flash.flax.attention_fn: {', '.join(extras)} cannot be combined with a dense mask, "
+                         "a bias or active dropout (those run jax.nn or flax, which do not take them)")
+    for name in ("q_segment_ids", "kv_segment_ids"):
+        if name in extras:
+            ids = jnp.asarray(extras[name])
+            if ids.shape[:-1] != batch_shape:
+                raise ValueError(f"{name} must have shape batch dims + (length,) = {batch_shape} + (length,), got "
+                                 f"{ids.shape}")
+            extras[name] = ids.reshape((math.prod(batch_shape), ids.shape[-1]))
     if module is not None:
         _warn_once("sow", "jax_flash.flax.attention_fn: the fused kernels never form the attention weights; "
                           "nothing is sowed.")
@@ -220,7 +240,7 @@ def attention_fn(
     if mask is None and bias is None:
         out = dot_product_attention(
             query, key, value, is_causal=is_causal, local_window_size=local_window_size,
-            query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, implementation=implementation)
+            query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, implementation=implementation, **extras)
     else:
         reason = "a dense mask" if bias is None else "an attention bias"
         _warn_once(f"dense:{reason}",
@@ -308,7 +328,9 @@ class Attention(nnx.Module):
       rope_theta: the base of the rotary frequencies.
       implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
         :func:`jax.nn.dot_product_attention` with that implementation (``"xla"`` is jax.nn's reference path, for
-        A/B checks).
+        A/B checks; they take no sinks, soft cap or segment ids).
+      sinks: own a float32 [num_heads] parameter ``sinks`` (initialised to 0): attention sinks (gpt-oss).
+      logits_soft_cap: optional static float c > 0: logits become c * tanh(logits / c) (Gemma 2).
       dtype: computation dtype of the projections and the attention (the kernels take bfloat16 and float16, and
         float32 on CPU); None promotes inputs and parameters.
       param_dtype: parameter dtype.
@@ -328,6 +350,8 @@ class Attention(nnx.Module):
         rope: bool = True,
         rope_theta: float = 10000.0,
         implementation: Implementation = None,
+        sinks: bool = False,
+        logits_soft_cap: float | None = None,
         dtype: DTypeLike | None = jnp.bfloat16,
         param_dtype: DTypeLike = jnp.float32,
         kernel_init: jax.nn.initializers.Initializer = nnx.initializers.lecun_normal(),
@@ -353,6 +377,8 @@ class Attention(nnx.Module):
         self.local_window_size = local_window_size
         self.rope, self.rope_theta = bool(rope), float(rope_theta)
         self.implementation = _check_implementation(implementation)
+        self.logits_soft_cap = attention_module._check_soft_cap(logits_soft_cap)
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else None
         linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                    kernel_init=kernel_init, rngs=rngs)
         self.q_proj = linear(d_model, num_heads * head_dim)
@@ -362,7 +388,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, *, positions: ArrayLike | None = None,
                  query_seq_lengths: ArrayLike | None = None,
-                 key_value_seq_lengths: ArrayLike | None = None) -> jax.Array:
+                 key_value_seq_lengths: ArrayLike | None = None,
+                 segment_ids: ArrayLike | None = None) -> jax.Array:
         """Self-attention over x.
 
         Args:
@@ -370,6 +397,8 @@ class Attention(nnx.Module):
           positions: integer positions for the rotary embeddings, [seq] or [batch, seq]; default 0, 1, ...
           query_seq_lengths: optional int32 [batch]: rows at or past it output 0 (before ``o_proj``).
           key_value_seq_lengths: optional int32 [batch]: keys at or past it are masked (right padding).
+          segment_ids: optional int32 [batch, seq]: packed sequences; a token sees only tokens of its segment
+            (pass ``positions`` that restart at each segment for the rotary embeddings).
 
         Returns:
           [batch, seq, d_model].
@@ -389,5 +418,6 @@ class Attention(nnx.Module):
         out = dot_product_attention(
             q, k, v, is_causal=self.is_causal, local_window_size=self.local_window_size,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-            implementation=_check_implementation(self.implementation))
+            implementation=_check_implementation(self.implementation), q_segment_ids=segment_ids,
+            sinks=None if self.sinks is None else self.sinks[...], logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))

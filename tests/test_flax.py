@@ -505,10 +505,37 @@ def test_example_multi_device_smoke_run(tmp_path):
         assert (r.get("tokens_per_s") or r.get("tflops_per_device")) > 0
 
 
-def test_example_mfu_only_against_a_known_peak():
+def _example_module():
     spec = importlib.util.spec_from_file_location("llama_block", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_example_packed_batches():
+    """Each row packs the asked number of documents: ids count up from 0, positions restart at each document, and
+    inside a document the tokens are an arithmetic progression."""
+    example = _example_module()
+    tokens, segment, positions = example.packed_progression_batch(jax.random.key(0), batch=3, seqlen=40, vocab=256,
+                                                                  docs=5)
+    tokens, segment, positions = (np.asarray(x) for x in (tokens, segment, positions))
+    assert tokens.shape == segment.shape == positions.shape == (3, 41)
+    for b in range(3):
+        assert segment[b, 0] == 0 and segment[b, -1] == 4 and (np.diff(segment[b]) >= 0).all()
+        starts = np.flatnonzero(np.diff(segment[b])) + 1
+        assert (positions[b, starts] == 0).all() and positions[b, 0] == 0
+        for doc in range(5):
+            steps = np.diff(tokens[b, segment[b] == doc]) % 256
+            assert len(set(steps.tolist())) <= 1
+
+
+def test_example_trains_on_packed_sequences():
+    out = run_example("--mode", "train", "--packed", "4", "--steps", "25")
+    assert "4 documents packed per row" in out and "-> " in out
+
+
+def test_example_mfu_only_against_a_known_peak():
+    example = _example_module()
     bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
     assert example.mfu_peak(None, "NVIDIA H100 80GB HBM3", True, bf16) == (
         989.0, "the dense bfloat16/float16 peak of the H100 SXM")
@@ -516,3 +543,28 @@ def test_example_mfu_only_against_a_known_peak():
     assert example.mfu_peak(None, "NVIDIA GeForce RTX 4090", True, bf16)[0] is None
     assert example.mfu_peak(None, "cpu", False, bf16) == (None, "no GPU (a smoke run)")
     assert example.mfu_peak(500.0, "cpu", False, bf16) == (500.0, "--peak-tflops")
+
+
+def test_attention_owns_sinks_and_soft_cap_and_takes_segment_ids():
+    """Attention(sinks=True, logits_soft_cap=c)(x, segment_ids=...) equals dot_product_attention on its projections,
+    and the sinks parameter gets a gradient; attention_fn passes the options through."""
+    layer = Attention(64, 4, 2, 16, sinks=True, logits_soft_cap=20.0, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    layer.sinks[...] = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (2, 24, 64), jnp.float32)
+    ids = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [8, 8, 8], axis=1), jnp.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # segment ids and soft cap: the materialised path
+        out = layer(x, segment_ids=ids)
+        q = apply_rope(layer.q_proj(x).reshape(2, 24, 4, 16), jnp.arange(24), layer.rope_theta)
+        k = apply_rope(layer.k_proj(x).reshape(2, 24, 2, 16), jnp.arange(24), layer.rope_theta)
+        v = layer.v_proj(x).reshape(2, 24, 2, 16)
+        expected = jax_flash.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=ids,
+                                                   sinks=layer.sinks[...], logits_soft_cap=20.0)
+        np.testing.assert_allclose(out, layer.o_proj(expected.reshape(2, 24, 64)), atol=1e-5)
+        through_fn = attention_fn(q, k, v, is_causal=True, q_segment_ids=ids, sinks=layer.sinks[...],
+                                  logits_soft_cap=20.0)
+        np.testing.assert_allclose(through_fn, expected, atol=1e-6)
+        grads = nnx.grad(lambda m: jnp.sum(m(x, segment_ids=ids) ** 2))(layer)
+    assert grads.sinks[...].shape == (4,) and np.abs(np.asarray(grads.sinks[...])).sum() > 0
+    with pytest.raises(ValueError, match="cannot be combined with a dense mask"):
+        attention_fn(q, k, v, mask=jnp.ones((24, 24), bool), sinks=layer.sinks[...])

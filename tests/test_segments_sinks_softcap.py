@@ -1,0 +1,234 @@
+"""dot_product_attention's segment ids (packed sequences), attention sinks and logit soft-capping: forward and every
+gradient (the sinks' included) against the float64 reference, in float32 on the CPU and bfloat16 on a GPU (the
+default device decides); transformations; residuals; validation; which path runs.
+
+The bound: jax_flash's error against float64 at most 3x that of the materialised reference
+(jax_flash.reference_attention) in the same dtype, plus 2 ulp of the largest value."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash import attention as attention_module
+from jax_flash.reference import attention_with_lse, numpy_attention_fwd_bwd, visible_mask
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
+
+
+def _segments(rng, batch, length, kind):
+    """int32 [batch, length] segment ids, a different packing per batch row."""
+    rows = []
+    for b in range(batch):
+        if kind == "packed":  # documents of random lengths, ids counting up
+            cuts = np.sort(rng.choice(np.arange(1, length), size=min(4 + b, length - 1), replace=False))
+            rows.append(np.searchsorted(cuts, np.arange(length), side="right"))
+        elif kind == "one":
+            rows.append(np.zeros(length, int))
+        else:  # "random": ids in any order (not sorted), a few values
+            rows.append(rng.integers(0, 3, length))
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+CASES = {
+    "packed_causal_gqa": dict(batch=3, t=97, s=97, n=4, k=2, h=64, is_causal=True, segments="packed"),
+    "packed_padding_ids": dict(batch=2, t=61, s=61, n=2, k=2, h=32, is_causal=True, segments="packed",
+                               pad=10),
+    "random_ids_sq_ne_sk_window": dict(batch=2, t=33, s=61, n=4, k=1, h=64, window=(5, 9), segments="random"),
+    "segments_lengths": dict(batch=3, t=40, s=40, n=2, k=2, h=32, segments="packed", q_lens=(40, 7, 0),
+                             kv_lens=(40, 3, 12)),
+    "sinks_causal_gqa": dict(batch=2, t=97, s=97, n=8, k=2, h=64, is_causal=True, sinks=True),
+    "sinks_lengths_dead_rows": dict(batch=3, t=33, s=47, n=2, k=2, h=32, sinks=True, q_lens=(33, 5, 20),
+                                    kv_lens=(47, 1, 0)),
+    "softcap_window": dict(batch=2, t=61, s=61, n=2, k=2, h=64, window=(7, 3), softcap=2.0),
+    "softcap_causal_d128": dict(batch=1, t=97, s=97, n=4, k=4, h=128, is_causal=True, softcap=30.0),
+    "all_combined": dict(batch=2, t=61, s=47, n=4, k=2, h=64, is_causal=True, window=(20, 0), segments="random",
+                         sinks=True, softcap=5.0, q_lens=(61, 30), kv_lens=(47, 40)),
+}
+
+
+def _problem(case, seed=0):
+    """(q, k, v, do, kwargs) of a case in DTYPE; sinks (float32) among the kwargs."""
+    rng = np.random.default_rng(seed)
+    b, t, s, n, kh, h = (case[x] for x in ("batch", "t", "s", "n", "k", "h"))
+    q, k, v, do = (jnp.asarray(rng.standard_normal(shape, np.float32), DTYPE)
+                   for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h), (b, t, n, h)))
+    kw = dict(is_causal=case.get("is_causal", False), local_window_size=case.get("window"))
+    if "segments" in case:
+        kw["q_segment_ids"] = _segments(rng, b, t, case["segments"])
+        kw["kv_segment_ids"] = _segments(rng, b, s, case["segments"]) if t != s or case["segments"] == "random" \
+            else kw["q_segment_ids"]
+        if case.get("pad"):  # padding rows: an id that no key has
+            kw["q_segment_ids"] = kw["q_segment_ids"].at[:, -case["pad"]:].set(-1)
+    if case.get("sinks"):
+        kw["sinks"] = jnp.asarray(rng.standard_normal(n) * 2, jnp.float32)
+    if "softcap" in case:
+        kw["logits_soft_cap"] = case["softcap"]
+    if "q_lens" in case:
+        kw["query_seq_lengths"] = jnp.asarray(case["q_lens"], jnp.int32)
+        kw["key_value_seq_lengths"] = jnp.asarray(case["kv_lens"], jnp.int32)
+    return q, k, v, do, kw
+
+
+def _fwd_bwd(fn, q, k, v, do, kw):
+    """(out, dq, dk, dv[, dsinks]) of fn under jit, as float64 numpy."""
+    sinks = kw.get("sinks")
+    rest = {name: x for name, x in kw.items() if name != "sinks"}
+
+    def run(q, k, v, sinks):
+        out, vjp = jax.vjp(lambda q, k, v, sinks: fn(q, k, v, sinks=sinks, **rest), q, k, v, sinks)
+        grads = vjp(do.astype(out.dtype))
+        return (out, *grads[:3]) + ((grads[3],) if sinks is not None else ())
+
+    return [np.asarray(x, np.float64) for x in jax.jit(run)(q, k, v, sinks)]
+
+
+def _reference64(q, k, v, do, kw):
+    vis = visible_mask(q.shape[1], k.shape[1], is_causal=kw["is_causal"], local_window_size=kw["local_window_size"],
+                       query_seq_lengths=kw.get("query_seq_lengths"),
+                       key_value_seq_lengths=kw.get("key_value_seq_lengths"), q_segment_ids=kw.get("q_segment_ids"),
+                       kv_segment_ids=kw.get("kv_segment_ids"))
+    return numpy_attention_fwd_bwd(q, k, v, do, vis, sinks=kw.get("sinks"), logits_soft_cap=kw.get("logits_soft_cap"))
+
+
+def _baseline(q, k, v, sinks=None, **kw):
+    """The materialised reference in the inputs' dtype, with jax_flash's argument names."""
+    kw = {name: x for name, x in kw.items() if x is not None}
+    return jax_flash.reference_attention(q, k, v, sinks=sinks, **kw)
+
+
+@pytest.mark.filterwarnings("ignore:jax_flash.dot_product_attention. the kernels do not take")
+@pytest.mark.parametrize("name", CASES)
+def test_matches_float64_reference(name):
+    q, k, v, do, kw = _problem(CASES[name])
+    ref = _reference64(q, k, v, do, kw)
+    ours = _fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, kw)
+    base = _fwd_bwd(_baseline, q, k, v, do, kw)
+    eps = float(jnp.finfo(DTYPE).eps)
+    names = ("output", "dq", "dk", "dv", "dsinks")
+    assert len(ours) == len(ref)
+    for label, x, b, r in zip(names, ours, base, ref):
+        assert np.isfinite(x).all(), f"{name} {label}: non-finite values"
+        err, base_err = np.abs(x - r).max(), np.abs(b - r).max()
+        bound = 3 * base_err + 2 * eps * np.abs(r).max() + 1e-6
+        assert err <= bound, f"{name} {label}: error {err:.3g} > {bound:.3g} (reference in {DTYPE.__name__}: " \
+                             f"{base_err:.3g})"
+    # Rows that see no key (padding ids, lengths, no key of their segment) output 0 and get dq = 0.
+    vis = np.asarray(visible_mask(q.shape[1], k.shape[1], is_causal=kw["is_causal"],
+                                  local_window_size=kw["local_window_size"],
+                                  query_seq_lengths=kw.get("query_seq_lengths"),
+                                  key_value_seq_lengths=kw.get("key_value_seq_lengths"),
+                                  q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids")))
+    dead = ~np.broadcast_to(vis, (q.shape[0], 1, q.shape[1], k.shape[1])).any(-1)[:, 0]  # [B, T]
+    if name in ("packed_padding_ids", "segments_lengths", "sinks_lengths_dead_rows"):
+        assert dead.any(), "the case should have rows that see no key"
+    assert not ours[0][dead].any() and not ours[1][dead].any()
+
+
+def test_sinks_run_through_the_kernels():
+    """Sinks alone keep the fused kernels (a forward and a backward custom call), with no warning; segment ids and
+    soft-capping take the materialised path and say so once."""
+    q, k, v, do, kw = _problem(CASES["sinks_causal_gqa"])
+    loss = lambda q, s: jnp.sum(jax_flash.dot_product_attention(q, k, v, sinks=s, is_causal=True))  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, kw["sinks"]).as_text()
+    assert "jax_flash_fwd" in text and "jax_flash_bwd" in text
+    attention_module._WARNED.discard("dense:logits_soft_cap")
+    with pytest.warns(RuntimeWarning, match="do not take logits_soft_cap yet"):
+        jax_flash.dot_product_attention(q, k, v, logits_soft_cap=3.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        jax_flash.dot_product_attention(q, k, v, logits_soft_cap=4.0)
+
+
+@pytest.mark.filterwarnings("ignore:jax_flash.dot_product_attention. the kernels do not take")
+@pytest.mark.parametrize("name", ["sinks_lengths_dead_rows", "all_combined"])
+def test_residual_is_the_sink_inclusive_lse(name):
+    q, k, v, _, kw = _problem(CASES[name])
+    _, lse = jax_flash.dot_product_attention(q, k, v, return_residual=True, **kw)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    _, ref = attention_with_lse(*f32, **{n: x for n, x in kw.items() if x is not None})
+    ref = np.swapaxes(np.asarray(ref), -1, -2)  # [B, T, N]
+    np.testing.assert_allclose(np.asarray(lse, np.float32), ref, atol=2e-2 if ON_GPU else 1e-5, rtol=1e-2)
+    if name == "sinks_lengths_dead_rows":  # batch row 2 has no keys: the sink alone
+        np.testing.assert_allclose(np.asarray(lse[2], np.float32), np.broadcast_to(kw["sinks"], lse[2].shape),
+                                   rtol=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:jax_flash.dot_product_attention. the kernels do not take")
+def test_transformations():
+    """vmap over a leading axis (segment ids and lengths mapped too), checkpoint, rank-3 inputs with (T,) ids."""
+    q, k, v, do, kw = _problem(CASES["all_combined"])
+
+    def attn(q, k, v, qs, ks, sinks):
+        return jax_flash.dot_product_attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks, sinks=sinks,
+                                               is_causal=True, logits_soft_cap=5.0)
+
+    full = attn(q, k, v, kw["q_segment_ids"], kw["kv_segment_ids"], kw["sinks"])
+    mapped = jax.vmap(attn, in_axes=(0, 0, 0, 0, 0, None))(
+        q[:, None], k[:, None], v[:, None], kw["q_segment_ids"][:, None], kw["kv_segment_ids"][:, None], kw["sinks"])
+    np.testing.assert_allclose(np.asarray(mapped[:, 0], np.float32), np.asarray(full, np.float32), atol=1e-6)
+    rank3 = attn(q[1], k[1], v[1], kw["q_segment_ids"][1], kw["kv_segment_ids"][1], kw["sinks"])
+    np.testing.assert_allclose(np.asarray(rank3, np.float32), np.asarray(full[1], np.float32), atol=1e-6)
+    loss = lambda *a: jnp.sum(attn(*a).astype(jnp.float32) * do)  # noqa: E731
+    args = (q, k, v, kw["q_segment_ids"], kw["kv_segment_ids"], kw["sinks"])
+    g1 = jax.grad(loss, argnums=(0, 5))(*args)
+    g2 = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 5)))(*args)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=1e-5)
+    sinks_grad = jax.jit(jax.grad(lambda s: jnp.sum(jax_flash.dot_product_attention(q, k, v, sinks=s))))(kw["sinks"])
+    assert sinks_grad.shape == kw["sinks"].shape and np.isfinite(np.asarray(sinks_grad)).all()
+
+
+def test_kv_segment_ids_default_to_q_segment_ids():
+    q, k, v, _, kw = _problem(CASES["packed_causal_gqa"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = jax_flash.dot_product_attention(q, k, v, q_segment_ids=kw["q_segment_ids"], is_causal=True)
+        b = jax_flash.dot_product_attention(q, k, v, q_segment_ids=kw["q_segment_ids"],
+                                            kv_segment_ids=kw["q_segment_ids"], is_causal=True)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+BAD = {
+    "ids_dtype": (dict(q_segment_ids=np.zeros((2, 8), np.int64)), TypeError, "q_segment_ids must be int32, got int64"),
+    "ids_shape": (dict(q_segment_ids=np.zeros((2, 7), np.int32)), ValueError, "q_segment_ids must have shape (2, 8)"),
+    "kv_ids_shape": (dict(q_segment_ids=np.zeros((2, 8), np.int32), kv_segment_ids=np.zeros((8,), np.int32)),
+                     ValueError, "kv_segment_ids must have shape (2, 8)"),
+    "kv_ids_alone": (dict(kv_segment_ids=np.zeros((2, 8), np.int32)), ValueError, "kv_segment_ids needs"),
+    "sinks_dtype": (dict(sinks=np.zeros(4, np.float16)), TypeError, "sinks must be float32, got float16"),
+    "sinks_shape": (dict(sinks=np.zeros(2, np.float32)), ValueError, "sinks must have shape (num_query_heads,) = (4,)"),
+    "cap_zero": (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be finite and > 0, got 0.0"),
+    "cap_negative": (dict(logits_soft_cap=-1), ValueError, "finite and > 0, got -1.0"),
+    "cap_inf": (dict(logits_soft_cap=float("inf")), ValueError, "finite and > 0, got inf"),
+    "cap_nan": (dict(logits_soft_cap=float("nan")), ValueError, "finite and > 0, got nan"),
+    "cap_type": (dict(logits_soft_cap="5"), TypeError, "logits_soft_cap must be None or a static Python float"),
+    "cap_with_xla": (dict(logits_soft_cap=5.0, implementation="xla"), ValueError, "implementation='xla'"),
+    "sinks_with_mask": (dict(sinks=np.zeros(4, np.float32), mask=np.ones((8, 8), bool)), ValueError,
+                        "dense bias or mask"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_arguments(name):
+    kw, error, message = BAD[name]
+    q = jnp.zeros((2, 8, 4, 32), DTYPE)
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        jax_flash.dot_product_attention(q, q[:, :, :2], q[:, :, :2], **kw)
+
+
+def test_kv_segment_ids_required_when_lengths_differ():
+    q, k = jnp.zeros((2, 8, 4, 32), DTYPE), jnp.zeros((2, 12, 4, 32), DTYPE)
+    with pytest.raises(ValueError, match="kv_segment_ids is required when the query and key/value lengths differ"):
+        jax_flash.dot_product_attention(q, k, k, q_segment_ids=jnp.zeros((2, 8), jnp.int32))
+
+
+def test_traced_soft_cap_is_refused():
+    q = jnp.zeros((1, 8, 2, 32), DTYPE)
+    with pytest.raises(TypeError, match="static Python float"):
+        jax.jit(lambda c: jax_flash.dot_product_attention(q, q, q, logits_soft_cap=c))(5.0)
