@@ -270,7 +270,7 @@ def check_overlap(layout):
 
     def feeds_kernel(name, depth=5):
         for reader, line in readers.get(name, []):
-            if runs_kernel(line) or (depth > 0 and "collective-permute" not in line
+            if runs_kernel(line) or (depth > 0 and not re.search(r" collective-permute(?:-start)?\(", line)
                                      and feeds_kernel(reader, depth - 1)):
                 return True
         return False

@@ -41,8 +41,7 @@ if [ "$MODE" != bench ]; then
   [ $rc -eq 0 ] || status=1
   # The ring's transfer/kernel overlap again under XLA flag sets (the latency-hiding scheduler is what
   # llama_block --mode multi runs; the collective-permute combiner may merge transfers).
-  for flags in "--xla_gpu_enable_latency_hiding_scheduler=true" \
-      "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_collective_permute_combine_threshold_bytes=0"; do
+  for flags in "--xla_gpu_enable_latency_hiding_scheduler=true"; do
     tag=$(echo "$flags" | md5sum | cut -c1-6)
     mkdir -p "$OUT/hlo-$tag"
     out=$(cd /tmp && JAX_FLASH_CHECK_DUMP="$OUT/hlo-$tag" JAX_FLASH_CHECK_MESH=1x2 JAX_FLASH_CHECK_DTYPE=bfloat16 \
@@ -53,9 +52,9 @@ if [ "$MODE" != bench ]; then
 fi
 if [ "$MODE" != tests ]; then
   t0=$SECONDS
-  # The example's default (XLA's latency-hiding scheduler), then also without XLA's collective-permute combiner.
-  for flags in "" "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_collective_permute_combine_threshold_bytes=0"; do
-    name=llama_multi-$( [ -z "$flags" ] && echo default || echo nocombine)
+  # The example's default (XLA's latency-hiding scheduler).
+  for flags in ""; do
+    name=llama_multi-default
     t0=$SECONDS
     XLA_FLAGS="$flags" timeout "${BENCH_LIMIT:-240}" python3 examples/llama_block.py --mode multi --out "$OUT" \
       --name "$name" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
