@@ -21,7 +21,7 @@ note "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,nohead
 note "$(python3 -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, jax.devices())')"
 
 # 1. Install: a carried cp312 wheel from dist/ if present (built off the GPU clock), else build here.
-wheel=$(ls dist/jax_flash-*-cp312-*.whl 2>/dev/null | head -1)
+wheel=$(ls dist/jax_flash-*-cp312-*.whl dist/*/jax_flash-*-cp312-*.whl 2>/dev/null | head -1)
 if [ -n "$wheel" ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
   export PYTHONPATH=/tmp/jf_site${PYTHONPATH:+:$PYTHONPATH}
