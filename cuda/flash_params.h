@@ -54,6 +54,21 @@ struct FlashParams {
   // attention); the masks and the lengths above apply to global positions. Zeros for a whole sequence. Never null.
   const int32_t* q_offsets;
   const int32_t* kv_offsets;
+  // Packed sequences (null when the call has no segment ids): row i sees key j only if their ids are equal.
+  // [batch, seqlen_q] / [batch, seqlen_k] ids, and per 16-position chunk metadata [batch, chunks, 4] (mask.h:
+  // SegmentPolicy).
+  const int32_t* q_segment_ids;
+  const int32_t* kv_segment_ids;
+  const int32_t* q_segment_meta;
+  const int32_t* kv_segment_meta;
+
+  // Score modifiers. Logit soft-capping (softcap_pre = 0: none): the kernels replace each raw score s = q.k by
+  // softcap_post * tanh(softcap_pre * s), with softcap_pre = scale / c and softcap_post = c / scale, so that the
+  // logit scale * s becomes c * tanh(scale * q.k / c); its derivative is 1 - tanh^2. Attention sinks (forward; null:
+  // none): sinks[b * heads_q + h] is a logit with no value added to the softmax denominator of head h's rows.
+  float softcap_pre;
+  float softcap_post;
+  const float* sinks;
 
   // Forward.
   const void* q;

@@ -12,6 +12,11 @@
 // and AttentionMask intersects them. Kernels ask the composite for the key blocks a query block needs (forward),
 // the query rows a key block needs (backward), and whether a tile (or which run of key blocks) is entirely
 // visible (no per-element masking).
+//
+// Segment ids (packed sequences) are the one mask that is not an interval: row i sees key j only if
+// q_ids[i] == kv_ids[j]. SegmentPolicy narrows the block ranges above with per-16-position chunk metadata (the id
+// range of each chunk, and the keys / rows whose chunks' id ranges meet it: no static number of segments), calls a
+// tile fully visible only when every id in it is one value, and leaves the kernels one per-element test (same()).
 #pragma once
 
 #include <climits>
@@ -57,22 +62,71 @@ struct LengthPolicy {
   JF_HD int last_row(int) const { return q_len; }
 };
 
+// Row i sees key j only if q_ids[i] == kv_ids[j] (disabled when q_ids is null). Chunk c of the query rows (rows
+// [16 c, 16 c + 16)) has metadata q_meta[4 c ..]: {id min, id max, first key, end key}, the keys [first, end) being
+// the hull of the key chunks whose id ranges meet the chunk's; kv_meta likewise for key chunks, with rows. Built by
+// jax_flash._ffi.segment_metadata. Callers pass rows below seqlen_q and keys below seqlen_k to same().
+inline constexpr int kSegmentChunk = 16;
+struct SegmentPolicy {
+  const int32_t* q_ids = nullptr;  // [seqlen_q] of one batch element
+  const int32_t* kv_ids = nullptr;  // [seqlen_k]
+  const int32_t* q_meta = nullptr;  // [ceil(seqlen_q / 16)][4]
+  const int32_t* kv_meta = nullptr;  // [ceil(seqlen_k / 16)][4]
+  int q_chunks = 0;
+  int kv_chunks = 0;
+
+  JF_HD bool enabled() const { return q_ids != nullptr; }
+  JF_HD bool same(int i, int j) const { return q_ids[i] == kv_ids[j]; }
+  // The hull, over the chunks meeting [begin, end) (clamped to the `chunks` there are), of meta fields f, f + 1:
+  // [*lo, *hi) (empty when end <= begin).
+  JF_HD static void hull(const int32_t* meta, int chunks, int begin, int end, int f, int* lo, int* hi) {
+    *lo = INT_MAX;
+    *hi = INT_MIN;
+    const int c1 = imin((end + kSegmentChunk - 1) / kSegmentChunk, chunks);
+    for (int c = imax(begin, 0) / kSegmentChunk; c < c1; ++c) {
+      *lo = imin(*lo, meta[4 * c + f]);
+      *hi = imax(*hi, meta[4 * c + f + 1]);
+    }
+  }
+  // Keys that some row of [row_begin, row_end) may see: [*key_begin, *key_end) (a superset).
+  JF_HD void key_range(int row_begin, int row_end, int* key_begin, int* key_end) const {
+    hull(q_meta, q_chunks, row_begin, row_end, 2, key_begin, key_end);
+  }
+  // Rows that may see some key of [key_begin, key_end).
+  JF_HD void row_range(int key_begin, int key_end, int* row_begin, int* row_end) const {
+    hull(kv_meta, kv_chunks, key_begin, key_end, 2, row_begin, row_end);
+  }
+  // True when every row of [row_begin, row_end) and every key of [key_begin, key_end) has one and the same id.
+  JF_HD bool uniform(int row_begin, int row_end, int key_begin, int key_end) const {
+    int qlo, qhi, klo, khi;
+    hull(q_meta, q_chunks, row_begin, row_end, 0, &qlo, &qhi);
+    hull(kv_meta, kv_chunks, key_begin, key_end, 0, &klo, &khi);
+    return qlo == qhi && klo == khi && qlo == klo;
+  }
+};
+
 struct AttentionMask {
   CausalPolicy causal;
   WindowPolicy window;
   LengthPolicy length;
+  SegmentPolicy segments;
 
   // shift: the global position of local row 0 minus that of local key 0 (0 for a whole sequence).
-  JF_HD AttentionMask(bool is_causal, int window_left, int window_right, int q_len, int kv_len, int shift = 0)
-      : causal{is_causal, shift}, window{window_left, window_right, shift}, length{q_len, kv_len} {}
+  JF_HD AttentionMask(bool is_causal, int window_left, int window_right, int q_len, int kv_len, int shift = 0,
+                      SegmentPolicy seg = SegmentPolicy{})
+      : causal{is_causal, shift}, window{window_left, window_right, shift}, length{q_len, kv_len}, segments(seg) {}
 
   JF_HD bool row_valid(int i) const { return i < length.q_len; }
+  // lo(i), hi(i): the interval the masks other than segment ids leave row i.
   JF_HD int lo(int i) const { return imax(imax(causal.lo(i), window.lo(i)), imax(length.lo(i), 0)); }
   JF_HD int hi(int i) const {
     return row_valid(i) ? imin(imin(causal.hi(i), window.hi(i)), length.hi(i)) : 0;
   }
-  JF_HD bool visible(int i, int j) const { return j >= lo(i) && j < hi(i); }
-  // Rows that see key j, the transpose of visible(): row i >= 0 sees j iff *row_lo <= i < *row_hi.
+  JF_HD bool visible(int i, int j) const {
+    return j >= lo(i) && j < hi(i) && (!segments.enabled() || segments.same(i, j));
+  }
+  // Rows that key j's interval admits, the transpose of lo()/hi(): *row_lo <= i < *row_hi (segment ids are
+  // tested apart, with segments.same()).
   JF_HD void rows_seeing_key(int j, int* row_lo, int* row_hi) const {
     *row_lo = imax(causal.enabled ? j - causal.shift : 0, window.right >= 0 ? j - window.shift - window.right : 0);
     *row_lo = imax(*row_lo, 0);
@@ -90,6 +144,12 @@ struct AttentionMask {
     }
     *key_begin = lo(row_begin);
     *key_end = hi(last);
+    if (segments.enabled()) {
+      int b, e;
+      segments.key_range(row_begin, last + 1, &b, &e);
+      *key_begin = imax(*key_begin, b);
+      *key_end = imin(*key_end, e);
+    }
   }
 
   // Rows that can see some key of [key_begin, key_end): [*row_begin, *row_end).
@@ -101,6 +161,12 @@ struct AttentionMask {
     }
     *row_begin = imax(imax(causal.first_row(key_begin), window.first_row(key_begin)), 0);
     *row_end = imin(imin(causal.last_row(key_end), window.last_row(key_end)), length.last_row(key_end));
+    if (segments.enabled()) {
+      int b, e;
+      segments.row_range(key_begin, imin(key_end, length.kv_len), &b, &e);
+      *row_begin = imax(*row_begin, b);
+      *row_end = imin(*row_end, e);
+    }
   }
 
   // True when every (row, key) of the tile with row < row_limit is visible, so the kernel may skip per-element
@@ -108,7 +174,8 @@ struct AttentionMask {
   JF_HD bool tile_fully_visible(int row_begin, int row_end, int key_begin, int key_end, int row_limit) const {
     const int last = imin(row_end, row_limit) - 1;
     if (last >= length.q_len) return false;
-    return lo(last) <= key_begin && hi(row_begin) >= key_end;
+    return lo(last) <= key_begin && hi(row_begin) >= key_end &&
+           (!segments.enabled() || segments.uniform(row_begin, last + 1, key_begin, key_end));
   }
 
   // Key blocks of block_n keys, among blocks [n_begin, n_end), that every row of [row_begin, row_end) below
@@ -118,7 +185,7 @@ struct AttentionMask {
   JF_HD void unmasked_blocks(int row_begin, int row_end, int row_limit, int block_n, int n_begin, int n_end,
                              int* full_begin, int* full_end) const {
     const int last = imin(row_end, row_limit) - 1;
-    if (last < row_begin || last >= length.q_len) {
+    if (last < row_begin || last >= length.q_len || segments.enabled()) {  // segments: tile_fully_visible per tile
       *full_begin = *full_end = n_end;
       return;
     }
@@ -141,7 +208,16 @@ JF_HD AttentionMask mask_for_batch(const FlashParams& p, int b) {
   // shift + right >= kv_len - 1.
   const int left = p.window_left >= 0 && q_len - 1 + shift - p.window_left <= 0 ? -1 : p.window_left;
   const int right = p.window_right >= 0 && shift + p.window_right >= kv_len - 1 ? -1 : p.window_right;
-  return AttentionMask(p.causal, left, right, q_len, kv_len, shift);
+  SegmentPolicy seg;
+  if (p.q_segment_ids != nullptr) {
+    seg.q_chunks = (p.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
+    seg.kv_chunks = (p.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
+    seg.q_ids = p.q_segment_ids + int64_t(b) * p.seqlen_q;
+    seg.kv_ids = p.kv_segment_ids + int64_t(b) * p.seqlen_k;
+    seg.q_meta = p.q_segment_meta + int64_t(b) * seg.q_chunks * 4;
+    seg.kv_meta = p.kv_segment_meta + int64_t(b) * seg.kv_chunks * 4;
+  }
+  return AttentionMask(p.causal, left, right, q_len, kv_len, shift, seg);
 }
 
 }  // namespace jax_flash

@@ -101,14 +101,76 @@ def _kernel_choice():
     return np.int32(KERNELS[kernel])
 
 
-def _attrs(scale, is_causal, window_left, window_right):
+def _attrs(scale, is_causal, window_left, window_right, softcap, has_segments):
     return dict(
         scale=np.float32(scale),
         is_causal=bool(is_causal),
         window_left=np.int64(window_left),
         window_right=np.int64(window_right),
+        softcap=np.float32(0.0 if softcap is None else softcap),
+        has_segments=bool(has_segments),
         kernel=_kernel_choice(),
     )
+
+
+#: Positions per chunk of the segment metadata (kSegmentChunk in cuda/mask.h).
+SEGMENT_CHUNK = 16
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _chunk_id_ranges(ids):
+    """ids int32 [..., S] -> (min, max) int32 [..., ceil(S / 16)] over each chunk of 16 positions."""
+    length = ids.shape[-1]
+    pad = -length % SEGMENT_CHUNK
+    shape = (*ids.shape[:-1], (length + pad) // SEGMENT_CHUNK, SEGMENT_CHUNK)
+    widths = [(0, 0)] * (ids.ndim - 1) + [(0, pad)]
+    lo = jnp.pad(ids, widths, constant_values=_INT32_MAX).reshape(shape)
+    hi = jnp.pad(ids, widths, constant_values=-_INT32_MAX - 1).reshape(shape)
+    return lo.min(-1), hi.max(-1)
+
+
+def segment_metadata(q_segment_ids, kv_segment_ids):
+    """The kernels' per-chunk metadata of segment ids (SegmentPolicy in cuda/mask.h).
+
+    q_segment_ids int32 [..., T], kv_segment_ids int32 [..., S] -> (q_meta [..., ceil(T / 16), 4], kv_meta
+    [..., ceil(S / 16), 4]), int32. For query chunk c (rows [16 c, 16 c + 16)): the smallest and largest id of its
+    rows, then [first, end): the hull of the keys whose 16-key chunks have an id range meeting chunk c's
+    ([INT32_MAX, 0) when none does); kv_meta likewise with the roles swapped. The kernels skip key (query) tiles
+    outside these ranges, so a packed batch costs about its visible area whatever the number of segments, and
+    treat a tile whose ids are all one value as unmasked. Cost: one pass over the (T / 16) x (S / 16) chunk pairs.
+    """
+    q_min, q_max = _chunk_id_ranges(q_segment_ids)
+    k_min, k_max = _chunk_id_ranges(kv_segment_ids)
+    meet = (q_min[..., :, None] <= k_max[..., None, :]) & (k_min[..., None, :] <= q_max[..., :, None])
+
+    def hull(meet, length):  # meet [..., A, B] -> [first, end) positions along B for each A
+        idx = jnp.arange(meet.shape[-1], dtype=jnp.int32)
+        first = jnp.min(jnp.where(meet, idx, _INT32_MAX), axis=-1)
+        last = jnp.max(jnp.where(meet, idx, -1), axis=-1)
+        found = last >= 0
+        return (jnp.where(found, first * SEGMENT_CHUNK, _INT32_MAX).astype(jnp.int32),
+                jnp.where(found, jnp.minimum((last + 1) * SEGMENT_CHUNK, length), 0).astype(jnp.int32))
+
+    key_first, key_end = hull(meet, kv_segment_ids.shape[-1])
+    row_first, row_end = hull(jnp.swapaxes(meet, -1, -2), q_segment_ids.shape[-1])
+    return (jnp.stack([q_min, q_max, key_first, key_end], axis=-1),
+            jnp.stack([k_min, k_max, row_first, row_end], axis=-1))
+
+
+def _placeholder(q, dtype):
+    """A one-element-per-batch-element stand-in for an absent optional operand (never read; zero-size operands
+    crash XLA:CPU inside an eager shard_map)."""
+    return jnp.zeros((*q.shape[:-3], 1), dtype)
+
+
+def _segment_operands(q, k, q_segment_ids, kv_segment_ids):
+    """(q ids, kv ids, q meta, kv meta) for the targets: placeholders when there are none."""
+    if q_segment_ids is None:
+        return (_placeholder(q, jnp.int32),) * 4
+    lead = q.shape[:-3]
+    q_ids = jnp.broadcast_to(q_segment_ids.astype(jnp.int32), (*lead, q.shape[-3]))
+    kv_ids = jnp.broadcast_to(kv_segment_ids.astype(jnp.int32), (*lead, k.shape[-3]))
+    return (q_ids, kv_ids, *segment_metadata(q_ids, kv_ids))
 
 
 def _row_stats_shape(q_shape):
@@ -143,8 +205,8 @@ def _varying_like(outputs, inputs):
     return tuple(cast(x, tuple(sorted(vma - _vma(x)))) if vma - _vma(x) else x for x in outputs)
 
 
-def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, *, scale, is_causal, window_left,
-              window_right):
+def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, q_segment_ids=None, kv_segment_ids=None,
+              sinks=None, *, scale, is_causal, window_left, window_right, softcap=None):
     """Runs the forward target.
 
     Args:
@@ -156,10 +218,14 @@ def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, *, scal
         apply to global positions.
       scale: logit scale. is_causal: top-left aligned causal mask.
       window_left, window_right: local window bounds, -1 for unbounded.
+      q_segment_ids, kv_segment_ids: int32 [..., Sq] and [..., Sk] (both or neither): row i sees key j only if
+        their ids are equal.
+      sinks: float32 [..., Hq] (one logit per batch element and query head; broadcast from [Hq]) or None.
+      softcap: the logit soft cap c > 0 (logits c * tanh(scale * q.k / c)) or None.
 
     Returns:
-      (o, lse): o like q; lse float32 [..., Hq, Sq], the natural-log sum-exp of the scaled logits, +inf for rows
-      that see no key.
+      (o, lse): o like q; lse float32 [..., Hq, Sq], the natural-log sum-exp of the scaled logits (and the sink),
+      +inf for rows that see no key.
     """
     call = jax.ffi.ffi_call(
         FWD_TARGET,
@@ -169,17 +235,24 @@ def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, *, scal
         ),
         vmap_method="broadcast_all",
     )
-    inputs = (q, k, v, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens), _zero_offsets(kv_offsets, kv_lens))
-    return _varying_like(call(*inputs, **_attrs(scale, is_causal, window_left, window_right)), inputs)
+    has_sinks = sinks is not None
+    sinks = (_placeholder(q, jnp.float32) if sinks is None
+             else jnp.broadcast_to(sinks.astype(jnp.float32), (*q.shape[:-3], q.shape[-2])))
+    inputs = (q, k, v, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens), _zero_offsets(kv_offsets, kv_lens),
+              *_segment_operands(q, k, q_segment_ids, kv_segment_ids), sinks)
+    attrs = _attrs(scale, is_causal, window_left, window_right, softcap, q_segment_ids is not None)
+    return _varying_like(call(*inputs, has_sinks=has_sinks, **attrs), inputs)
 
 
-def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=None, *, scale, is_causal,
-              window_left, window_right, deterministic=False):
+def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=None, q_segment_ids=None,
+              kv_segment_ids=None, *, scale, is_causal, window_left, window_right, softcap=None,
+              deterministic=False):
     """Runs the backward target: (dq, dk, dv) like (q, k, v), given the forward's o and lse and the cotangent do.
 
     The attributes and offsets must match the forward call's; o and lse may be those of the whole attention over a
     longer key sequence of which k, v are a part (ring attention: the backward of one part uses the global O and
-    log-sum-exp). ``deterministic``: bitwise-reproducible dQ (the CPU backward
+    log-sum-exp). With sinks, o and lse are the sink-inclusive ones (the sinks need no operand here); segment ids
+    and the soft cap as for flash_fwd. ``deterministic``: bitwise-reproducible dQ (the CPU backward
     always is; on CUDA only the sm_90a backward implements it and the handler refuses the call otherwise).
     """
     call = jax.ffi.ffi_call(
@@ -195,9 +268,9 @@ def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=N
         vmap_method="broadcast_all",
     )
     inputs = (q, k, v, o, lse, do, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens),
-              _zero_offsets(kv_offsets, kv_lens))
+              _zero_offsets(kv_offsets, kv_lens), *_segment_operands(q, k, q_segment_ids, kv_segment_ids))
     dq, dk, dv, *_ = call(*inputs, deterministic=bool(deterministic),
-                          **_attrs(scale, is_causal, window_left, window_right))
+                          **_attrs(scale, is_causal, window_left, window_right, softcap, q_segment_ids is not None))
     dq, dk, dv = _varying_like((dq, dk, dv), inputs)  # each device's own share, then:
     # Inside shard_map with check_vma, k or v may be invariant over manual axes that q or do vary over (K/V
     # replicated over a head or sequence axis): their cotangent is then the sum of every device's share, as JAX's

@@ -47,11 +47,14 @@ class _Config:
     # The kernels' window: -1 for a side no (row, key) pair of the call reaches, so that calls take the unmasked
     # paths and kernel variants (None: as `window`). Only for calls without position offsets.
     kernel_window: tuple[int, int] | None = None
+    softcap: float | None = None  # logit soft cap
+    has_sinks: bool = False  # o and lse include sinks (the xla fallback's backward then works from them)
 
     def attrs(self):
         window = self.kernel_window if self.kernel_window is not None else self.window
         left, right = window if window is not None else (-1, -1)
-        return dict(scale=self.scale, is_causal=self.is_causal, window_left=left, window_right=right)
+        return dict(scale=self.scale, is_causal=self.is_causal, window_left=left, window_right=right,
+                    softcap=self.softcap)
 
 
 def _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets=None):
@@ -87,34 +90,93 @@ def _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets=None):
     return out, lse
 
 
-def _dense_attention(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, *, scale, is_causal, window, softcap):
-    """(o, lse) of a materialised softmax in float32 (jax_flash.reference), differentiated by JAX: the path for
-    segment ids and soft-capping until the kernels take them. lse [B, N, T] float32 as the kernels give it
-    (+inf for rows that see no key and have no sink)."""
+def _dense_logits(cfg, q, k, q_lens, kv_lens, q_seg, kv_seg, q_offsets):
+    """Float32 logits [..., N, T, S] (soft-capped, -inf where masked) and the visibility mask, materialised: the
+    xla fallback of calls with segment ids, sinks or a soft cap. Leading dims: any (q_lens [...])."""
     from jax_flash import reference
 
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    out, lse = reference.attention_with_lse(
-        *f32, scale=scale, is_causal=is_causal, query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
-        local_window_size=window, q_segment_ids=q_seg, kv_segment_ids=kv_seg, sinks=sinks, logits_soft_cap=softcap)
-    return out.astype(q.dtype), jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    group = q.shape[-2] // k.shape[-2]
+    kr = jnp.repeat(k.astype(jnp.float32), group, axis=-2)
+    raw = jnp.einsum("...tnh,...snh->...nts", q.astype(jnp.float32), kr, precision=jax.lax.Precision.HIGHEST)
+    raw = raw * cfg.scale
+    if cfg.softcap is not None:
+        raw = cfg.softcap * jnp.tanh(raw / cfg.softcap)
+    lead = q.shape[:-3]
+    flat = lambda x: None if x is None else x.reshape(-1, *x.shape[len(lead):])  # noqa: E731
+    visible = reference.visible_mask(
+        q.shape[-3], k.shape[-3], is_causal=cfg.is_causal, local_window_size=cfg.window,
+        query_seq_lengths=flat(q_lens), key_value_seq_lengths=flat(kv_lens), q_segment_ids=flat(q_seg),
+        kv_segment_ids=flat(kv_seg), q_offsets=flat(q_offsets))
+    visible = jnp.broadcast_to(visible, (max(visible.shape[0], math.prod(lead)), *visible.shape[1:]))
+    visible = visible.reshape(*lead, *visible.shape[1:])
+    return jnp.where(visible, raw, -jnp.inf), visible
 
 
-def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_offsets=None):
-    """(o, lse) of one device's block: the kernel on its platforms, jax.nn's xla path elsewhere."""
-    kernel = functools.partial(_ffi.flash_fwd, **cfg.attrs())
-    if q_offsets is None:
-        args = (q, k, v, q_lens, kv_lens)
-    else:
-        args = (q, k, v, q_lens, kv_lens, q_offsets)
-    return jax.lax.platform_dependent(
-        *args,
-        default=functools.partial(_xla_attention, cfg),
-        **{platform: kernel for platform in cfg.kernel_platforms})
+def _dense_forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets=None):
+    """(o, lse) as the kernel gives them, from a materialised float32 softmax (sinks [..., N] or None)."""
+    logits, visible = _dense_logits(cfg, q, k, q_lens, kv_lens, q_seg, kv_seg, q_offsets)
+    sees = jnp.any(visible, axis=-1)  # [..., 1, T]
+    row_max = jnp.max(logits, axis=-1)
+    if sinks is not None:
+        row_max = jnp.maximum(row_max, sinks.astype(jnp.float32)[..., None])
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(logits - row_max[..., None])  # 0 where masked
+    denom = jnp.sum(weights, axis=-1)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.astype(jnp.float32)[..., None] - row_max)
+    lse = jnp.where(sees, jnp.log(denom) + row_max, jnp.inf)
+    probs = jnp.where(sees[..., None], weights / denom[..., None], 0.0)
+    group = q.shape[-2] // k.shape[-2]
+    vr = jnp.repeat(v.astype(jnp.float32), group, axis=-2)
+    o = jnp.einsum("...nts,...snh->...tnh", probs, vr, precision=jax.lax.Precision.HIGHEST)
+    return o.astype(q.dtype), lse
 
 
-def _forward(cfg, q, k, v, q_lens, kv_lens):
-    return sharding.forward(cfg, _local_forward, q, k, v, q_lens, kv_lens)
+def _dense_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg, q_offsets=None):
+    """(dq, dk, dv) from o and lse as the kernels compute them (P = exp(logit - lse), dS = P (dP - rowsum(dO O)),
+    through the soft cap's 1 - tanh^2), materialised in float32."""
+    logits, visible = _dense_logits(cfg, q, k, q_lens, kv_lens, q_seg, kv_seg, q_offsets)
+    probs = jnp.where(visible, jnp.exp(logits - jnp.where(lse == jnp.inf, 0.0, lse)[..., None]), 0.0)
+    group = q.shape[-2] // k.shape[-2]
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    hi = jax.lax.Precision.HIGHEST
+    kr, vr = jnp.repeat(f32(k), group, axis=-2), jnp.repeat(f32(v), group, axis=-2)
+    dprobs = jnp.einsum("...tnh,...snh->...nts", f32(do), vr, precision=hi)
+    delta = jnp.swapaxes(jnp.sum(f32(do) * f32(o), axis=-1), -1, -2)[..., None]
+    ds = jnp.where(visible, probs * (dprobs - delta), 0.0)
+    if cfg.softcap is not None:
+        ds = ds * (1 - jnp.square(jnp.where(visible, logits, 0.0) / cfg.softcap))
+    ds = ds * cfg.scale
+    fold = lambda x: x.reshape(*x.shape[:-2], k.shape[-2], group, x.shape[-1]).sum(-2)  # noqa: E731
+    dq = jnp.einsum("...nts,...snh->...tnh", ds, kr, precision=hi)
+    dk = fold(jnp.einsum("...nts,...tnh->...snh", ds, f32(q), precision=hi))
+    dv = fold(jnp.einsum("...nts,...tnh->...snh", probs, f32(do), precision=hi))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _has_options(cfg, q_seg):
+    """Whether the call uses an option jax.nn lacks (its xla fallback is then a materialised softmax)."""
+    return q_seg is not None or cfg.has_sinks or cfg.softcap is not None
+
+
+def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks=None, q_offsets=None):
+    """(o, lse) of one device's block: the kernel on its platforms, elsewhere jax.nn's xla path (or a materialised
+    softmax, for the options jax.nn lacks)."""
+
+    def kernel(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets):
+        return _ffi.flash_fwd(q, k, v, q_lens, kv_lens, q_offsets, None, q_seg, kv_seg, sinks, **cfg.attrs())
+
+    def fallback(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets):
+        if _has_options(cfg, q_seg):
+            return _dense_forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets)
+        return _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets)
+
+    return jax.lax.platform_dependent(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets, default=fallback,
+                                      **{platform: kernel for platform in cfg.kernel_platforms})
+
+
+def _forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks):
+    return sharding.forward(cfg, _local_forward, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)
 
 
 def _xla_attention_vjp(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None):
@@ -123,58 +185,53 @@ def _xla_attention_vjp(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None
     return vjp(do)
 
 
-def _local_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None):
+def _local_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_seg=None, kv_seg=None, q_offsets=None):
     """(dq, dk, dv) of one device's block (dk, dv: the contributions of its query rows)."""
-    kernel = functools.partial(_ffi.flash_bwd, **cfg.attrs(), deterministic=cfg.deterministic)
-    args = (q, k, v, o, lse, do, q_lens, kv_lens) + (() if q_offsets is None else (q_offsets,))
-    return jax.lax.platform_dependent(
-        *args,
-        default=functools.partial(_xla_attention_vjp, cfg),
-        **{platform: kernel for platform in cfg.kernel_platforms})
+
+    def kernel(q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg, q_offsets):
+        return _ffi.flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets, None, q_seg, kv_seg, **cfg.attrs(),
+                              deterministic=cfg.deterministic)
+
+    def fallback(q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg, q_offsets):
+        if _has_options(cfg, q_seg):
+            return _dense_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg, q_offsets)
+        return _xla_attention_vjp(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_offsets)
+
+    return jax.lax.platform_dependent(q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg, q_offsets,
+                                      default=fallback, **{platform: kernel for platform in cfg.kernel_platforms})
 
 
-def _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
-    return sharding.backward(cfg, _local_backward, q, k, v, o, lse, do, q_lens, kv_lens)
-
-
-def _with_sinks(o, lse, sinks):
-    """The keys' (o, lse) -> those of a softmax whose denominator also holds exp(sinks[h]) per head h.
-
-    lse: float32 [..., N, T], +inf (kept) for rows that see no key; o: [..., T, N, H]. The sink has no value:
-    o scales by exp(lse - lse')."""
-    dead = lse == jnp.inf
-    keys = jnp.where(dead, -jnp.inf, lse)
-    new = jnp.logaddexp(keys, sinks.astype(jnp.float32)[:, None])
-    weight = jnp.swapaxes(jnp.exp(keys - new), -1, -2)[..., None]  # [..., T, N, 1]; 0 for dead rows
-    return (o.astype(jnp.float32) * weight).astype(o.dtype), jnp.where(dead, jnp.inf, new)
+def _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg):
+    return sharding.backward(cfg, _local_backward, q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_attention(cfg, q, k, v, q_lens, kv_lens, sinks):
-    """(o, lse) for q [B, T, N, H], k/v [B, S, K, H], int32 lengths [B], float32 sinks [N] or None."""
-    return _flash_attention_fwd(cfg, q, k, v, q_lens, kv_lens, sinks)[0]
+def _flash_attention(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks):
+    """(o, lse) for q [B, T, N, H], k/v [B, S, K, H], int32 lengths [B], int32 segment ids [B, T] and [B, S] or
+    None, float32 sinks [N] or None. With sinks, o and lse are the sink-inclusive ones."""
+    return _flash_attention_fwd(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)[0]
 
 
-def _flash_attention_fwd(cfg, q, k, v, q_lens, kv_lens, sinks):
-    o, lse = _forward(cfg, q, k, v, q_lens, kv_lens)
-    if sinks is not None:
-        o, lse = _with_sinks(o, lse, sinks)
-    return (o, lse), (q, k, v, o, lse, q_lens, kv_lens, sinks)
+def _flash_attention_fwd(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks):
+    # Sinks per (batch, head), so that they shard with q's heads.
+    sinks_bn = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (*q.shape[:-3], q.shape[-2]))
+    o, lse = _forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks_bn)
+    return (o, lse), (q, k, v, o, lse, q_lens, kv_lens, q_seg, kv_seg, sinks)
 
 
 def _flash_attention_bwd(cfg, residuals, cotangents):
-    q, k, v, o, lse, q_lens, kv_lens, sinks = residuals
+    q, k, v, o, lse, q_lens, kv_lens, q_seg, kv_seg, sinks = residuals
     do, _ = cotangents  # lse only leaves through stop_gradient
     # With sinks, o and lse already hold them: the kernels' P = exp(logit - lse) and rowsum(dO * O) are those of
     # the softmax with sinks, so dq, dk, dv come out right.
-    dq, dk, dv = _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens)
+    dq, dk, dv = _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg)
     dsinks = None
     if sinks is not None:
         # d o_i / d s_h = -p_sink(i) o_i, p_sink(i) = exp(s_h - lse_i): d sinks_h = -sum_i p_sink(i) dO_i . O_i.
         delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [..., T, N]
         p_sink = jnp.exp(sinks.astype(jnp.float32)[:, None] - lse)  # [..., N, T]; 0 where lse = +inf
         dsinks = -jnp.einsum("...nt,...tn->n", p_sink, delta).astype(sinks.dtype)
-    return dq, dk, dv, None, None, dsinks
+    return dq, dk, dv, None, None, None, None, dsinks
 
 
 _flash_attention.defvjp(_flash_attention_fwd, _flash_attention_bwd)
@@ -521,16 +578,8 @@ def dot_product_attention(
             q, scale = jnp.zeros_like(q), 1.0
         cfg = _Config(scale=scale, is_causal=bool(is_causal), window=window,
                       kernel_platforms=_kernel_platforms(q.dtype), deterministic=bool(deterministic),
-                      kernel_window=kernel_window)
-        if q_seg is not None or soft_cap is not None:
-            what = " and ".join(n for n, x in (("segment ids", q_seg), ("logits_soft_cap", soft_cap)) if x is not None)
-            _warn_once(f"dense:{what}", f"jax_flash.dot_product_attention: the kernels do not take {what} yet; "
-                                        "running a materialised float32 softmax in plain JAX (O(T * S) memory)",
-                       stacklevel=2)
-            out, lse = _dense_attention(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, scale=scale,
-                                        is_causal=bool(is_causal), window=window, softcap=soft_cap)
-        else:
-            out, lse = _flash_attention(cfg, q, k, v, q_lens, kv_lens, sinks)
+                      kernel_window=kernel_window, softcap=soft_cap, has_sinks=sinks is not None)
+        out, lse = _flash_attention(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)
         if return_residual:
             # The kernels store +inf for rows that see no key (and have no sink); the log of their mass is -inf.
             dead = -jnp.inf if sinks is None else sinks[:, None]  # a row that sees no key: the sink's mass alone

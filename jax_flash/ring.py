@@ -26,7 +26,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_flash import _ffi
-from jax_flash.attention import _check_scale, _check_window, _validate
+from jax_flash.attention import (_check_scale, _check_segment_ids, _check_sinks, _check_soft_cap, _check_window,
+                                 _validate)
 
 __all__ = ["ring_attention", "ring_attention_sharded", "zigzag_order", "zigzag_restore"]
 
@@ -87,10 +88,12 @@ class _RingConfig:
     scale: float
     is_causal: bool
     window: tuple[int, int] | None
+    softcap: float | None = None
 
     def attrs(self):
         left, right = self.window if self.window is not None else (-1, -1)
-        return dict(scale=self.scale, is_causal=self.is_causal, window_left=left, window_right=right)
+        return dict(scale=self.scale, is_causal=self.is_causal, window_left=left, window_right=right,
+                    softcap=self.softcap)
 
 
 def _axis_size(axis_name):
@@ -165,8 +168,9 @@ def _ring_perm(n):
     return [(i, (i + 1) % n) for i in range(n)]
 
 
-def _ring_forward(cfg, q, k, v, q_lens, kv_lens):
-    """(o like q, lse float32 [B, Hq, S_local] with +inf for rows that see no key)."""
+def _ring_forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks):
+    """(o like q, lse float32 [B, Hq, S_local] with +inf for rows that see no key); with sinks (float32 [Hq]) both
+    sink-inclusive. The key/value segment ids travel with K and V."""
     n, m = cfg.ring_size, cfg.chunks
     batch, s_local = q.shape[:2]
     c = s_local // m
@@ -176,6 +180,7 @@ def _ring_forward(cfg, q, k, v, q_lens, kv_lens):
     lens = lambda x: _flat(jnp.broadcast_to(x, (m, m, batch)))
     q_lens_f, kv_lens_f = lens(q_lens), lens(kv_lens)
     q_off = _flat(_offsets(cfg, rank, c, batch, kv=False))
+    q_seg_f = None if q_seg is None else _flat(_fold_q(q_seg, m))
 
     acc_o = jnp.zeros((m, batch, c, *q.shape[2:]), jnp.float32)
     acc_lse = jnp.full((m, batch, q.shape[2], c), -jnp.inf, jnp.float32)
@@ -184,10 +189,12 @@ def _ring_forward(cfg, q, k, v, q_lens, kv_lens):
         if step + 1 < n:
             k_next = jax.lax.ppermute(k, cfg.axis_name, perm)
             v_next = jax.lax.ppermute(v, cfg.axis_name, perm)
+            kv_seg_next = None if kv_seg is None else jax.lax.ppermute(kv_seg, cfg.axis_name, perm)
         source = (rank - step) % n
         kv_off = _flat(_offsets(cfg, source, c, batch, kv=True))
+        kv_seg_f = None if kv_seg is None else _flat(_fold_kv(kv_seg, m))
         o, lse = _ffi.flash_fwd(q_f, _flat(_fold_kv(k, m)), _flat(_fold_kv(v, m)), q_lens_f, kv_lens_f, q_off,
-                                kv_off, **cfg.attrs())
+                                kv_off, q_seg_f, kv_seg_f, **cfg.attrs())
         o, lse = _unflat(o, m).astype(jnp.float32), _unflat(lse, m)  # [qi, kj, B, ...]
         lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
         new = jnp.logaddexp(acc_lse, jax.scipy.special.logsumexp(lse, axis=1))
@@ -197,13 +204,17 @@ def _ring_forward(cfg, q, k, v, q_lens, kv_lens):
                  + jnp.sum(o * to_rows(jnp.exp(lse - safe[:, None])), axis=1))
         acc_lse = new
         if step + 1 < n:
-            k, v = k_next, v_next
+            k, v, kv_seg = k_next, v_next, kv_seg_next
+    if sinks is not None:  # the sink joins each row's denominator; it has no value
+        new = jnp.logaddexp(acc_lse, sinks.astype(jnp.float32)[:, None])
+        acc_o = acc_o * jnp.swapaxes(jnp.exp(acc_lse - new), -1, -2)[..., None]  # 0 for rows that see no key
+        acc_lse = jnp.where(acc_lse == -jnp.inf, -jnp.inf, new)  # those keep +inf below
     o = _unfold_rows(acc_o).astype(q.dtype)
     lse = _unfold_stats(jnp.where(acc_lse == -jnp.inf, jnp.inf, acc_lse))
     return o, lse
 
 
-def _ring_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
+def _ring_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg):
     n, m = cfg.ring_size, cfg.chunks
     batch, s_local = q.shape[:2]
     c = s_local // m
@@ -212,12 +223,13 @@ def _ring_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
     # The backward sends K/V around again rather than keeping the forward's n received blocks alive until here:
     # the barrier keeps XLA from merging these transfers with the forward's identical ones (CSE) when both are in
     # one program.
-    k, v = jax.lax.optimization_barrier((k, v))
+    k, v, kv_seg = jax.lax.optimization_barrier((k, v, kv_seg))
     q_f, o_f, do_f = (_flat(_fold_q(x, m)) for x in (q, o, do))
     lse_f = _flat(_fold_stats(lse, m))
     lens = lambda x: _flat(jnp.broadcast_to(x, (m, m, batch)))
     q_lens_f, kv_lens_f = lens(q_lens), lens(kv_lens)
     q_off = _flat(_offsets(cfg, rank, c, batch, kv=False))
+    q_seg_f = None if q_seg is None else _flat(_fold_q(q_seg, m))
 
     dq = jnp.zeros(q.shape, jnp.float32)
     dk = jnp.zeros(k.shape, jnp.float32)  # travels with its block
@@ -226,10 +238,12 @@ def _ring_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
         if step + 1 < n:
             k_next = jax.lax.ppermute(k, cfg.axis_name, perm)
             v_next = jax.lax.ppermute(v, cfg.axis_name, perm)
+            kv_seg_next = None if kv_seg is None else jax.lax.ppermute(kv_seg, cfg.axis_name, perm)
         source = (rank - step) % n
         kv_off = _flat(_offsets(cfg, source, c, batch, kv=True))
+        kv_seg_f = None if kv_seg is None else _flat(_fold_kv(kv_seg, m))
         dq_f, dk_f, dv_f = _ffi.flash_bwd(q_f, _flat(_fold_kv(k, m)), _flat(_fold_kv(v, m)), o_f, lse_f, do_f,
-                                          q_lens_f, kv_lens_f, q_off, kv_off, **cfg.attrs())
+                                          q_lens_f, kv_lens_f, q_off, kv_off, q_seg_f, kv_seg_f, **cfg.attrs())
         # dQ: sum over key chunks -> [qi, B, c, ...]; dK/dV: sum over query chunks -> [kj, B, c, ...].
         dq = dq + _unfold_rows(jnp.sum(_unflat(dq_f, m).astype(jnp.float32), axis=1))
         dk = dk + _unfold_rows(jnp.sum(_unflat(dk_f, m).astype(jnp.float32), axis=0))
@@ -237,36 +251,49 @@ def _ring_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens):
         if step + 1 < n:
             # The dK/dV sends below wait for the next block's arrival: otherwise XLA's collective-permute combiner
             # may merge them with the next block's K/V transfer, which then cannot start before this kernel ends.
-            dk, dv, k_next, v_next = jax.lax.optimization_barrier((dk, dv, k_next, v_next))
+            dk, dv, k_next, v_next, kv_seg_next = jax.lax.optimization_barrier((dk, dv, k_next, v_next,
+                                                                                kv_seg_next))
         # The block's gradients move on with it; after the last step this send brings them home.
         dk = jax.lax.ppermute(dk, cfg.axis_name, perm)
         dv = jax.lax.ppermute(dv, cfg.axis_name, perm)
         if step + 1 < n:
-            k, v = k_next, v_next
+            k, v, kv_seg = k_next, v_next, kv_seg_next
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg, q, k, v, q_lens, kv_lens):
-    return _ring_forward(cfg, q, k, v, q_lens, kv_lens)[0]
+def _ring(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks):
+    return _ring_forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)[0]
 
 
-def _ring_fwd(cfg, q, k, v, q_lens, kv_lens):
-    o, lse = _ring_forward(cfg, q, k, v, q_lens, kv_lens)
-    return o, (q, k, v, o, lse, q_lens, kv_lens)
+def _ring_fwd(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks):
+    o, lse = _ring_forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)
+    return o, (q, k, v, o, lse, q_lens, kv_lens, q_seg, kv_seg, sinks)
 
 
 def _ring_bwd(cfg, residuals, do):
-    q, k, v, o, lse, q_lens, kv_lens = residuals
-    dq, dk, dv = _ring_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens)
-    return dq, dk, dv, None, None
+    q, k, v, o, lse, q_lens, kv_lens, q_seg, kv_seg, sinks = residuals
+    # With sinks, o and lse hold them: the kernels' P = exp(logit - lse) and rowsum(dO * O) are right as they are.
+    dq, dk, dv = _ring_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg)
+    dsinks = None
+    if sinks is not None:
+        # This shard's rows' share of the gradient.
+        delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, S_local, N]
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[:, None] - lse)  # [B, N, S_local]; 0 where lse = +inf
+        dsinks = -jnp.einsum("bnt,btn->n", p_sink, delta).astype(sinks.dtype)
+        # Under shard_map's type checks the sinks are invariant over axes the shares vary over: sum them there.
+        extra = _ffi._vma(dsinks) - _ffi._vma(sinks)
+        if extra:
+            dsinks = jax.lax.psum(dsinks, tuple(sorted(extra)))
+    return dq, dk, dv, None, None, None, None, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(query, key, value, *, axis_name, layout="contiguous", is_causal=False, scale=None,
-                   local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None):
+                   local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
+                   kv_segment_ids=None, sinks=None, logits_soft_cap=None):
     """Context-parallel (ring) flash attention; call inside ``jax.shard_map`` with the sequence sharded on
     ``axis_name``.
 
@@ -280,6 +307,11 @@ def ring_attention(query, key, value, *, axis_name, layout="contiguous", is_caus
       is_causal, scale, local_window_size: as ``jax_flash.dot_product_attention``, at global positions.
       query_seq_lengths, key_value_seq_lengths: optional int32 [B] global lengths (positions >= length are padding,
         in global sequence order, whatever the layout).
+      q_segment_ids, kv_segment_ids: optional int32 [B, S/n] (or [S/n]): the local parts of the segment ids, in the
+        layout's order like the arrays (kv_segment_ids defaults to q_segment_ids); the key/value ids travel around
+        the ring with their block.
+      sinks: optional float32 [Hq] (replicated over the ring axis; its gradient is the sum of the shards' shares).
+      logits_soft_cap: optional static float c > 0. All three as ``jax_flash.dot_product_attention``.
 
     Returns:
       the local part of the output, like query.
@@ -292,6 +324,9 @@ def ring_attention(query, key, value, *, axis_name, layout="contiguous", is_caus
         raise TypeError(f"query, key and value must be bfloat16, float16 or float32, got {q.dtype}")
     scale = _check_scale(scale)
     window = _check_window(local_window_size)
+    q_seg, kv_seg = _check_segment_ids(q_segment_ids, kv_segment_ids, q, k)
+    sinks = _check_sinks(sinks, q.shape[-2])
+    soft_cap = _check_soft_cap(logits_soft_cap)
     try:
         n = _axis_size(axis_name)
     except NameError as e:
@@ -300,6 +335,7 @@ def ring_attention(query, key, value, *, axis_name, layout="contiguous", is_caus
     rank3 = q.ndim == 3
     if rank3:
         q, k, v = q[None], k[None], v[None]
+        q_seg, kv_seg = (None if x is None else x[None] for x in (q_seg, kv_seg))
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"ring_attention: query and key/value must hold the same local sequence length, got "
                          f"{q.shape[1]} and {k.shape[1]}")
@@ -321,8 +357,8 @@ def ring_attention(query, key, value, *, axis_name, layout="contiguous", is_caus
     elif scale == 0:
         q, scale = jnp.zeros_like(q), 1.0
     cfg = _RingConfig(axis_name=axis_name, ring_size=n, chunks=chunks, scale=scale, is_causal=bool(is_causal),
-                      window=window)
-    out = _ring(cfg, q, k, v, q_lens, kv_lens)
+                      window=window, softcap=soft_cap)
+    out = _ring(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)
     return out[0] if rank3 else out
 
 
@@ -352,15 +388,17 @@ def _axes_size(mesh, axes):
 
 
 def ring_attention_sharded(query, key, value, *, mesh, seq_axis, batch_axis=None, head_axis=None,
-                           layout="contiguous", query_seq_lengths=None, key_value_seq_lengths=None, **kwargs):
+                           layout="contiguous", query_seq_lengths=None, key_value_seq_lengths=None,
+                           q_segment_ids=None, kv_segment_ids=None, sinks=None, **kwargs):
     """``ring_attention`` over whole (global) [B, S, H, D] arrays: builds the ``shard_map`` for you.
 
     The sequence is sharded over ``seq_axis`` (the ring), the batch over ``batch_axis`` and the heads (query and
     key/value heads together) over ``head_axis`` (each None, a mesh axis name or a tuple of names). The arrays are
     taken in the layout's order: for ``layout="zigzag"`` pass ``zigzag_order(x, n)`` (n the size of ``seq_axis``),
     and the output comes back in that order (``zigzag_restore`` undoes it). Lengths are global, int32 [B], in
-    sequence order. Other keyword arguments (``is_causal``, ``scale``, ``local_window_size``) go to
-    ``ring_attention``. Works under ``jit`` and ``grad``.
+    sequence order. Segment ids (int32 [B, S], in the arrays' order) are sharded like the sequence, sinks
+    (float32 [Hq]) like the heads. Other keyword arguments (``is_causal``, ``scale``, ``local_window_size``,
+    ``logits_soft_cap``) go to ``ring_attention``. Works under ``jit`` and ``grad``.
     """
     q, k, v = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -394,13 +432,26 @@ def ring_attention_sharded(query, key, value, *, mesh, seq_axis, batch_axis=None
             raise ValueError(f"{name} must be an int32 array of shape (batch,) = ({batch},), got shape {x.shape} "
                              f"and dtype {x.dtype}")
 
-    def body(q, k, v, q_lens, kv_lens):
-        return ring_attention(q, k, v, axis_name=seq_axis, layout=layout, query_seq_lengths=q_lens,
-                              key_value_seq_lengths=kv_lens, **kwargs)
+    if kv_segment_ids is None:
+        kv_segment_ids = q_segment_ids
+    options = {name: (jnp.asarray(x), s) for name, x, s in (
+        ("q_segment_ids", q_segment_ids, P(batch_axis, seq_axis)),
+        ("kv_segment_ids", kv_segment_ids, P(batch_axis, seq_axis)),
+        ("sinks", sinks, P(head_axis))) if x is not None}
+    for name in ("q_segment_ids", "kv_segment_ids"):
+        if name in options and options[name][0].shape != (batch, q.shape[1]):
+            raise ValueError(f"{name} must have shape (batch, seq) = ({batch}, {q.shape[1]}), got "
+                             f"{options[name][0].shape}")
+    names = tuple(options)
 
-    f = _shard_map(body, mesh, (spec, spec, spec, lens_spec, lens_spec), spec)
+    def body(q, k, v, q_lens, kv_lens, *opts):
+        return ring_attention(q, k, v, axis_name=seq_axis, layout=layout, query_seq_lengths=q_lens,
+                              key_value_seq_lengths=kv_lens, **dict(zip(names, opts)), **kwargs)
+
+    f = _shard_map(body, mesh, (spec, spec, spec, lens_spec, lens_spec, *(options[n][1] for n in names)), spec)
     q, k, v = (_place(x, mesh, spec) for x in (q, k, v))
-    return f(q, k, v, *(_place(x, mesh, lens_spec) for x in lens))
+    return f(q, k, v, *(_place(x, mesh, lens_spec) for x in lens),
+             *(_place(options[n][0], mesh, options[n][1]) for n in names))
 
 
 def _place(x, mesh, spec):

@@ -1,7 +1,9 @@
 """How a jax_flash kernel call partitions over sharded arrays (used by jax_flash.attention's custom_vjp rules).
 
 Arrays: q [..., T, N, H], k and v [..., S, K, H], lengths int32 [...] (``...``: the batch dims, vmapped dims first),
-o like q, lse float32 [..., N, T]. Every device computes the attention of its own block:
+o like q, lse float32 [..., N, T], and the optional ones: segment ids int32 [..., T] and [..., S] (they shard as
+q's and k's rows) and sinks float32 [..., N] (as q's heads); None for an option a call does not use. Every device
+computes the attention of its own block:
 
 * batch dims and the head dim may be sharded: q's heads and k/v's heads go together (shard r of the head axis
   holds query heads [r N/s, (r+1) N/s) and kv heads [r K/s, (r+1) K/s)); with one kv head (K = 1) K and V are
@@ -69,8 +71,8 @@ def _divisible(mesh, spec, shape):
 
 
 def _plan(mesh, q_spec, q_shape, num_kv_heads):
-    """The specs of one call, given q's spec: (q, kv, lens, lse) PartitionSpecs, q's sequence axes, and the axes
-    the backward sums dK and dV over."""
+    """The specs of one call, given q's spec: a dict {role: PartitionSpec} over the roles of _FWD_ROLES and
+    _BWD_ROLES, q's sequence axes, and the axes the backward sums dK and dV over."""
     q_spec = _divisible(mesh, _padded(q_spec, len(q_shape)), q_shape)
     num_q_heads = q_shape[-2]
     lead, seq, heads = q_spec[:-3], _axes(q_spec[-3]), _axes(q_spec[-2])
@@ -85,14 +87,39 @@ def _plan(mesh, q_spec, q_shape, num_kv_heads):
                 f"heads over an axis whose size divides {num_kv_heads}, or use one key/value head (replicated)")
     elif num_kv_heads == 1:
         kv_heads = ()
-    q_out = P(*lead, _entry(seq), _entry(heads), None)
-    kv = P(*lead, None, _entry(kv_heads), None)
-    lens = P(*lead)
-    lse = P(*lead, _entry(heads), _entry(seq))
+    specs = {
+        "q": P(*lead, _entry(seq), _entry(heads), None),
+        "kv": P(*lead, None, _entry(kv_heads), None),
+        "lens": P(*lead),
+        "lse": P(*lead, _entry(heads), _entry(seq)),
+        "q_rows": P(*lead, _entry(seq)),  # q's segment ids
+        "kv_rows": P(*lead, None),  # k's segment ids
+        "q_heads": P(*lead, _entry(heads)),  # sinks
+    }
     # dK, dV: each device holds the share of its query rows (sequence axes) and of its query heads (head axes that
     # K, V are replicated over); summed over those axes.
     reduce = seq + (heads if heads and not kv_heads else ())
-    return q_out, kv, lens, lse, seq, reduce
+    return specs, seq, reduce
+
+
+# The roles of a call's arrays, in argument order (the optional ones last, dropped when None), and of its results.
+_FWD_ROLES = ("q", "kv", "kv", "lens", "lens", "q_rows", "kv_rows", "q_heads")
+_FWD_RESULTS = ("q", "lse")
+_BWD_ROLES = ("q", "kv", "kv", "q", "lse", "q", "lens", "lens", "q_rows", "kv_rows")
+_BWD_RESULTS = ("q", "kv", "kv")
+
+
+def _present(args, roles):
+    """The non-None args, their roles, and a function that puts such arrays back in place of the Nones."""
+    where = tuple(i for i, x in enumerate(args) if x is not None)
+
+    def rebuild(present):
+        full = [None] * len(args)
+        for i, x in zip(where, present):
+            full[i] = x
+        return full
+
+    return [args[i] for i in where], tuple(roles[i] for i in where), where, rebuild
 
 
 def _q_offsets(seq_axes, local_len, lens):
@@ -148,24 +175,46 @@ def _path(q, k, v):
     return "auto", None
 
 
-def forward(cfg, local_forward, q, k, v, q_lens, kv_lens):
-    """(o, lse) of the whole attention, partitioned as q is sharded."""
+def forward(cfg, local_forward, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks=None):
+    """(o, lse) of the whole attention, partitioned as q is sharded. ``local_forward(cfg, q, k, v, q_lens, kv_lens,
+    q_seg, kv_seg, sinks, q_offsets=None)`` runs one device's block."""
+    args = (q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)
     path, mesh = _path(q, k, v)
     if path == "local":
-        return local_forward(cfg, q, k, v, q_lens, kv_lens)
+        return local_forward(cfg, *args)
     if path == "explicit":
-        return _explicit_forward(cfg, local_forward, mesh, q, k, v, q_lens, kv_lens)
-    return _auto_op(cfg, local_forward, "fwd")(q, k, v, q_lens, kv_lens)
+        return _explicit_call(cfg, local_forward, "fwd", mesh, args)
+    present, _, where, _ = _present(args, _FWD_ROLES)
+    return _auto_op(cfg, local_forward, "fwd", where)(*present)
 
 
-def backward(cfg, local_backward, q, k, v, o, lse, do, q_lens, kv_lens):
-    """(dq, dk, dv), partitioned as q is sharded."""
+def backward(cfg, local_backward, q, k, v, o, lse, do, q_lens, kv_lens, q_seg=None, kv_seg=None):
+    """(dq, dk, dv), partitioned as q is sharded. ``local_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens,
+    q_seg, kv_seg, q_offsets=None)`` runs one device's block."""
+    args = (q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg)
     path, mesh = _path(q, k, v)
     if path == "local":
-        return local_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens)
+        return local_backward(cfg, *args)
     if path == "explicit":
-        return _explicit_backward(cfg, local_backward, mesh, q, k, v, o, lse, do, q_lens, kv_lens)
-    return _auto_op(cfg, local_backward, "bwd")(q, k, v, o, lse, do, q_lens, kv_lens)
+        return _explicit_call(cfg, local_backward, "bwd", mesh, args)
+    present, _, where, _ = _present(args, _BWD_ROLES)
+    return _auto_op(cfg, local_backward, "bwd", where)(*present)
+
+
+def _local_body(cfg, local_fn, kind, seq, reduce, local_len, rebuild):
+    """One device's call on the present arrays: the local function with its rows' global offset (and, backward,
+    dK and dV summed over the axes that hold shares of them)."""
+
+    def body(*present):
+        args = rebuild(present)
+        out = local_fn(cfg, *args, q_offsets=_q_offsets(seq, local_len, args[3 if kind == "fwd" else 6]))
+        if kind == "bwd" and reduce:  # each device holds its rows' and heads' share of dK, dV
+            dq, dk, dv = out
+            dk, dv = jax.lax.psum((dk, dv), reduce)
+            out = (dq, dk, dv)
+        return out
+
+    return body
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,56 +225,30 @@ def _reshard(x, mesh, spec):
     return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
-def _explicit_specs(mesh, q, k):
+def _explicit_call(cfg, local_fn, kind, mesh, args):
+    """The call under shard_map: every array resharded to what its role needs, results back to the inputs'
+    shardings (a head_dim sharding, gathered for the kernel, comes back)."""
+    q, k = args[0], args[1]
     spec = _explicit_spec(q)
-    q_spec = spec[1] if spec is not None else (None,) * q.ndim
-    return _plan(mesh, q_spec, q.shape, k.shape[-2])
-
-
-def _explicit_forward(cfg, local_forward, mesh, q, k, v, q_lens, kv_lens):
-    q_spec, kv_spec, lens_spec, lse_spec, seq, reduce = _explicit_specs(mesh, q, k)
+    specs, seq, reduce = _plan(mesh, spec[1] if spec is not None else (None,) * q.ndim, q.shape, k.shape[-2])
     local_len = q.shape[-3] // _axis_size(mesh, seq)
-
-    def body(q, k, v, q_lens, kv_lens):
-        return local_forward(cfg, q, k, v, q_lens, kv_lens, _q_offsets(seq, local_len, q_lens))
-
-    q_sharding = jax.typeof(q).sharding
-    q = _reshard(q, mesh, q_spec)
-    k, v = _reshard(k, mesh, kv_spec), _reshard(v, mesh, kv_spec)
-    q_lens, kv_lens = _reshard(q_lens, mesh, lens_spec), _reshard(kv_lens, mesh, lens_spec)
-    o, lse = _shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, lens_spec, lens_spec),
-                        out_specs=(q_spec, lse_spec), check_vma=False)(q, k, v, q_lens, kv_lens)
-    return jax.sharding.reshard(o, q_sharding), lse  # (a head_dim sharding, gathered for the kernel, comes back)
-
-
-def _explicit_backward(cfg, local_backward, mesh, q, k, v, o, lse, do, q_lens, kv_lens):
-    q_sharding, k_sharding, v_sharding = jax.typeof(q).sharding, jax.typeof(k).sharding, jax.typeof(v).sharding
-    q_spec, kv_spec, lens_spec, lse_spec, seq, reduce = _explicit_specs(mesh, q, k)
-    local_len = q.shape[-3] // _axis_size(mesh, seq)
-
-    def body(q, k, v, o, lse, do, q_lens, kv_lens):
-        dq, dk, dv = local_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, _q_offsets(seq, local_len, q_lens))
-        if reduce:  # each device holds its rows' and heads' share of dK, dV
-            dk, dv = jax.lax.psum((dk, dv), reduce)
-        return dq, dk, dv
-
-    q, o, do = (_reshard(x, mesh, q_spec) for x in (q, o, do))
-    k, v = _reshard(k, mesh, kv_spec), _reshard(v, mesh, kv_spec)
-    lse = _reshard(lse, mesh, lse_spec)
-    q_lens, kv_lens = _reshard(q_lens, mesh, lens_spec), _reshard(kv_lens, mesh, lens_spec)
-    dq, dk, dv = _shard_map(
-        body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec, lens_spec, lens_spec),
-        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(q, k, v, o, lse, do, q_lens, kv_lens)
-    return (jax.sharding.reshard(dq, q_sharding), jax.sharding.reshard(dk, k_sharding),
-            jax.sharding.reshard(dv, v_sharding))
+    present, roles, _, rebuild = _present(args, _FWD_ROLES if kind == "fwd" else _BWD_ROLES)
+    results = _FWD_RESULTS if kind == "fwd" else _BWD_RESULTS
+    shardings = [jax.typeof(x).sharding for x in (args[:1] if kind == "fwd" else args[:3])]
+    present = [_reshard(x, mesh, specs[r]) for x, r in zip(present, roles)]
+    out = _shard_map(_local_body(cfg, local_fn, kind, seq, reduce, local_len, rebuild), mesh=mesh,
+                     in_specs=tuple(specs[r] for r in roles), out_specs=tuple(specs[r] for r in results),
+                     check_vma=False)(*present)
+    back = [jax.sharding.reshard(x, sh) for x, sh in zip(out, shardings)]
+    return tuple(back) + tuple(out[len(back):])
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Auto axes: custom_partitioning with a Shardy rule, under a custom_vmap
 
 
-def _rule(nlead, num_q_heads, num_kv_heads, kind):
-    """Shardy rule string and factor kwargs."""
+def _rule(nlead, num_q_heads, num_kv_heads, kind, roles):
+    """Shardy rule string and factor kwargs for arrays of the given roles."""
     lead = " ".join(f"b{i}" for i in range(nlead))
     group = num_q_heads // num_kv_heads
     if num_kv_heads == 1:
@@ -234,12 +257,10 @@ def _rule(nlead, num_q_heads, num_kv_heads, kind):
         qh, kh, extra = "h", "h", {}
     else:
         qh, kh, extra = "(h g)", "h", {"g": group}
-    q, kv, lens = f"{lead} t {qh} d", f"{lead} s {kh} d", lead
-    lse = f"{lead} {qh} t"
-    if kind == "fwd":
-        rule = f"{q}, {kv}, {kv}, {lens}, {lens} -> {q}, {lse}"
-    else:
-        rule = f"{q}, {kv}, {kv}, {q}, {lse}, {q}, {lens}, {lens} -> {q}, {kv}, {kv}"
+    dims = {"q": f"{lead} t {qh} d", "kv": f"{lead} s {kh} d", "lens": lead, "lse": f"{lead} {qh} t",
+            "q_rows": f"{lead} t", "kv_rows": f"{lead} s", "q_heads": f"{lead} {qh}"}
+    results = _FWD_RESULTS if kind == "fwd" else _BWD_RESULTS
+    rule = ", ".join(dims[r] for r in roles) + " -> " + ", ".join(dims[r] for r in results)
     return rule, dict(need_replication_factors=("d", "s"), **extra)
 
 
@@ -249,63 +270,52 @@ def _named_spec(sharding, ndim):
 
 
 @functools.cache
-def _partitioned(cfg, local_fn, kind, nlead, num_q_heads, num_kv_heads):
-    """The custom_partitioning op of one call signature."""
+def _partitioned(cfg, local_fn, kind, where, nlead, num_q_heads, num_kv_heads):
+    """The custom_partitioning op of one call signature (``where``: the positions of the arrays present)."""
+    all_roles = _FWD_ROLES if kind == "fwd" else _BWD_ROLES
+    roles = tuple(all_roles[i] for i in where)
+    results = _FWD_RESULTS if kind == "fwd" else _BWD_RESULTS
+
+    def rebuild(present):
+        full = [None] * len(all_roles)
+        for i, x in zip(where, present):
+            full[i] = x
+        return full
+
     # Under jit: custom_partitioning refuses a body with constants at its top level (the xla fallback has some).
-    if kind == "fwd":
-        @jax.jit
-        def fn(q, k, v, q_lens, kv_lens):
-            return local_fn(cfg, q, k, v, q_lens, kv_lens)
-    else:
-        @jax.jit
-        def fn(q, k, v, o, lse, do, q_lens, kv_lens):
-            return local_fn(cfg, q, k, v, o, lse, do, q_lens, kv_lens)
+    @jax.jit
+    def fn(*present):
+        return local_fn(cfg, *rebuild(present))
+
     op = custom_partitioning(fn)
 
     def partition(mesh, arg_shapes, result_shape):
         q_shape = arg_shapes[0]
-        q_spec, kv_spec, lens_spec, lse_spec, seq, reduce = _plan(
-            mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), q_shape.shape, num_kv_heads)
+        specs, seq, reduce = _plan(mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), q_shape.shape,
+                                   num_kv_heads)
         local_len = q_shape.shape[-3] // _axis_size(mesh, seq)
         ns = functools.partial(NamedSharding, mesh)
-        if kind == "fwd":
-            def lower(q, k, v, q_lens, kv_lens):
-                return local_fn(cfg, q, k, v, q_lens, kv_lens, _q_offsets(seq, local_len, q_lens))
-            args = (ns(q_spec), ns(kv_spec), ns(kv_spec), ns(lens_spec), ns(lens_spec))
-            results = (ns(q_spec), ns(lse_spec))
-        else:
-            def lower(q, k, v, o, lse, do, q_lens, kv_lens):
-                dq, dk, dv = local_fn(cfg, q, k, v, o, lse, do, q_lens, kv_lens,
-                                      _q_offsets(seq, local_len, q_lens))
-                if reduce:
-                    dk, dv = jax.lax.psum((dk, dv), reduce)
-                return dq, dk, dv
-            args = (ns(q_spec), ns(kv_spec), ns(kv_spec), ns(q_spec), ns(lse_spec), ns(q_spec), ns(lens_spec),
-                    ns(lens_spec))
-            results = (ns(q_spec), ns(kv_spec), ns(kv_spec))
-        return mesh, lower, results, args
+        lower = _local_body(cfg, local_fn, kind, seq, reduce, local_len, rebuild)
+        return mesh, lower, tuple(ns(specs[r]) for r in results), tuple(ns(specs[r]) for r in roles)
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD (the non-Shardy partitioner)
         q_shape = arg_shapes[0]
-        q_spec, kv_spec, _, lse_spec, _, _ = _plan(
-            mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), q_shape.shape, num_kv_heads)
-        if kind == "fwd":
-            return (NamedSharding(mesh, q_spec), NamedSharding(mesh, lse_spec))
-        return (NamedSharding(mesh, q_spec), NamedSharding(mesh, kv_spec), NamedSharding(mesh, kv_spec))
+        specs, _, _ = _plan(mesh, _named_spec(q_shape.sharding, len(q_shape.shape)), q_shape.shape, num_kv_heads)
+        return tuple(NamedSharding(mesh, specs[r]) for r in results)
 
-    rule, factors = _rule(nlead, num_q_heads, num_kv_heads, kind)
+    rule, factors = _rule(nlead, num_q_heads, num_kv_heads, kind, roles)
     op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule, **factors)
     return op
 
 
 @functools.cache
-def _auto_op(cfg, local_fn, kind):
+def _auto_op(cfg, local_fn, kind, where):
     """custom_vmap(custom_partitioning op): a vmapped axis becomes one more leading batch dim."""
 
     @jax.custom_batching.custom_vmap
     def op(*args):
         q, k = args[0], args[1]
-        return _partitioned(cfg, local_fn, kind, q.ndim - 3, q.shape[-2], k.shape[-2])(*args)
+        return _partitioned(cfg, local_fn, kind, where, q.ndim - 3, q.shape[-2], k.shape[-2])(*args)
 
     @op.def_vmap
     def _vmap(axis_size, in_batched, *args):

@@ -359,6 +359,49 @@ def check_unplaced_inputs():
         np.testing.assert_allclose(np.asarray(f(q, k, v), np.float32), ref, atol=tol, rtol=tol)
 
 
+def check_options(layout, explicit):
+    """Packed segment ids (in the layout's order), sinks and a soft cap through the ring, causal: output and every
+    gradient (the sinks' included) against the unsharded dot_product_attention with the same options (float32)
+    or the float64 reference (16 bits)."""
+    mesh = _mesh()
+    q, k, v, do = _inputs(11)
+    rng = np.random.default_rng(5)
+    ids = jnp.asarray(np.stack([np.searchsorted(np.sort(rng.choice(np.arange(1, S), 3, replace=False)), np.arange(S),
+                                                side="right") for _ in range(B)]), jnp.int32)
+    sinks = jnp.asarray(rng.standard_normal(HQ), jnp.float32)
+    kw = dict(is_causal=True, logits_soft_cap=3.0)
+
+    def ref_loss(q, k, v, s):
+        o = jax_flash.dot_product_attention(q, k, v, q_segment_ids=ids, sinks=s, **kw)
+        return jnp.sum((o * do).astype(jnp.float32)), o
+    (_, ref_o), ref_grads = jax.value_and_grad(ref_loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+    visible = visible_mask(S, S, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    ref64 = numpy_attention_fwd_bwd(q, k, v, do, visible, sinks=sinks, logits_soft_cap=3.0)
+    order = (lambda x: jax_flash.zigzag_order(x, CP)) if layout == "zigzag" else (lambda x: x)
+    restore = (lambda x: jax_flash.zigzag_restore(x, CP)) if layout == "zigzag" else (lambda x: x)
+
+    if explicit:
+        def body(q, k, v, ids, s):
+            return jax_flash.ring_attention(q, k, v, axis_name="cp", layout=layout, q_segment_ids=ids, sinks=s, **kw)
+        ring = _shard_map(body, mesh, (P("dp", "cp"),) * 4 + (P(),), P("dp", "cp"))
+    else:
+        def ring(q, k, v, ids, s):
+            return jax_flash.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="cp", batch_axis="dp",
+                                                    layout=layout, q_segment_ids=ids, sinks=s, **kw)
+
+    def loss(q, k, v, s):
+        o = ring(q, k, v, order(ids), s)
+        return jnp.sum((o * order(do)).astype(jnp.float32)), o
+
+    sharding = NamedSharding(mesh, P("dp", "cp"))
+    args = [jax.device_put(order(x), sharding) for x in (q, k, v)]
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args, sinks)
+    _close_to_reference("o", restore(o), ref64[0], ref_o)
+    for name, g, r, r64 in zip(("dq", "dk", "dv"), grads, ref_grads, ref64[1:4]):
+        _close_to_reference(name, restore(g), r64, r)
+    _close_to_reference("dsinks", grads[3], ref64[4], ref_grads[3])
+
+
 def all_cases():
     cases = {}
     for layout in ("contiguous", "zigzag"):
@@ -366,6 +409,7 @@ def all_cases():
             cases[f"{layout}-{mask}"] = (check_ring, layout, mask, mask in ("causal", "window", "padded"))
         cases[f"hlo-{layout}"] = (check_hlo, layout)
         cases[f"overlap-{layout}"] = (check_overlap, layout)
+        cases[f"options-{layout}"] = (check_options, layout, layout == "zigzag")
     cases["head_sharded"] = (check_head_sharded,)
     cases["errors"] = (check_errors,)
     cases["zigzag_helpers"] = (check_zigzag_helpers,)

@@ -364,7 +364,7 @@ def test_xla_fallback_branch(dtype, small_inputs):
                   key_value_seq_lengths=lens[1], implementation="xla")
 
     def ours(q, k, v):
-        return attention_module._flash_attention(cfg, q, k, v, *lens, None)[0]
+        return attention_module._flash_attention(cfg, q, k, v, *lens, None, None, None)[0]
 
     def theirs(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, **kwargs)

@@ -60,6 +60,11 @@ def test_ring_matches_unsharded_forward_and_gradients(ring_results, layout, mask
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_ring_with_segment_ids_sinks_and_soft_cap(ring_results, layout):
+    _check(ring_results, f"options-{layout}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_ring_hlo_holds_only_collective_permutes_of_kv_blocks(ring_results, layout):
     _check(ring_results, f"hlo-{layout}")
 

@@ -1,6 +1,7 @@
 """dot_product_attention's segment ids (packed sequences), attention sinks and logit soft-capping: forward and every
 gradient (the sinks' included) against the float64 reference, in float32 on the CPU and bfloat16 on a GPU (the
-default device decides); transformations; residuals; validation; which path runs.
+default device decides); transformations; residuals; validation; the kernels run every option; the segment
+metadata that lets the kernels skip tiles; the xla fallback (platforms without a kernel) agrees.
 
 The bound: jax_flash's error against float64 at most 3x that of the materialised reference
 (jax_flash.reference_attention) in the same dtype, plus 2 ulp of the largest value."""
@@ -29,6 +30,9 @@ def _segments(rng, batch, length, kind):
             rows.append(np.searchsorted(cuts, np.arange(length), side="right"))
         elif kind == "one":
             rows.append(np.zeros(length, int))
+        elif kind == "sorted":  # 5 documents of random lengths (the same count for both sides of a call)
+            cuts = np.sort(rng.choice(np.arange(1, length), size=4, replace=False))
+            rows.append(np.searchsorted(cuts, np.arange(length), side="right"))
         else:  # "random": ids in any order (not sorted), a few values
             rows.append(rng.integers(0, 3, length))
     return jnp.asarray(np.stack(rows), jnp.int32)
@@ -48,6 +52,13 @@ CASES = {
     "softcap_causal_d128": dict(batch=1, t=97, s=97, n=4, k=4, h=128, is_causal=True, softcap=30.0),
     "all_combined": dict(batch=2, t=61, s=47, n=4, k=2, h=64, is_causal=True, window=(20, 0), segments="random",
                          sinks=True, softcap=5.0, q_lens=(61, 30), kv_lens=(47, 40)),
+    # Long enough for several query and key tiles per document: skipped tiles, one-id (unmasked) tiles, tiles
+    # across document boundaries.
+    "packed_long_causal": dict(batch=2, t=700, s=700, n=2, k=1, h=64, is_causal=True, segments="packed"),
+    "packed_long_d128_sinks_softcap": dict(batch=1, t=520, s=520, n=2, k=2, h=128, is_causal=True,
+                                           segments="packed", sinks=True, softcap=20.0),
+    "packed_long_d256_noncausal": dict(batch=1, t=300, s=300, n=2, k=1, h=256, segments="packed"),
+    "packed_sq_ne_sk_d128": dict(batch=2, t=200, s=450, n=4, k=2, h=128, segments="packed_kv_longer"),
 }
 
 
@@ -58,7 +69,10 @@ def _problem(case, seed=0):
     q, k, v, do = (jnp.asarray(rng.standard_normal(shape, np.float32), DTYPE)
                    for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h), (b, t, n, h)))
     kw = dict(is_causal=case.get("is_causal", False), local_window_size=case.get("window"))
-    if "segments" in case:
+    if case.get("segments") == "packed_kv_longer":  # Sq != Sk: 5 documents on each side, of other lengths
+        kw["q_segment_ids"] = _segments(rng, b, t, "sorted")
+        kw["kv_segment_ids"] = _segments(rng, b, s, "sorted")
+    elif "segments" in case:
         kw["q_segment_ids"] = _segments(rng, b, t, case["segments"])
         kw["kv_segment_ids"] = _segments(rng, b, s, case["segments"]) if t != s or case["segments"] == "random" \
             else kw["q_segment_ids"]
@@ -101,7 +115,6 @@ def _baseline(q, k, v, sinks=None, **kw):
     return jax_flash.reference_attention(q, k, v, sinks=sinks, **kw)
 
 
-@pytest.mark.filterwarnings("ignore:jax_flash.dot_product_attention. the kernels do not take")
 @pytest.mark.parametrize("name", CASES)
 def test_matches_float64_reference(name):
     q, k, v, do, kw = _problem(CASES[name])
@@ -129,24 +142,73 @@ def test_matches_float64_reference(name):
     assert not ours[0][dead].any() and not ours[1][dead].any()
 
 
-def test_sinks_run_through_the_kernels():
-    """Sinks alone keep the fused kernels (a forward and a backward custom call), with no warning; segment ids and
-    soft-capping take the materialised path and say so once."""
-    q, k, v, do, kw = _problem(CASES["sinks_causal_gqa"])
-    loss = lambda q, s: jnp.sum(jax_flash.dot_product_attention(q, k, v, sinks=s, is_causal=True))  # noqa: E731
+def test_every_option_runs_in_the_kernels():
+    """Segment ids, sinks and soft-capping together keep the fused kernels (one forward and one backward custom
+    call), with no warning and nothing of size T x S materialised."""
+    q, k, v, do, kw = _problem(CASES["all_combined"])
+    opts = {n: x for n, x in kw.items() if n != "sinks"}
+    loss = lambda q, s: jnp.sum(jax_flash.dot_product_attention(q, k, v, sinks=s, **opts))  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, kw["sinks"]).as_text()
-    assert "jax_flash_fwd" in text and "jax_flash_bwd" in text
-    attention_module._WARNED.discard("dense:logits_soft_cap")
-    with pytest.warns(RuntimeWarning, match="do not take logits_soft_cap yet"):
-        jax_flash.dot_product_attention(q, k, v, logits_soft_cap=3.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per process
-        jax_flash.dot_product_attention(q, k, v, logits_soft_cap=4.0)
+    assert text.count("@jax_flash_fwd") == 1 and text.count("@jax_flash_bwd") == 1
+    if jax.devices()[0].platform == "cpu":  # (on GPU the lowering also holds the xla fallback's branch)
+        assert f"{q.shape[1]}x{k.shape[1]}x" not in text and f"x{q.shape[1]}x{k.shape[1]}x" not in text
 
 
-@pytest.mark.filterwarnings("ignore:jax_flash.dot_product_attention. the kernels do not take")
+def test_segment_metadata():
+    """Per 16-position chunk: the id range, and the hull of the other side's positions whose chunks' id ranges
+    meet it (against a direct numpy computation), on ids in any order and on packed ones."""
+    from jax_flash._ffi import segment_metadata
+
+    rng = np.random.default_rng(3)
+    for q_ids, kv_ids in ((rng.integers(0, 4, (2, 50)), rng.integers(0, 4, (2, 37))),
+                          (np.repeat([[1, 2, 3, 7]], [40, 9, 30, 3], axis=1), np.repeat([[0, 2, 3, 9]], 25, axis=1))):
+        q_meta, kv_meta = (np.asarray(x) for x in segment_metadata(jnp.asarray(q_ids, jnp.int32),
+                                                                  jnp.asarray(kv_ids, jnp.int32)))
+
+        def chunks(ids):
+            return [ids[..., c:c + 16] for c in range(0, ids.shape[-1], 16)]
+
+        for mine, other, meta in ((q_ids, kv_ids, q_meta), (kv_ids, q_ids, kv_meta)):
+            for b in range(mine.shape[0]):
+                for c, ch in enumerate(chunks(mine[b])):
+                    assert (meta[b, c, 0], meta[b, c, 1]) == (ch.min(), ch.max())
+                    meets = [o for o, och in enumerate(chunks(other[b]))
+                             if ch.min() <= och.max() and och.min() <= ch.max()]
+                    expect = ((meets[0] * 16, min((meets[-1] + 1) * 16, other.shape[-1])) if meets
+                              else (np.iinfo(np.int32).max, 0))
+                    assert tuple(meta[b, c, 2:]) == expect
+
+
+@pytest.mark.parametrize("name", ["all_combined", "packed_padding_ids", "sinks_lengths_dead_rows"])
+def test_xla_fallback_agrees(name):
+    """A platform without a kernel runs a materialised float32 softmax with the same semantics (forward, and the
+    backward from o and lse as the kernels compute it)."""
+    q, k, v, do, kw = _problem(CASES[name])
+    b, t = q.shape[:2]
+    lens = (jnp.asarray(kw.get("query_seq_lengths", [t] * b), jnp.int32),
+            jnp.asarray(kw.get("key_value_seq_lengths", [k.shape[1]] * b), jnp.int32))
+    sinks = kw.get("sinks")
+    window = kw["local_window_size"]
+    cfgs = [attention_module._Config(scale=0.125, is_causal=kw["is_causal"], window=window, kernel_platforms=p,
+                                     softcap=kw.get("logits_soft_cap"), has_sinks=sinks is not None)
+            for p in (attention_module._kernel_platforms(q.dtype), ())]
+
+    def run(cfg, q, k, v, sinks):
+        return attention_module._flash_attention(cfg, q, k, v, *lens, kw.get("q_segment_ids"),
+                                                 kw.get("kv_segment_ids"), sinks)
+
+    results = []
+    for cfg in cfgs:
+        (o, lse), vjp = jax.vjp(lambda q, k, v, s: run(cfg, q, k, v, s), q, k, v, sinks)
+        grads = vjp((do.astype(o.dtype), jnp.zeros_like(lse)))
+        results.append([o, lse, *(g for g in grads if g is not None)])
+    for x, y in zip(*results):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        np.testing.assert_allclose(x, y, atol=5e-2 if ON_GPU else 2e-5, rtol=2e-2 if ON_GPU else 2e-5)
+
+
 @pytest.mark.parametrize("name", ["sinks_lengths_dead_rows", "all_combined"])
 def test_residual_is_the_sink_inclusive_lse(name):
     q, k, v, _, kw = _problem(CASES[name])
@@ -160,7 +222,6 @@ def test_residual_is_the_sink_inclusive_lse(name):
                                    rtol=1e-2)
 
 
-@pytest.mark.filterwarnings("ignore:jax_flash.dot_product_attention. the kernels do not take")
 def test_transformations():
     """vmap over a leading axis (segment ids and lengths mapped too), checkpoint, rank-3 inputs with (T,) ids."""
     q, k, v, do, kw = _problem(CASES["all_combined"])

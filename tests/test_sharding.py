@@ -170,13 +170,13 @@ def test_xla_fallback_with_offsets(mask):
     kernel_cfg = attention._Config(scale=0.2, is_causal=mask.get("is_causal", False), window=window,
                                    kernel_platforms=("cpu",))
     xla_cfg = dataclasses.replace(kernel_cfg, kernel_platforms=())
-    o1, lse1 = attention._local_forward(kernel_cfg, q, k, v, q_lens, kv_lens, q_off)
-    o2, lse2 = attention._local_forward(xla_cfg, q, k, v, q_lens, kv_lens, q_off)
+    o1, lse1 = attention._local_forward(kernel_cfg, q, k, v, q_lens, kv_lens, q_offsets=q_off)
+    o2, lse2 = attention._local_forward(xla_cfg, q, k, v, q_lens, kv_lens, q_offsets=q_off)
     np.testing.assert_allclose(o2, o1, atol=2e-5)
     finite = np.isfinite(np.asarray(lse1))
     np.testing.assert_array_equal(finite, np.isfinite(np.asarray(lse2)))
     np.testing.assert_allclose(np.asarray(lse2)[finite], np.asarray(lse1)[finite], atol=2e-5)
-    g1 = attention._local_backward(kernel_cfg, q, k, v, o1, lse1, do, q_lens, kv_lens, q_off)
-    g2 = attention._local_backward(xla_cfg, q, k, v, o2, lse2, do, q_lens, kv_lens, q_off)
+    g1 = attention._local_backward(kernel_cfg, q, k, v, o1, lse1, do, q_lens, kv_lens, q_offsets=q_off)
+    g2 = attention._local_backward(xla_cfg, q, k, v, o2, lse2, do, q_lens, kv_lens, q_offsets=q_off)
     for a, c in zip(g2, g1):
         np.testing.assert_allclose(a, c, atol=1e-4)

@@ -1,5 +1,6 @@
 """Small forward+backward calls for compute-sanitizer (memcheck, racecheck): every head-dim class, odd lengths,
-Sq != Sk, GQA, and each mask. Run as `compute-sanitizer --tool memcheck python tools/sanitize_small.py`."""
+Sq != Sk, GQA, each mask, segment ids (packed and in any order), sinks and soft-capping, on the default kernels and
+the sm_80-class ones. Run as `compute-sanitizer --tool memcheck python tools/sanitize_small.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -17,22 +18,45 @@ CASES = [
     (1, 129, 129, 1, 1, 200, dict(is_causal=True, local_window_size=20)),
     # more forward work units than SMs: persistent CTAs take several tiles
     (2, 640, 640, 32, 8, 128, dict(is_causal=True)),
+    # segment ids (packed, padding id at the end; in any order with Sq != Sk), sinks, soft cap
+    (2, 300, 300, 4, 2, 128, dict(is_causal=True, segments="packed", sinks=True, logits_soft_cap=20.0)),
+    (1, 77, 150, 2, 1, 64, dict(segments="random", logits_soft_cap=5.0)),
+    (1, 130, 130, 2, 2, 256, dict(is_causal=True, segments="packed", sinks=True)),
 ]
+
+
+def _options(rng, b, sq, sk, hq, kw):
+    """The case's keyword arguments with its segment ids and sinks made."""
+    kw = dict(kw)
+    kind = kw.pop("segments", None)
+    if kind == "packed":
+        ids = np.searchsorted(np.array([sq // 5, sq // 2, sq - 11]), np.arange(sq), side="right")
+        kw["q_segment_ids"] = jnp.asarray(np.broadcast_to(ids, (b, sq)), jnp.int32)
+    elif kind == "random":
+        kw["q_segment_ids"] = jnp.asarray(rng.integers(0, 3, (b, sq)), jnp.int32)
+        kw["kv_segment_ids"] = jnp.asarray(rng.integers(0, 3, (b, sk)), jnp.int32)
+    if kw.pop("sinks", False):
+        kw["sinks"] = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+    return kw
 
 
 def main():
     rng = np.random.default_rng(0)
-    for b, sq, sk, hq, hkv, d, kw in CASES:
+    for (b, sq, sk, hq, hkv, d, kw), kernel in [(c, "auto") for c in CASES] + [(c, "sm80") for c in CASES[-3:]]:
+        kw = _options(rng, b, sq, sk, hq, kw)
         for dtype in (jnp.bfloat16, jnp.float16):
             q = jnp.asarray(rng.standard_normal((b, sq, hq, d)), dtype)
             k = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
             v = jnp.asarray(rng.standard_normal((b, sk, hkv, d)), dtype)
             f = lambda q, k, v: jax_flash.dot_product_attention(q, k, v, **kw)
-            out, vjp = jax.vjp(f, q, k, v)
-            grads = vjp(jnp.ones_like(out))
+            with jax_flash.force_kernel(kernel):
+                out, vjp = jax.vjp(f, q, k, v)
+                grads = vjp(jnp.ones_like(out))
             finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (out, *grads))
-            print(f"B={b} Sq={sq} Sk={sk} Hq={hq} Hkv={hkv} D={d} {jnp.dtype(dtype).name} {kw}: finite={finite}",
-                  flush=True)
+            names = sorted(n for n in kw if n not in ("q_segment_ids", "kv_segment_ids", "sinks")) + sorted(
+                n for n in ("q_segment_ids", "kv_segment_ids", "sinks") if n in kw)
+            print(f"B={b} Sq={sq} Sk={sk} Hq={hq} Hkv={hkv} D={d} {jnp.dtype(dtype).name} {kernel} {names}: "
+                  f"finite={finite}", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "mask.h"
+#include "score_mod.h"
 
 // The AVX2 copy has 32-byte vector signatures; all of them are inlined, but GCC still notes the ABI difference.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -267,22 +268,42 @@ inline void RowSpan(const AttentionMask& mask, bool full, int q0, int i, int nq,
   }
 }
 
-// True when query row `row` sees at least one of the seqlen_k keys.
+// True when query row `row` sees at least one of the seqlen_k keys under the interval masks (segment ids aside).
 inline bool RowSeesKey(const AttentionMask& mask, int row, int seqlen_k) {
   return std::min(mask.hi(row), seqlen_k) > mask.lo(row);
 }
 
-// Zeroes row i of x (row stride ld, head_dim floats) for each query row q0 + i, i < n, that sees no key: dQ rows
-// that a product with a K tile holding nan could otherwise have made nan (0 * nan).
-inline void ZeroRowsThatSeeNoKey(const FlashParams& p, const AttentionMask& mask, int q0, int n, float* x,
-                                 int64_t ld) {
+// Backward: true when query row `row` (below seqlen_q) sees no key, given its forward log-sum-exp: with segment
+// ids the forward marks such rows with lse = +inf.
+inline bool RowSeesNoKey(const FlashParams& p, const AttentionMask& mask, int row, float lse) {
+  return !RowSeesKey(mask, row, p.seqlen_k) || (mask.segments.enabled() && lse == kInf);
+}
+
+// Zeroes row i of x (row stride ld, head_dim floats) for each query row q0 + i, i < n, that sees no key (lse: the
+// rows' log-sum-exp from row q0): dQ rows that a product with a K tile holding nan could otherwise have made nan.
+inline void ZeroRowsThatSeeNoKey(const FlashParams& p, const AttentionMask& mask, int q0, int n, const float* lse,
+                                 float* x, int64_t ld) {
   for (int i = 0; i < n; ++i) {
-    if (!RowSeesKey(mask, q0 + i, p.seqlen_k)) std::fill_n(x + i * ld, p.head_dim, 0.0f);
+    if (RowSeesNoKey(p, mask, q0 + i, lse[i])) std::fill_n(x + i * ld, p.head_dim, 0.0f);
   }
+}
+
+// Soft-capped scores in place (rows x cols of a tile with row stride ld).
+inline void CapScores(const SoftCap& cap, float* s, int ld, int rows, int cols) {
+  for (int i = 0; i < rows; ++i) {
+    for (int j = 0; j < cols; ++j) s[int64_t(i) * ld + j] = cap.apply(s[int64_t(i) * ld + j]);
+  }
+}
+
+// Segment ids of keys [k0, k0 + nk) into kvid[0, nkp) (padding 0: those keys are masked by the interval anyway).
+inline void LoadKeyIds(const AttentionMask& mask, int k0, int nk, int nkp, int32_t* kvid) {
+  for (int j = 0; j < nkp; ++j) kvid[j] = j < nk ? mask.segments.kv_ids[k0 + j] : 0;
 }
 
 struct FwdScratch {
   std::vector<float> q, kt, v, s, o, m, l;
+  std::vector<char> seen;      // query rows that saw some key
+  std::vector<int32_t> kvid;  // segment ids of the key tile
   explicit FwdScratch(const FlashParams& p)
       : q(size_t(kFwdBlockQ) * LdD(p.head_dim)),
         kt(size_t(p.head_dim) * LdK(kFwdBlockK)),
@@ -290,12 +311,15 @@ struct FwdScratch {
         s(size_t(kFwdBlockQ) * LdK(kFwdBlockK)),
         o(size_t(kFwdBlockQ) * LdD(p.head_dim)),
         m(kFwdBlockQ),
-        l(kFwdBlockQ) {}
+        l(kFwdBlockQ),
+        seen(kFwdBlockQ),
+        kvid(kFwdBlockK) {}
 };
 
 struct BwdScratch {
   int bk, ldk, ldd;
   std::vector<float> q, dout, kt, vt, k, p, ds, dk, dv, dq, lse2, dsum;
+  std::vector<int32_t> kvid;  // segment ids of the key tile
   explicit BwdScratch(const FlashParams& prm)
       : bk(BwdBlockK(prm.head_dim)),
         ldk(LdK(bk)),
@@ -311,7 +335,8 @@ struct BwdScratch {
         dv(size_t(bk) * ldd),
         dq(size_t(kBwdBlockQ) * ldd),
         lse2(kBwdBlockQ),
-        dsum(kBwdBlockQ) {}
+        dsum(kBwdBlockQ),
+        kvid(bk) {}
 };
 
 // Loads the query-side tiles of rows [q0, q0 + nq) of (batch b, query head h): Q and dO (float, zero padding rows
@@ -328,7 +353,7 @@ inline void LoadQuerySide(const FlashParams& p, const AttentionMask& mask, int b
   for (int i = 0; i < nq; ++i) {
     w.lse2[i] = p.lse[stat + i] * kLog2eF;
     w.dsum[i] = p.dsum[stat + i];
-    if (!RowSeesKey(mask, q0 + i, p.seqlen_k)) {
+    if (RowSeesNoKey(p, mask, q0 + i, p.lse[stat + i])) {
       std::fill_n(w.q.data() + int64_t(i) * w.ldd, p.head_dim, 0.0f);
       std::fill_n(w.dout.data() + int64_t(i) * w.ldd, p.head_dim, 0.0f);
     }
@@ -579,6 +604,11 @@ inline V Exp2(const V& x) {
   return x < lo ? V{} : (x == x ? r : x);
 }
 inline float Exp2Scalar(float x) { return Exp2(VSplat(x))[0]; }
+inline I ILoad(const int32_t* p) {
+  I v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
 
 // C (= or +=) A B with A(r, k) = A[r * a_rs + k * a_ks], B(k, c) = B[k * ldb + c], C(r, c) = C[r * ldc + c].
 // M must be a multiple of kMR and N of kNR. Each C element is a sum over k in order.
@@ -655,7 +685,9 @@ void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
   std::fill(acc, acc + size_t(nqp) * ldd, 0.0f);
   std::fill(m, m + nqp, -kInf);
   std::fill(l, l + nqp, 0.0f);
+  std::fill(w.seen.begin(), w.seen.end(), 0);
   const V vsl2 = VSplat(p.scale_log2), vneg = VSplat(-kInf);
+  const SoftCap cap(p);
 
   for (int k0 = kb0; k0 < kb1; k0 += kFwdBlockK) {
     const int nk = std::min(kFwdBlockK, kb1 - k0);
@@ -663,15 +695,31 @@ void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
     LoadRowsTransposed(k + int64_t(k0) * kv_rs, kv_rs, nk, nkp, D, kt, ldk);
     LoadRows(v + int64_t(k0) * kv_rs, kv_rs, nk, nkp, D, vf, ldd);
     Gemm<false>(nqp, nkp, D, qf, ldd, 1, kt, ldk, s, ldk);  // S = Q K^T
+    if (cap.enabled()) CapScores(cap, s, ldk, nq, nk);
     const bool full = mask.tile_fully_visible(q0, q0 + nq, k0, k0 + nk, p.seqlen_q);
+    const bool seg = !full && mask.segments.enabled();
+    if (seg) LoadKeyIds(mask, k0, nk, nkp, w.kvid.data());
     for (int i = 0; i < nqp; ++i) {
       float* __restrict si = s + i * ldk;
       int jlo, jhi;
       RowSpan(mask, full, q0, i, nq, k0, nk, &jlo, &jhi);
+      if (seg && jhi > jlo) {  // keys of other segments: -inf (the interval test below keeps them so)
+        const int32_t id = mask.segments.q_ids[q0 + i];
+        int same = 0;
+        for (int j = jlo; j < jhi; ++j) {
+          if (w.kvid[j] != id) {
+            si[j] = -kInf;
+          } else {
+            ++same;
+          }
+        }
+        if (same == 0) jhi = jlo;
+      }
       if (jhi <= jlo) {  // nothing visible in this tile: P = 0, running max/sum unchanged
         std::fill(si, si + nkp, 0.0f);
         continue;
       }
+      w.seen[i] = 1;
       // Logits in the log2 domain, -inf where masked, and their maximum.
       V vmax = vneg;
       for (int j = 0; j < nkp; j += kW) {
@@ -703,10 +751,23 @@ void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
     Gemm<true>(nqp, D, nkp, s, ldk, 1, vf, ldd, acc, ldd);  // O += P V
   }
 
+  const float sink = p.sinks != nullptr ? p.sinks[int64_t(b) * p.heads_q + h] : -kInf;
   for (int i = 0; i < nq; ++i) {
     // l >= 1 when the row's largest visible logit is finite; a nan l (nan or +inf logits) or l = 0 (every visible
     // logit -inf) gives a nan row, and a nan or -inf lse, as jax.nn does.
-    if (RowSeesKey(mask, q0 + i, p.seqlen_k)) {
+    if (RowSeesKey(mask, q0 + i, p.seqlen_k) && w.seen[i]) {
+      if (sink != -kInf && l[i] >= 0.0f) {
+        // The sink joins the denominator (row_finish.cuh has the same arithmetic): in the log2 domain, relative
+        // to the larger of the row maximum and the sink.
+        const float mm = m[i] == -kInf ? 0.0f : m[i];
+        const float s2 = sink * kLog2eF;
+        const float top = std::max(mm, s2);
+        const float keys_weight = std::exp2(mm - top);
+        const float total = l[i] * keys_weight + std::exp2(s2 - top);
+        StoreRows(acc + int64_t(i) * ldd, ldd, 1, D, keys_weight / total, o + i * q_rs, q_rs);
+        lse[i] = (top + std::log2(total)) * kLn2;
+        continue;
+      }
       StoreRows(acc + int64_t(i) * ldd, ldd, 1, D, 1.0f / l[i], o + i * q_rs, q_rs);
       lse[i] = (m[i] + std::log2(l[i])) * kLn2;
     } else {
@@ -727,8 +788,12 @@ inline void BackwardTile(const FlashParams& p, const AttentionMask& mask, int q0
   float* __restrict ds = w.ds.data();
   Gemm<false>(nqp, nkp, D, w.q.data(), ldd, 1, w.kt.data(), ldk, pt, ldk);     // S = Q K^T
   Gemm<false>(nqp, nkp, D, w.dout.data(), ldd, 1, w.vt.data(), ldk, ds, ldk);  // dP = dO V^T
+  const SoftCap cap(p);
+  if (cap.enabled()) CapScores(cap, pt, ldk, nq, nk);
   const bool full = mask.tile_fully_visible(q0, q0 + nq, k0, k0 + nk, p.seqlen_q);
-  const V vsl2 = VSplat(p.scale_log2), vscale = VSplat(p.scale);
+  const bool seg = !full && mask.segments.enabled();
+  if (seg) LoadKeyIds(mask, k0, nk, nkp, w.kvid.data());
+  const V vsl2 = VSplat(p.scale_log2), vscale = VSplat(p.scale), vpre = VSplat(cap.pre), vone = VSplat(1.0f);
   for (int i = 0; i < nqp; ++i) {
     float* __restrict pi = pt + i * ldk;
     float* __restrict dsi = ds + i * ldk;
@@ -740,13 +805,18 @@ inline void BackwardTile(const FlashParams& p, const AttentionMask& mask, int q0
       continue;
     }
     const V l2 = VSplat(w.lse2[i]), di = VSplat(w.dsum[i]);
+    const I id = I{} + (seg ? mask.segments.q_ids[q0 + i] : 0);
     for (int j = 0; j < nkp; j += kW) {
       const I idx = Iota() + j;
-      const I visible = (idx >= jlo) & (idx < jhi);
-      const V e = visible ? Exp2(VLoad(pi + j) * vsl2 - l2) : V{};
+      I visible = (idx >= jlo) & (idx < jhi);
+      if (seg) visible &= ILoad(w.kvid.data() + j) == id;
+      const V x = VLoad(pi + j);
+      const V e = visible ? Exp2(x * vsl2 - l2) : V{};
       VStore(pi + j, e);
+      V d = e * (VLoad(dsi + j) - di) * vscale;
+      if (cap.enabled()) d *= vone - (vpre * x) * (vpre * x);  // d capped / d raw = 1 - tanh^2
       // Selected, not multiplied by e = 0: dP of a masked key is nan when its V is.
-      VStore(dsi + j, visible ? e * (VLoad(dsi + j) - di) * vscale : V{});
+      VStore(dsi + j, visible ? d : V{});
     }
   }
 }
@@ -827,7 +897,8 @@ void BackwardFusedItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   const AttentionMask mask = mask_for_batch(p, b);
   for (int g = 0; g < G; ++g) {
     const int64_t off = b * p.q_batch_stride() + int64_t(kvh * G + g) * D;
-    ZeroRowsThatSeeNoKey(p, mask, 0, p.seqlen_q, p.dq_accum + off, q_rs);
+    ZeroRowsThatSeeNoKey(p, mask, 0, p.seqlen_q, p.lse + (int64_t(b) * p.heads_q + kvh * G + g) * p.seqlen_q,
+                         p.dq_accum + off, q_rs);
     StoreRows(p.dq_accum + off, q_rs, p.seqlen_q, D, 1.0f, static_cast<T*>(p.dq) + off, q_rs);
   }
 }
@@ -874,7 +945,7 @@ void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
       Gemm<true>(nqp, D, nkp, w.ds.data(), w.ldk, 1, w.k.data(), ldd, dqa, ldd);  // dQ += dS K
     }
   }
-  ZeroRowsThatSeeNoKey(p, mask, q0, nq, dqa, ldd);
+  ZeroRowsThatSeeNoKey(p, mask, q0, nq, p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + q0, dqa, ldd);
   for (int i = 0; i < nq; ++i) std::memcpy(p.dq_accum + q_off + i * q_rs, dqa + int64_t(i) * ldd, sizeof(float) * D);
   StoreRows(dqa, ldd, nq, D, 1.0f, static_cast<T*>(p.dq) + q_off, q_rs);
 }

@@ -19,9 +19,13 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 
 ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                                ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_offsets, float scale,
-                                bool is_causal, int64_t window_left, int64_t window_right, int32_t kernel,
-                                ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+                                ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_offsets,
+                                ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                                ffi::Buffer<ffi::S32> q_seg_meta, ffi::Buffer<ffi::S32> kv_seg_meta,
+                                ffi::Buffer<ffi::F32> sinks, float scale, bool is_causal, int64_t window_left,
+                                int64_t window_right, float softcap, bool has_segments, bool has_sinks,
+                                int32_t kernel, ffi::Result<ffi::AnyBuffer> o,
+                                ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   KernelChoice choice;
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
@@ -30,6 +34,11 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
       e.failure()) {
     return e;
   }
+  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, has_segments, softcap, &p);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = FillSinks(sinks, has_sinks, &p); e.failure()) return e;
   if (auto e = CheckForwardResults(q, o, lse); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
@@ -43,9 +52,12 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
 ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                  ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer dout,
                                  ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                                 ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_offsets, float scale,
-                                 bool is_causal, int64_t window_left, int64_t window_right, bool deterministic,
-                                 int32_t kernel, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                 ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_offsets,
+                                 ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                                 ffi::Buffer<ffi::S32> q_seg_meta, ffi::Buffer<ffi::S32> kv_seg_meta, float scale,
+                                 bool is_causal, int64_t window_left, int64_t window_right, float softcap,
+                                 bool has_segments, bool deterministic, int32_t kernel,
+                                 ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                  ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                                  ffi::Result<ffi::Buffer<ffi::F32>> dsum,
                                  ffi::Result<ffi::Buffer<ffi::S32>> dq_semaphore) {
@@ -54,6 +66,10 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   FlashParams p{};
   if (auto e = FillCommonParams(q, k, v, q_lens, kv_lens, q_offsets, kv_offsets, scale, is_causal, window_left,
                                 window_right, &p);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, has_segments, softcap, &p);
       e.failure()) {
     return e;
   }

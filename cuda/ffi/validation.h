@@ -138,6 +138,57 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   return ffi::Error::Success();
 }
 
+// Segment ids (int32 [..., Sq] and [..., Sk]) with their chunk metadata ([..., ceil(Sq / 16), 4] and
+// [..., ceil(Sk / 16), 4]; jax_flash._ffi.segment_metadata) when has_segments (else placeholders, never read), and
+// the soft cap (0: none). After FillCommonParams.
+inline ffi::Error FillScoreModifiers(ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                                     ffi::Buffer<ffi::S32> q_meta, ffi::Buffer<ffi::S32> kv_meta,
+                                     bool has_segments, float softcap, FlashParams* p) {
+  p->q_segment_ids = p->kv_segment_ids = p->q_segment_meta = p->kv_segment_meta = nullptr;
+  if (has_segments) {
+    const int64_t b = p->batch;
+    const int64_t q_chunks = (p->seqlen_q + 15) / 16, kv_chunks = (p->seqlen_k + 15) / 16;
+    const struct {
+      ffi::Buffer<ffi::S32>* buf;
+      int64_t expect;
+      const char* name;
+      const char* what;
+    } checks[] = {{&q_seg, b * p->seqlen_q, "q_segment_ids", "batch x seqlen_q"},
+                  {&kv_seg, b * p->seqlen_k, "kv_segment_ids", "batch x seqlen_k"},
+                  {&q_meta, b * q_chunks * 4, "q_segment_meta", "batch x ceil(seqlen_q / 16) x 4"},
+                  {&kv_meta, b * kv_chunks * 4, "kv_segment_meta", "batch x ceil(seqlen_k / 16) x 4"}};
+    for (const auto& c : checks) {
+      if (static_cast<int64_t>(c.buf->element_count()) != c.expect) {
+        return Invalid(std::string(c.name) + " has shape " + ShapeString(c.buf->dimensions()) + ", expected " +
+                       c.what + " = " + std::to_string(c.expect) + " elements");
+      }
+    }
+    p->q_segment_ids = q_seg.typed_data();
+    p->kv_segment_ids = kv_seg.typed_data();
+    p->q_segment_meta = q_meta.typed_data();
+    p->kv_segment_meta = kv_meta.typed_data();
+  }
+  if (!std::isfinite(softcap) || softcap < 0.f) return Invalid("logits_soft_cap must be finite and > 0 (0: none)");
+  p->softcap_pre = softcap > 0.f ? p->scale / softcap : 0.f;
+  p->softcap_post = softcap > 0.f ? softcap / p->scale : 0.f;
+  if (softcap > 0.f && (!std::isfinite(p->softcap_post) || p->softcap_pre == 0.f)) {
+    return Invalid("logits_soft_cap / scale out of float32 range");
+  }
+  return ffi::Error::Success();
+}
+
+// Sinks: float32 [..., Hq] (one logit per batch element and query head) when has_sinks (else a placeholder).
+inline ffi::Error FillSinks(ffi::Buffer<ffi::F32> sinks, bool has_sinks, FlashParams* p) {
+  p->sinks = nullptr;
+  if (!has_sinks) return ffi::Error::Success();
+  if (static_cast<int64_t>(sinks.element_count()) != int64_t(p->batch) * p->heads_q) {
+    return Invalid("sinks has shape " + ShapeString(sinks.dimensions()) + ", expected batch x heads_q = " +
+                   std::to_string(int64_t(p->batch) * p->heads_q) + " elements");
+  }
+  p->sinks = sinks.typed_data();
+  return ffi::Error::Success();
+}
+
 // The `kernel` attribute as a KernelChoice.
 inline ffi::Error ToKernelChoice(int32_t kernel, KernelChoice* choice) {
   if (kernel < 0 || kernel >= kNumKernelChoices) {
@@ -210,10 +261,18 @@ auto BindForward(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_lens [...]: valid keys per batch element
       .template Arg<ffi::Buffer<ffi::S32>>()           // q_offsets [...]: global position of query row 0
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_offsets [...]: global position of key 0
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_segment_ids [..., Sq] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_ids [..., Sk] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_segment_meta [..., ceil(Sq / 16), 4] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_meta [..., ceil(Sk / 16), 4] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::F32>>()           // sinks [..., Hq] (if has_sinks)
       .template Attr<float>("scale")                   // logit scale
       .template Attr<bool>("is_causal")                // top-left aligned causal mask
       .template Attr<int64_t>("window_left")           // local window, keys before the query; -1 unbounded
       .template Attr<int64_t>("window_right")          // local window, keys after the query; -1 unbounded
+      .template Attr<float>("softcap")                 // logit soft cap c > 0; 0 none
+      .template Attr<bool>("has_segments")             // the segment operands hold ids (else placeholders)
+      .template Attr<bool>("has_sinks")                // the sinks operand holds sinks (else a placeholder)
       .template Attr<int32_t>("kernel")                // CUDA kernel family (KernelChoice); the CPU has one
       .template Ret<ffi::AnyBuffer>()                  // o [..., Sq, Hq, D]
       .template Ret<ffi::Buffer<ffi::F32>>();          // lse [..., Hq, Sq]
@@ -231,10 +290,16 @@ auto BindBackward(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_lens [...]
       .template Arg<ffi::Buffer<ffi::S32>>()           // q_offsets [...]
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_offsets [...]
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_segment_ids [..., Sq] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_ids [..., Sk] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_segment_meta [..., ceil(Sq / 16), 4] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_meta [..., ceil(Sk / 16), 4] (if has_segments)
       .template Attr<float>("scale")                   // logit scale
       .template Attr<bool>("is_causal")                // top-left aligned causal mask
       .template Attr<int64_t>("window_left")           // -1 unbounded
       .template Attr<int64_t>("window_right")          // -1 unbounded
+      .template Attr<float>("softcap")                 // logit soft cap c > 0; 0 none
+      .template Attr<bool>("has_segments")             // the segment operands hold ids (else placeholders)
       .template Attr<bool>("deterministic")            // bitwise-reproducible dQ (CPU: always)
       .template Attr<int32_t>("kernel")                // CUDA kernel family (KernelChoice); the CPU has one
       .template Ret<ffi::AnyBuffer>()                  // dq [..., Sq, Hq, D]

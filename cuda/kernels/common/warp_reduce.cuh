@@ -8,7 +8,7 @@ namespace jax_flash::cuda {
 
 inline constexpr int kWarpSize = 32;
 
-// Max / sum over the 4 lanes that share a row of an MMA fragment.
+// Max / sum / any over the 4 lanes that share a row of an MMA fragment.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
@@ -16,6 +16,11 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 1);
   return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+__device__ __forceinline__ bool quad_any(bool x) {
+  int v = x;
+  v |= __shfl_xor_sync(0xffffffff, v, 1);
+  return (v | __shfl_xor_sync(0xffffffff, v, 2)) != 0;
 }
 
 }  // namespace jax_flash::cuda

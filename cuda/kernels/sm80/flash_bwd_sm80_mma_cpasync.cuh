@@ -13,6 +13,7 @@
 
 #include "flash_params.h"
 #include "mask.h"
+#include "score_mod.h"
 #include "kernels/sm80/flash_fwd_sm80_mma_cpasync.cuh"
 #include "kernels/common/atomics.cuh"
 #include "kernels/common/block_ranges.cuh"
@@ -171,7 +172,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
       }
     }
 
-    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; dS^T = P^T * (dP^T - dsum).
+    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked (segment ids included: visible()); dS^T = P^T * (dP^T -
+    // dsum), through the soft cap's 1 - tanh^2 when there is one.
+    const SoftCap cap(p);
     const bool need_mask =
         !mask.tile_fully_visible(m0, m0 + kBM, n0 + key_row0, n0 + key_row0 + kMmaM, p.seqlen_q);
 #pragma unroll
@@ -182,9 +185,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
         const int key = n0 + key_row0 + g + 8 * (e >> 1);
         // A hidden pair's P^T and dS^T are exactly 0, even where dP^T or dsum is not finite (as jax.nn's).
         const bool hidden = need_mask && !mask.visible(m0 + m_local, key);
-        const float pe = hidden ? 0.f : exp2f(acc_s[mt][e] * p.scale_log2 - sLses[m_local] * kLog2e);
+        const float sc = cap.enabled() ? cap.apply(acc_s[mt][e]) : acc_s[mt][e];
+        const float pe = hidden ? 0.f : exp2f(sc * p.scale_log2 - sLses[m_local] * kLog2e);
         acc_s[mt][e] = pe;
-        acc_dp[mt][e] = hidden ? 0.f : pe * (acc_dp[mt][e] - sDsums[m_local]);
+        float ds = pe * (acc_dp[mt][e] - sDsums[m_local]);
+        if (cap.enabled()) ds *= cap.dtanh(sc);
+        acc_dp[mt][e] = hidden ? 0.f : ds;
       }
     }
 

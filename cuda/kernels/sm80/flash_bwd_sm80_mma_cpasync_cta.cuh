@@ -16,6 +16,7 @@
 
 #include "flash_params.h"
 #include "mask.h"
+#include "score_mod.h"
 #include "kernels/sm80/flash_bwd_sm80_mma_cpasync.cuh"
 #include "kernels/sm80/flash_fwd_sm80_mma_cpasync.cuh"
 #include "kernels/common/block_ranges.cuh"
@@ -176,6 +177,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
     // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; dS^T = P^T * (dP^T - dsum). Element (mi, nj, e) is key
     // s_wn * kSRows + 16 mi + g + 8 (e / 2), query s_wm * kSCols + 8 nj + 2 t + e % 2.
+    // Segment ids are in visible(); with a soft cap dS^T goes through its 1 - tanh^2.
+    const SoftCap cap(p);
     const int key0 = n0 + s_wn * Traits::kSRows;
     const int q0 = s_wm * Traits::kSCols;
     const bool need_mask = !mask.tile_fully_visible(m0 + q0, m0 + q0 + Traits::kSCols, key0, key0 + Traits::kSRows,
@@ -194,9 +197,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
             const int e = 2 * r + c;
             // A hidden pair's P^T and dS^T are exactly 0, even where dP^T or dsum is not finite (as jax.nn's).
             const bool hidden = need_mask && !mask.visible(m0 + m_local, key0 + mi * 16 + g + 8 * r);
-            const float pe = hidden ? 0.f : exp2f(acc_s[mi][nj][e] * p.scale_log2 - lse_log2);
+            const float sc = cap.enabled() ? cap.apply(acc_s[mi][nj][e]) : acc_s[mi][nj][e];
+            const float pe = hidden ? 0.f : exp2f(sc * p.scale_log2 - lse_log2);
             acc_s[mi][nj][e] = pe;
-            acc_dp[mi][nj][e] = hidden ? 0.f : pe * (acc_dp[mi][nj][e] - dsum);
+            float ds = pe * (acc_dp[mi][nj][e] - dsum);
+            if (cap.enabled()) ds *= cap.dtanh(sc);
+            acc_dp[mi][nj][e] = hidden ? 0.f : ds;
           }
         }
       }

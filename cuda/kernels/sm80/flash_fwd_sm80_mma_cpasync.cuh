@@ -9,6 +9,7 @@
 
 #include "flash_params.h"
 #include "mask.h"
+#include "score_mod.h"
 #include "kernels/common/block_ranges.cuh"
 #include "kernels/common/row_finish.cuh"
 #include "kernels/sm80/kernel_traits_sm80.h"
@@ -93,13 +94,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   float acc_o[kTM][kDTiles][4];  // O: this warp's kTM x 16 rows, all kD columns
   float row_max[kTM][2];         // running max of the raw logits of rows g and g + 8 of each m-tile
   float row_sum[kTM][2];         // per-lane partial sums; reduced over the quad at the end
+  bool seen[kTM][2];             // the lane saw a key of the row (needed with segment ids)
 #pragma unroll
   for (int mi = 0; mi < kTM; ++mi) {
 #pragma unroll
     for (int i = 0; i < kDTiles; ++i) acc_o[mi][i][0] = acc_o[mi][i][1] = acc_o[mi][i][2] = acc_o[mi][i][3] = 0.f;
     row_max[mi][0] = row_max[mi][1] = -INFINITY;
     row_sum[mi][0] = row_sum[mi][1] = 0.f;
+    seen[mi][0] = seen[mi][1] = false;
   }
+  const SoftCap cap(p);
+  const SegmentPolicy& seg = mask.segments;
+  const float sink = p.sinks != nullptr ? p.sinks[int64_t(b) * p.heads_q + h] : -INFINITY;
 
   uint32_t q_frag[Traits::kQInRegs ? kTM : 1][Traits::kQInRegs ? kD / kMmaK : 1][4];
   const int warp_row0 = warp * kTM * kMmaM;  // first row of this warp inside the block
@@ -170,26 +176,41 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
       }
     }
 
-    // Mask (only m-tiles whose 16 rows do not see the whole key tile), then online softmax: rescale the running
-    // state by exp2((old_max - new_max) * scale_log2).
+    // Soft cap, mask (only m-tiles whose 16 rows do not see the whole key tile), then online softmax: rescale the
+    // running state by exp2((old_max - new_max) * scale_log2).
     const int n0 = n_block * kBN;
 #pragma unroll
     for (int mi = 0; mi < kTM; ++mi) {
       const int tile_row0 = m0 + warp_row0 + mi * kMmaM;
+      if (cap.enabled()) {
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[mi][nt][e] = cap.apply(acc_s[mi][nt][e]);
+        }
+      }
       if (!mask.tile_fully_visible(tile_row0, tile_row0 + kMmaM, n0, n0 + kBN, p.seqlen_q)) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int lo = mask.lo(tile_row0 + g + 8 * r);
-          const int hi = mask.hi(tile_row0 + g + 8 * r);
+          const int row = tile_row0 + g + 8 * r;
+          const int lo = mask.lo(row);
+          const int hi = mask.hi(row);
+          // With segment ids, ids are tested where the interval lets the pair through (in range there).
+          const int32_t id = seg.enabled() ? seg.q_ids[imin(row, p.seqlen_q - 1)] : 0;
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int col = n0 + nt * 8 + 2 * t + e;
-              if (col < lo || col >= hi) acc_s[mi][nt][2 * r + e] = -INFINITY;
+              bool shown = col >= lo && col < hi;
+              if (seg.enabled()) shown = shown && seg.kv_ids[imin(col, p.seqlen_k - 1)] == id;
+              seen[mi][r] |= shown;
+              if (!shown) acc_s[mi][nt][2 * r + e] = -INFINITY;
             }
           }
         }
+      } else {
+        seen[mi][0] = seen[mi][1] = true;
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -252,8 +273,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp_row0 + mi * kMmaM + g + 8 * r;  // inside the block
-      const RowFinish f = finish_row(row_max[mi][r], quad_sum(row_sum[mi][r]), p.scale,
-                                     mask.lo(m0 + row) < mask.hi(m0 + row));
+      // With segment ids a row may see no key inside its interval: the quad's lanes pool what they saw.
+      const bool sees = mask.lo(m0 + row) < mask.hi(m0 + row) && (!seg.enabled() || quad_any(seen[mi][r]));
+      const RowFinish f = finish_row(row_max[mi][r], quad_sum(row_sum[mi][r]), p.scale, sees, sink);
       if (row < rows_valid) {
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {

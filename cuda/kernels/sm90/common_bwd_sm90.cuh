@@ -8,6 +8,7 @@
 #include "kernels/sm90/kernel_traits_sm90.h"  // kColBlock
 #include "kernels/sm90/utils_sm90.cuh"        // kWarpRows, TMA, for_each_acc_pair
 #include "mask.h"
+#include "score_mod.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -27,31 +28,42 @@ __device__ __forceinline__ void load_kv_block(T* k, T* v, uint64_t* kv_full, con
 
 // Zero in place where the mask hides the pair: entry e of column tile j of a 64-key accumulator is key
 // key0 + g + 8 (e / 2) (key0: the first of the warp's 16 keys), query query0 + 8 j + 2 t + e % 2. A select, so a
-// hidden pair is exactly 0 whatever the accumulator held (nan included).
+// hidden pair is exactly 0 whatever the accumulator held (nan included). Segment ids are compared where the
+// interval admits the pair (the clamped loads stay in range elsewhere).
 template <int kSTiles>
 __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], const AttentionMask& mask, int query0,
                                                   int key0, int g, int t) {
+  const SegmentPolicy& seg = mask.segments;
   int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
+  int32_t key_id[2] = {0, 0};
 #pragma unroll
-  for (int r = 0; r < 2; ++r) mask.rows_seeing_key(key0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
+  for (int r = 0; r < 2; ++r) {
+    mask.rows_seeing_key(key0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
+    if (seg.enabled()) key_id[r] = seg.kv_ids[imax(imin(key0 + g + 8 * r, mask.length.kv_len - 1), 0)];
+  }
 #pragma unroll
   for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int m = query0 + 8 * j + 2 * t + (e & 1);
-      const bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
+      bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
+      if (seg.enabled()) seen = seen && seg.q_ids[imax(imin(m, mask.length.q_len - 1), 0)] == key_id[e >> 1];
       acc[4 * j + e] = seen ? acc[4 * j + e] : 0.f;
     }
   }
 }
 
-// P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place, zero where the mask hides the pair (query0, key0 as for
-// zero_hidden_pairs). Returns whether the tile needed masking (dscores_from_probs then zeroes the hidden pairs'
-// dS^T too).
+// P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place (S^T soft-capped first, with a cap), zero where the mask
+// hides the pair (query0, key0 as for zero_hidden_pairs). Returns whether the tile needed masking
+// (dscores_from_probs then zeroes the hidden pairs' dS^T too).
 template <int kSTiles>
 __device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], const float2 (&lse_log2)[kSTiles],
-                                                  float scale_log2, const AttentionMask& mask, int query0, int key0,
-                                                  int seqlen_q, int g, int t) {
+                                                  float scale_log2, const SoftCap& cap, const AttentionMask& mask,
+                                                  int query0, int key0, int seqlen_q, int g, int t) {
+  if (cap.enabled()) {
+#pragma unroll
+    for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = cap.apply(acc_s[i]);
+  }
 #pragma unroll
   for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -79,6 +91,22 @@ __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4],
     }
   }
   if (masked) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t);
+}
+
+// With a soft cap: dS^T *= 1 - tanh^2 of each pair's capped score, recovered from P^T and the row's lse * log2(e)
+// (SoftCap::dtanh_from_prob; the score registers already hold P^T). Pairs with P^T = 0 keep dS^T = 0.
+template <int kSTiles>
+__device__ __forceinline__ void softcap_dscores(float (&acc_dp)[kSTiles * 4], const float (&acc_s)[kSTiles * 4],
+                                                const float2 (&lse_log2)[kSTiles], const SoftCap& cap,
+                                                float scale_log2) {
+  const float inv = 1.f / scale_log2;
+#pragma unroll
+  for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc_dp[4 * j + e] *= cap.dtanh_from_prob(acc_s[4 * j + e], (e & 1) ? lse_log2[j].y : lse_log2[j].x, inv);
+    }
+  }
 }
 
 // Epilogue: dK = scale * acc_dk, dV = acc_dv for this thread's keys row0 + g (+8) below `keys`, columns

@@ -42,10 +42,14 @@ struct FwdEpilogue {
     const int warp_row0 = cw * kWgmmaM + warp * kWarpRows;
     RowFinish fin[2];
     float* gLse = p.lse + (int64_t(tile.b) * p.heads_q + tile.h) * p.seqlen_q + m0;
+    const float sink = p.sinks != nullptr ? p.sinks[int64_t(tile.b) * p.heads_q + tile.h] : -INFINITY;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp_row0 + g + 8 * r;
-      fin[r] = finish_row(acc.row_max[r], quad_sum(acc.row_sum[r]), p.scale, mask.lo(m0 + row) < mask.hi(m0 + row));
+      // With segment ids a row may see no key inside its interval: the quad's lanes pool what they saw.
+      const bool seen = !mask.segments.enabled() || quad_any(acc.seen[r]);
+      fin[r] = finish_row(acc.row_max[r], quad_sum(acc.row_sum[r]), p.scale,
+                          mask.lo(m0 + row) < mask.hi(m0 + row) && seen, sink);
       if (t == 0 && row < rows_valid) gLse[row] = fin[r].lse;
     }
     if constexpr (Traits::kStoreOSmem) {

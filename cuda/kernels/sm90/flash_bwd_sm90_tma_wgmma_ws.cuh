@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = threadIdx.x;
 
   const AttentionMask mask = mask_for_batch(p, b);
+  const SoftCap cap(p);
 
   const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
 
@@ -279,8 +280,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // query 8 j + 2 t + e % 2.
     wgmma_wait<1>();
     fence_regs(acc_s);
-    const bool masked =
-        probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, mask, m0, n0 + key_row0, p.seqlen_q, g, t);
+    const bool masked = probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, cap, mask, m0, n0 + key_row0,
+                                                   p.seqlen_q, g, t);
     // dS^T = P^T * (dP^T - dsum).
     float2 dsum[kSTiles];
 #pragma unroll
@@ -288,6 +289,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wgmma_wait<0>();
     fence_regs(acc_dp);
     dscores_from_probs<kSTiles>(acc_dp, acc_s, dsum, masked, mask, m0, n0 + key_row0, g, t);
+    if (cap.enabled()) {  // lse * log2(e) again from shared memory (not kept live in registers)
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
+      softcap_dscores<kSTiles>(acc_dp, acc_s, lse_log2, cap, p.scale_log2);
+    }
     // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
     uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
 #pragma unroll

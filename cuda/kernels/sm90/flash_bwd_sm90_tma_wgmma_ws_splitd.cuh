@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   const int tid = threadIdx.x;
 
   const AttentionMask mask = mask_for_batch(p, b);
+  const SoftCap cap(p);
 
   const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
 
@@ -235,7 +236,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
     wgmma_wait<1>();
     fence_regs(acc_s);
     const bool masked =
-        probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, mask, m0 + q_col0, n0 + row0, p.seqlen_q, g, t);
+        probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, cap, mask, m0 + q_col0, n0 + row0, p.seqlen_q, g,
+                                   t);
     // dS^T = P^T * (dP^T - dsum).
     float2 dsum[kSTiles];
 #pragma unroll
@@ -243,6 +245,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
     wgmma_wait<0>();
     fence_regs(acc_dp);
     dscores_from_probs<kSTiles>(acc_dp, acc_s, dsum, masked, mask, m0 + q_col0, n0 + row0, g, t);
+    if (cap.enabled()) {  // lse * log2(e) again from shared memory (not kept live in registers)
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
+      softcap_dscores<kSTiles>(acc_dp, acc_s, lse_log2, cap, p.scale_log2);
+    }
 
     // This warpgroup's query half of P^T and dS^T -> shared memory ([key][kBM queries], one swizzled row per key):
     // column tile j is 16-byte chunk q_col0 / 8 + j of rows row0 + g and row0 + g + 8.

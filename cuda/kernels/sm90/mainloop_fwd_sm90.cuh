@@ -25,6 +25,7 @@
 #include "kernels/sm90/utils_sm90.cuh"
 #include "kernels/sm90/wgmma_sm90.cuh"
 #include "mask.h"
+#include "score_mod.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -83,6 +84,7 @@ struct FwdMainloop {
   struct Accumulators {
     float o[kOTiles * 4];
     float row_max[2];
+    bool seen[2];  // with segment ids: the row saw some key (finish_row needs it; the interval masks tell otherwise)
     float row_sum[2];
   };
 
@@ -184,24 +186,56 @@ struct FwdMainloop {
       wgmma_commit();
     };
 
-    // Masks S (only warps whose 16 rows, from row0, do not see the whole key tile from n0), then the online-softmax
-    // update: S becomes exp2 values, the running max and sum move on; returns the factors that rescale O for rows g
-    // and g + 8.
+    // Soft-caps S (with a cap), masks it (only warps whose 16 rows, from row0, do not see the whole key tile from
+    // n0), then the online-softmax update: S becomes exp2 values, the running max and sum move on; returns the
+    // factors that rescale O for rows g and g + 8.
+    const SoftCap cap(p);
+    const SegmentPolicy& seg = mask.segments;
     auto softmax = [&](auto masked, int row0, int n0, float (&correction)[2]) {
+      if (cap.enabled()) {
+#pragma unroll
+        for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = cap.apply(acc_s[i]);
+      }
       if (masked && !mask.tile_fully_visible(row0, row0 + kWarpRows, n0, n0 + kBN, p.seqlen_q)) {
+        int lo[2], hi[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int lo = mask.lo(row0 + g + 8 * r);
-          const int hi = mask.hi(row0 + g + 8 * r);
+          lo[r] = mask.lo(row0 + g + 8 * r);
+          hi[r] = mask.hi(row0 + g + 8 * r);
+        }
+        if (seg.enabled()) {  // ids tested where the interval lets the pair through (in range there)
+          int32_t id[2];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) id[r] = seg.q_ids[imin(row0 + g + 8 * r, p.seqlen_q - 1)];
 #pragma unroll
           for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int col = n0 + j * 8 + 2 * t + e;
-              if (col < lo || col >= hi) acc_s[4 * j + 2 * r + e] = -INFINITY;
+              const int32_t key_id = seg.kv_ids[imin(col, p.seqlen_k - 1)];  // one load for both rows
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const bool shown = col >= lo[r] && col < hi[r] && key_id == id[r];
+                acc.seen[r] |= shown;
+                if (!shown) acc_s[4 * j + 2 * r + e] = -INFINITY;
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int col = n0 + j * 8 + 2 * t + e;
+                if (col < lo[r] || col >= hi[r]) acc_s[4 * j + 2 * r + e] = -INFINITY;
+              }
             }
           }
         }
+      } else if (masked) {
+        acc.seen[0] = acc.seen[1] = true;  // a fully visible tile (only masked steps run with segment ids)
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -244,6 +278,7 @@ struct FwdMainloop {
     for (int i = 0; i < kOTiles * 4; ++i) acc.o[i] = 0.f;
     acc.row_max[0] = acc.row_max[1] = -INFINITY;
     acc.row_sum[0] = acc.row_sum[1] = 0.f;
+    acc.seen[0] = acc.seen[1] = false;
     const int row0 = m0 + warp_row0;
     smem.q_ring.consumer_wait(q);
 

@@ -1,0 +1,245 @@
+"""Packed sequences, sinks and soft-capping: what each costs in jax_flash, beside the peers, in one run.
+
+Rows (forward + backward of sum(o * do), medians; FlashAttention FLOP convention over the pairs that are actually
+visible, so a packed run and an unpacked one are comparable per useful FLOP):
+  * packed causal training: B x T tokens made of D documents (segment ids; equal lengths, then random lengths
+    of at least a quarter of the mean), jax_flash with segment ids; the same batch unpacked (plain causal over T,
+    what a user pays without segment ids); jax.nn cuDNN and xla with the equivalent dense mask (their only way to
+    express packing);
+  * the plain kernel against the kernel with sinks and with a soft cap (and tokamax's ``logits_soft_cap`` where it
+    is installed and runs), at one shape, causal and not.
+
+Writes <out>/<name>.json (rows + meta: device, jax version, date) and <name>.md (the tables), and prints progress.
+    python3 benchmarks/bench_packed.py [--out DIR] [--tokens 8192] [--docs 8] [--batch 4]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+
+
+def _time(fn, args, iters, min_time):
+    """Median seconds of fn(*args) (compiled, warmed up)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times, start = [], time.perf_counter()
+    while len(times) < iters or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 10 * iters:
+            break
+    return statistics.median(times)
+
+
+def _train_step(attn):
+    """jit(grad) of sum(attn(q, k, v) * do) w.r.t. q, k, v: one forward and one backward."""
+    def loss(q, k, v, do):
+        return jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _doc_ids(rng, batch, tokens, docs, lengths):
+    """int32 [batch, tokens]: `docs` documents per row, of equal lengths or of random lengths (at least 1/4 of the
+    mean each)."""
+    rows = []
+    for _ in range(batch):
+        share = np.full(docs, 1 / docs) if lengths == "equal" else rng.dirichlet(np.ones(docs)) * 0.75 + 0.25 / docs
+        ends = np.round(np.cumsum(share) * tokens).astype(int)
+        rows.append(np.searchsorted(ends, np.arange(tokens), side="right"))
+    return np.stack(rows).astype(np.int32)
+
+
+def packed_rows(args, rng, progress, lengths):
+    b, t, h, d = args.batch, args.tokens, args.heads, args.head_dim
+    ids = _doc_ids(rng, b, t, args.docs, lengths)
+    q, k, v, do = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16) for _ in range(4))
+    seg = jnp.asarray(ids)
+    causal_pairs = b * t * (t + 1) / 2
+    same = ids[:, :, None] == ids[:, None, :]
+    packed_pairs = float(np.tril(same).sum())
+    dense_mask = jnp.asarray(np.tril(same)[:, None])  # [B, 1, T, T]
+    runs = {
+        "jax_flash packed (segment ids)": (lambda q, k, v: jax_flash.dot_product_attention(
+            q, k, v, is_causal=True, q_segment_ids=seg), packed_pairs),
+        "jax_flash unpacked causal": (lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True),
+                                      causal_pairs),
+        "cudnn dense mask": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense_mask,
+                                                                           implementation="cudnn"), packed_pairs),
+        "cudnn unpacked causal": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                                implementation="cudnn"),
+                                  causal_pairs),
+    }
+    if lengths == "equal":  # (the same cost either way; it needs B x H x T x T float32 logits)
+        runs["xla dense mask"] = (lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=dense_mask, implementation="xla"), packed_pairs)
+    rows = []
+    if lengths == "equal":  # the same documents as separate batch rows: the ceiling for packing's efficiency
+        n = args.docs
+        split = lambda x: x.reshape(b * n, t // n, *x.shape[2:])  # noqa: E731
+        runs[f"jax_flash {b * n} x {t // n} causal (documents as rows)"] = (
+            lambda q, k, v: jax_flash.dot_product_attention(split(q), split(k), split(v), is_causal=True).reshape(
+                b, t, h, d), b * n * (t // n) * (t // n + 1) / 2)
+    for name, (attn, pairs) in runs.items():
+        progress(f"packed ({lengths} lengths): {name}")
+        row = dict(table="packed", impl=name, batch=b, tokens=t, heads=h, head_dim=d, docs=args.docs,
+                   doc_lengths=lengths, visible_pairs=pairs, visible_fraction_of_causal=pairs / causal_pairs)
+        try:
+            sec = _time(_train_step(attn), (q, k, v, do), args.iters, args.min_time)
+            row.update(ms=sec * 1e3, tflops=3.5 * 4 * h * d * pairs / sec / 1e12)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run this is a result too
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rows.append(row)
+    return rows
+
+
+def _tokamax_softcap(cap, causal):
+    try:
+        import tokamax
+    except Exception as e:  # noqa: BLE001
+        return None, f"tokamax not importable: {type(e).__name__}: {e}"
+
+    def attn(q, k, v):
+        return tokamax.dot_product_attention(q, k, v, is_causal=causal, logits_soft_cap=cap,
+                                             implementation="mosaic")
+    return attn, None
+
+
+def modifier_rows(args, rng, progress):
+    b, t, h, d = 4, 4096, 16, 128
+    q, k, v, do = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16) for _ in range(4))
+    sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    rows = []
+    for causal in (False, True):
+        pairs = b * t * (t + 1) / 2 if causal else b * t * t
+        runs = {
+            "jax_flash": lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal),
+            "jax_flash + sinks": lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal,
+                                                                                 sinks=sinks),
+            "jax_flash + soft cap 50": lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal,
+                                                                                       logits_soft_cap=50.0),
+        }
+        tok, why = _tokamax_softcap(50.0, causal)
+        runs["tokamax + soft cap 50"] = tok
+        table = {name: dict(table="modifiers", impl=name, batch=b, tokens=t, heads=h, head_dim=d, causal=causal)
+                 for name in runs}
+        # Rounds over every implementation in turn, keeping each one's best median: one slow stretch of the GPU
+        # (clocks, another implementation's leftovers) does not land on one implementation alone.
+        for rnd in range(args.rounds):
+            for name, attn in runs.items():
+                row = table[name]
+                if "error" in row:
+                    continue
+                if attn is None:
+                    row["error"] = why
+                    continue
+                progress(f"modifiers: {name} causal={causal} round {rnd + 1}/{args.rounds}")
+                try:
+                    fwd_ms = _time(jax.jit(attn), (q, k, v), args.iters, args.min_time) * 1e3
+                    train_ms = _time(_train_step(attn), (q, k, v, do), args.iters, args.min_time) * 1e3
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    continue
+                row["fwd_ms"] = min(row.get("fwd_ms", fwd_ms), fwd_ms)
+                row["train_ms"] = min(row.get("train_ms", train_ms), train_ms)
+                row["fwd_tflops"] = 4 * h * d * pairs / (row["fwd_ms"] / 1e3) / 1e12
+                row["bwd_ms"] = row["train_ms"] - row["fwd_ms"]
+        rows += table.values()
+    for causal in (False, True):  # relative to the plain kernel of the same run
+        plain = next(r for r in rows if r["impl"] == "jax_flash" and r["causal"] == causal)
+        for r in rows:
+            if r["causal"] == causal and "fwd_ms" in r and "fwd_ms" in plain:
+                r["fwd_vs_plain"] = r["fwd_ms"] / plain["fwd_ms"]
+                r["bwd_vs_plain"] = r["bwd_ms"] / plain["bwd_ms"]
+    return rows
+
+
+def markdown(rows, meta):
+    lines = [f"# Packed sequences, sinks, soft-capping: {meta['device']}, jax {meta['jax_version']}, {meta['date']}",
+             "", "Forward + backward of sum(o * do), bf16, medians. TFLOP/s over the visible pairs only "
+             "(FlashAttention convention: 4 H D per pair forward, x 3.5 forward + backward). Modifiers: the best "
+             "median of several rounds over the implementations; bwd = (fwd + bwd) - fwd.", ""]
+    for lengths in ("equal", "random"):
+        packed = [r for r in rows if r["table"] == "packed" and r["doc_lengths"] == lengths]
+        if not packed:
+            continue
+        r0 = packed[0]
+        lines += [f"## Packed causal training: {r0['batch']} x {r0['tokens']} tokens, {r0['docs']} documents of "
+                  f"{lengths} lengths per row, {r0['heads']} heads, d{r0['head_dim']}", "",
+                  f"The visible area is {r0['visible_fraction_of_causal']:.3f} of the unpacked causal one (ideal "
+                  f"speed-up {1 / r0['visible_fraction_of_causal']:.1f}x).", "",
+                  "| impl | ms | TFLOP/s (visible) | time vs jax_flash packed |", "|---|---:|---:|---:|"]
+        base = packed[0].get("ms")
+        for r in packed:
+            if "ms" in r:
+                lines.append(f"| {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                             f"{r['ms'] / base:.2f}x |" if base else f"| {r['impl']} | {r['ms']:.3f} | "
+                             f"{r['tflops']:.0f} | |")
+            else:
+                lines.append(f"| {r['impl']} | error: {r['error']} | | |")
+        lines.append("")
+    mods = [r for r in rows if r["table"] == "modifiers"]
+    if mods:
+        lines += ["## Sinks and soft cap against the plain kernel: 4 x 4096 x 16 x 128", "",
+                  "| impl | causal | fwd ms | fwd TFLOP/s | fwd vs plain | bwd ms | bwd vs plain |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for r in mods:
+            if "fwd_ms" in r:
+                lines.append(f"| {r['impl']} | {r['causal']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | "
+                             f"{r.get('fwd_vs_plain', float('nan')):.3f} | {r['bwd_ms']:.3f} | "
+                             f"{r.get('bwd_vs_plain', float('nan')):.3f} |")
+            else:
+                lines.append(f"| {r['impl']} | {r['causal']} | error: {r['error']} | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default=None, help="file stem (default packed-<device>-<date>)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--docs", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--min-time", type=float, default=0.3)
+    parser.add_argument("--rounds", type=int, default=3, help="modifiers table: rounds over the implementations")
+    parser.add_argument("--tables", default="packed,modifiers")
+    parser.add_argument("--doc-lengths", default="equal,random", help="equal, random or both (comma-separated)")
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        raise SystemExit("bench_packed.py times the CUDA kernels: run it on a GPU")
+    meta = dict(device=device.device_kind, jax_version=jax.__version__, date=datetime.date.today().isoformat())
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    progress = lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)  # noqa: E731
+    rows = []
+    tables = args.tables.split(",")
+    if "packed" in tables:
+        for lengths in args.doc_lengths.split(","):
+            rows += packed_rows(args, rng, progress, lengths)
+    if "modifiers" in tables:
+        rows += modifier_rows(args, rng, progress)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.name or f"packed-{device.device_kind.replace(' ', '_')}-{meta['date']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    text = markdown(rows, meta)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 18 on one GPU in one call: install the carried wheel (dist/*/) and peers (.whl/), run the GPU tests that
+# touch segment ids / sinks / soft cap (default kernels and sm_80-class), compute-sanitizer on the small shapes,
+# then (bench) the packed / modifiers benchmark. Summary in $OUT/summary.txt.
+#   bash tools/options_gpu_check.sh [tests|bench|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+MODE=${1:-all}
+OUT=${OUT:-$PWD/options_out}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+note "options_gpu_check $(date -u +%Y-%m-%dT%H:%MZ) mode=$MODE $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+wheel=$(ls dist/*/jax_flash-*-cp312-*.whl | head -1)
+python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
+cp jax_flash/*.py /tmp/jf_site/jax_flash/  # the working tree's Python over the wheel's
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer_site .whl/*.whl || note "peer install failed"
+fi
+export PYTHONPATH=/tmp/jf_site:/tmp/peer_site:$REPO/.whl/stubs PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+status=0
+if [ "$MODE" != bench ]; then
+  cd /tmp
+  t0=$SECONDS
+  timeout 330 python3 -m pytest -q -x -p no:cacheprovider -n 4 "$REPO/tests/test_segments_sinks_softcap.py" \
+    "$REPO/tests/test_kernel_choice.py" "$REPO/tests/test_offsets.py" "$REPO/tests/test_nonfinite.py" \
+    "$REPO/tests/test_gpu.py" -m "not slow" >"$OUT/pytest.log" 2>&1
+  rc=$?; note "pytest (default kernels): rc=$rc $(tail -1 "$OUT/pytest.log") ($((SECONDS - t0)) s)"; [ $rc -eq 0 ] || { status=1; tail -40 "$OUT/pytest.log"; }
+  t0=$SECONDS
+  JAX_FLASH_FORCE_SM80=1 timeout 150 python3 -m pytest -q -x -p no:cacheprovider -n 4 \
+    "$REPO/tests/test_segments_sinks_softcap.py" >"$OUT/pytest-sm80.log" 2>&1
+  rc=$?; note "pytest (sm80 forced, options): rc=$rc $(tail -1 "$OUT/pytest-sm80.log") ($((SECONDS - t0)) s)"; [ $rc -eq 0 ] || { status=1; tail -40 "$OUT/pytest-sm80.log"; }
+  for tool in memcheck racecheck; do
+    t0=$SECONDS
+    filter=(); [ $tool = racecheck ] && filter=(--kernel-name kns=flash_)
+    timeout 240 compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 python3 "$REPO/tools/sanitize_small.py" \
+      >"$OUT/sanitizer-$tool.log" 2>&1
+    rc=$?; note "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1) ($((SECONDS - t0)) s)"
+    [ $rc -eq 0 ] || { status=1; tail -30 "$OUT/sanitizer-$tool.log"; }
+  done
+  cd "$REPO"
+fi
+if [ "$MODE" != tests ]; then
+  (cd /tmp && timeout 420 python3 "$REPO/benchmarks/bench_packed.py" --out "$OUT") 2>&1 | tee "$OUT/bench_packed.log" | tail -40
+  note "bench_packed: rc=${PIPESTATUS[0]}"
+fi
+note "options_gpu_check done: status=$status"
+cat "$SUMMARY"
+exit $status
