@@ -43,6 +43,8 @@ MASKS = {
     "window": dict(local_window_size=(7, 3)),
     "causal_window_lens": dict(is_causal=True, local_window_size=(9, 0), lens=True),
     "lens": dict(lens=True),
+    # segment ids (packed, a different packing per batch row), sinks and a soft cap, causal
+    "options": dict(is_causal=True, options=True),
 }
 
 
@@ -68,9 +70,17 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
     spec = SPECS[spec_name]
     kw = dict(MASKS[mask_name])
     lens = kw.pop("lens", False)
+    options = kw.pop("options", False)
     rng = np.random.default_rng(0)
     q, k, v, ct = (jnp.asarray(rng.standard_normal(shape, np.float32), DTYPE)
                    for shape in ((B, T, hq, D), (B, T, hkv, D), (B, T, hkv, D), (B, T, hq, D)))
+    ids = sinks = cap = None
+    if options:
+        ids = np.stack([np.searchsorted(np.sort(rng.choice(np.arange(1, T), 2 + b, replace=False)), np.arange(T),
+                                        side="right") for b in range(B)]).astype(np.int32)
+        sinks = rng.standard_normal(hq).astype(np.float32)
+        cap = 5.0
+        kw.update(q_segment_ids=jnp.asarray(ids), sinks=jnp.asarray(sinks), logits_soft_cap=cap)
     q_lens = np.array([T, 0, 1, 37], np.int32) if lens else None
     kv_lens = np.array([50, 5, 0, T], np.int32) if lens else None
 
@@ -96,8 +106,9 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
     ref_g = [np.asarray(x) for x in jax.jit(jax.grad(lambda q, k, v: jnp.sum((attn(q, k, v) * ct).astype(
         jnp.float32)), argnums=(0, 1, 2)))(q, k, v)]
     visible = visible_mask(T, T, is_causal=kw.get("is_causal", False), local_window_size=kw.get("local_window_size"),
-                           query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
-    ref64 = numpy_attention_fwd_bwd(q, k, v, ct, visible)
+                           query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens, q_segment_ids=ids,
+                           kv_segment_ids=ids)
+    ref64 = numpy_attention_fwd_bwd(q, k, v, ct, visible, sinks=sinks, logits_soft_cap=cap)[:4]
     q_sharding = NamedSharding(mesh, spec)
     kv_spec = list(spec) + [None] * (4 - len(spec))
     if hkv % MESH[1]:  # one kv head (or a count the head axis does not divide): K and V replicated over the heads

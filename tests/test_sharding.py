@@ -35,6 +35,7 @@ CASES = [
     "dp_tp:8:4:causal:vmap", "dp:8:8:causal_window_lens:remat", "sp:8:4:causal:vmap", "sp:8:8:lens:remat",
     "tp:8:4:causal_window_lens:shardmap", "tp:8:1:window:shardmap",
     "dp_tp:8:4:causal:nomesh", "sp:8:4:causal_window_lens:nomesh", "hd:8:4:causal",
+    "dp_tp:8:4:options", "sp:8:4:options", "dp:8:8:options:vmap",
 ]
 FWD_TOL, GRAD_TOL = 2e-5, 1e-4  # float32 on CPU: against the unsharded call
 # The same cases on 2 GPUs in bfloat16, meshes ("dp", "tp") of 1x2 (heads, sequence, head_dim sharded) and 2x1
