@@ -12,11 +12,13 @@ import logging
 from jax_flash import _ffi
 from jax_flash._ffi import force_kernel
 from jax_flash.attention import dot_product_attention
+from jax_flash.decode import combine, decode_attention
 from jax_flash.reference import reference_attention
 from jax_flash.ring import ring_attention, ring_attention_sharded, zigzag_order, zigzag_restore
 
-__all__ = ["cuda_available", "dot_product_attention", "force_kernel", "reference_attention", "ring_attention",
-           "ring_attention_sharded", "zigzag_order", "zigzag_restore", "__version__"]
+__all__ = ["combine", "cuda_available", "decode_attention", "dot_product_attention", "force_kernel",
+           "reference_attention", "ring_attention", "ring_attention_sharded", "zigzag_order", "zigzag_restore",
+           "__version__"]
 
 try:
     __version__ = importlib.metadata.version("jax_flash")

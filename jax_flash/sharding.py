@@ -103,7 +103,7 @@ def _plan(mesh, q_spec, q_shape, num_kv_heads):
 
 
 # The roles of a call's arrays, in argument order (the optional ones last, dropped when None), and of its results.
-_FWD_ROLES = ("q", "kv", "kv", "lens", "lens", "q_rows", "kv_rows", "q_heads")
+_FWD_ROLES = ("q", "kv", "kv", "lens", "lens", "q_rows", "kv_rows", "q_heads", "lens")  # last: q_base
 _FWD_RESULTS = ("q", "lse")
 _BWD_ROLES = ("q", "kv", "kv", "q", "lse", "q", "lens", "lens", "q_rows", "kv_rows")
 _BWD_RESULTS = ("q", "kv", "kv")
@@ -175,13 +175,14 @@ def _path(q, k, v):
     return "auto", None
 
 
-def forward(cfg, local_forward, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks=None):
+def forward(cfg, local_forward, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks=None, q_base=None):
     """(o, lse) of the whole attention, partitioned as q is sharded. ``local_forward(cfg, q, k, v, q_lens, kv_lens,
-    q_seg, kv_seg, sinks, q_offsets=None)`` runs one device's block."""
-    args = (q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)
+    q_seg, kv_seg, sinks, q_offsets=None)`` runs one device's block. ``q_base`` (int32 [...], or None for 0): the
+    global position of q's row 0 (decode: the rows sit at the end of the cache), added to a sequence shard's."""
+    args = (q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_base)
     path, mesh = _path(q, k, v)
     if path == "local":
-        return local_forward(cfg, *args)
+        return local_forward(cfg, *args[:-1], q_offsets=q_base)
     if path == "explicit":
         return _explicit_call(cfg, local_forward, "fwd", mesh, args)
     present, _, where, _ = _present(args, _FWD_ROLES)
@@ -207,7 +208,12 @@ def _local_body(cfg, local_fn, kind, seq, reduce, local_len, rebuild):
 
     def body(*present):
         args = rebuild(present)
-        out = local_fn(cfg, *args, q_offsets=_q_offsets(seq, local_len, args[3 if kind == "fwd" else 6]))
+        offsets = _q_offsets(seq, local_len, args[3 if kind == "fwd" else 6])
+        if kind == "fwd":
+            q_base = args.pop()
+            if q_base is not None:
+                offsets = q_base if offsets is None else offsets + q_base
+        out = local_fn(cfg, *args, q_offsets=offsets)
         if kind == "bwd" and reduce:  # each device holds its rows' and heads' share of dK, dV
             dq, dk, dv = out
             dk, dv = jax.lax.psum((dk, dv), reduce)

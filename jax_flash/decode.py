@@ -1,0 +1,204 @@
+"""``decode_attention``: a few new query rows against a long key/value cache (dense or paged), and ``combine``.
+
+Semantics: query t of a call (t < Tq) sits at position ``kv_lengths[b] - Tq + t`` of its sequence, so the causal
+mask is bottom-right aligned (``dot_product_attention``'s is top-left: there query t sits at position t), and a
+local window is measured from that position. Keys at or past ``kv_lengths[b]`` are never read. Forward only.
+
+Today the call runs jax_flash's attention kernels with the rows' global positions as offsets (paged caches are
+first gathered into a dense one): correct everywhere, but not yet the split-KV decode kernel that reads the cache at
+the memory-bandwidth limit (``NOTES.md``, issue 19).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from jax_flash import attention as _attention
+
+__all__ = ["decode_attention", "combine", "MAX_QUERY_ROWS"]
+
+#: The most query rows a decode call takes (speculative decoding, chunked prefill tails); more: use
+#: ``dot_product_attention``.
+MAX_QUERY_ROWS = 16
+
+
+def _concrete(x):
+    """x as a numpy array when its value is known now (not a tracer), else None."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_num_splits(num_splits):
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    return int(num_splits)
+
+
+def _validate(q, k_cache, v_cache, kv_lengths, page_table):
+    """Shapes, dtypes and (where concrete) values; returns (kv_lengths, page_table, capacity)."""
+    if q.ndim != 4:
+        raise ValueError(f"query must have shape (batch, query_rows, heads, head_dim), got {q.shape}")
+    batch, rows, heads_q, head_dim = q.shape
+    if not 1 <= rows <= MAX_QUERY_ROWS:
+        raise ValueError(f"decode_attention takes 1 to {MAX_QUERY_ROWS} query rows (dim 1 of query), got {rows}; "
+                         "use jax_flash.dot_product_attention for longer queries")
+    if k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"key_cache and value_cache must have one 4-d shape, got {k_cache.shape} and "
+                         f"{v_cache.shape}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"query, key_cache and value_cache must share a dtype, got {q.dtype}, {k_cache.dtype} and "
+                        f"{v_cache.dtype}")
+    heads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"the caches' head_dim {k_cache.shape[3]} differs from the query's {head_dim}")
+    if heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of the caches' key/value heads ({heads_kv})")
+    if page_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"a dense cache has shape (batch, seq, kv_heads, head_dim) with batch {batch}, got "
+                             f"{k_cache.shape} (pass page_table for a paged cache)")
+        capacity = k_cache.shape[1]
+    else:
+        dtype = _attention._dtype_of(page_table)  # before jnp narrows a 64-bit array
+        page_table = jnp.asarray(page_table)
+        if dtype != jnp.int32 or page_table.ndim != 2 or page_table.shape[0] != batch:
+            raise ValueError(f"page_table must be int32 of shape (batch, max_pages) = ({batch}, ...), got shape "
+                             f"{page_table.shape} and dtype {dtype}")
+        capacity = page_table.shape[1] * k_cache.shape[1]
+    dtype = _attention._dtype_of(kv_lengths)
+    kv_lengths = jnp.asarray(kv_lengths)
+    if dtype != jnp.int32 or kv_lengths.shape != (batch,):
+        raise ValueError(f"kv_lengths must be int32 of shape (batch,) = ({batch},), got shape {kv_lengths.shape} and "
+                         f"dtype {dtype}")
+    lengths = _concrete(kv_lengths)
+    if lengths is not None and ((lengths < 0).any() or (lengths > capacity).any()):
+        raise ValueError(f"kv_lengths must lie in [0, {capacity}] (the cache's capacity), got {lengths.tolist()}")
+    if page_table is not None:
+        table = _concrete(page_table)
+        if table is not None:
+            num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+            for b in range(batch):
+                used = table[b, :math.ceil((lengths[b] if lengths is not None else capacity) / page_size)]
+                if ((used < 0) | (used >= num_pages)).any():
+                    raise ValueError(f"page_table[{b}] holds page ids outside [0, {num_pages}) among the pages its "
+                                     f"kv_length uses: {used.tolist()}")
+    return kv_lengths, page_table, capacity
+
+
+def _gather_pages(cache, page_table):
+    """A paged cache (num_pages, page_size, H, D) as the dense (B, max_pages * page_size, H, D) of each sequence;
+    page ids clamped into range (whatever the values, nothing outside the cache is read)."""
+    pages = jnp.clip(page_table, 0, cache.shape[0] - 1)
+    gathered = cache[pages]  # (B, max_pages, page_size, H, D)
+    return gathered.reshape(gathered.shape[0], -1, *cache.shape[2:])
+
+
+@jax.custom_jvp
+def _forward_only(x):
+    return x
+
+
+@_forward_only.defjvp
+def _forward_only_jvp(primals, tangents):
+    raise TypeError("jax_flash.decode_attention is forward-only (inference): it has no gradient; use "
+                    "jax_flash.dot_product_attention to train")
+
+
+def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayLike, kv_lengths: ArrayLike, *,
+                     page_table: ArrayLike | None = None, scale: float | None = None, is_causal: bool = True,
+                     local_window_size: int | tuple[int, int] | None = None, num_splits: int | None = None,
+                     return_residual: bool = False, logits_soft_cap: float | None = None,
+                     sinks: ArrayLike | None = None):
+    """Attention of the newest ``Tq`` query rows of each sequence against its key/value cache.
+
+    Args:
+      query: (B, Tq, Hq, D), 1 <= Tq <= 16 (bfloat16 or float16; float32 on the CPU).
+      key_cache, value_cache: dense (B, S, Hkv, D), or paged (num_pages, page_size, Hkv, D) with ``page_table``;
+        Hq a multiple of Hkv (GQA, MQA).
+      kv_lengths: int32 (B,): the valid keys of each sequence, this step's included (at most the capacity: S, or
+        max_pages * page_size).
+      page_table: int32 (B, max_pages): page j of sequence b is ``key_cache[page_table[b, j]]``.
+      scale: logit scale (default 1 / sqrt(D)).
+      is_causal: query t sees keys up to its position ``kv_lengths[b] - Tq + t`` (bottom-right aligned).
+      local_window_size: int or (left, right): keys within [position - left, position + right].
+      num_splits: how many parts the key sequence is split into across thread blocks (None: chosen from the shape
+        and the device; results agree within rounding whatever it is).
+      return_residual: also return the log-sum-exp (B, Tq, Hq) float32 (-inf for a row that sees no key), for
+        ``combine``.
+      logits_soft_cap, sinks: as ``jax_flash.dot_product_attention``.
+
+    Returns:
+      (B, Tq, Hq, D) like query, or (output, lse) with ``return_residual``.
+
+    Raises:
+      ValueError / TypeError for bad shapes or dtypes, and for lengths or page ids out of range where their values
+      are known (concrete); traced values are clamped so that nothing outside the caches is read. TypeError under
+      differentiation (decode is forward-only).
+    """
+    q, k_cache, v_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
+    kv_lengths, page_table, capacity = _validate(q, k_cache, v_cache, kv_lengths, page_table)
+    _check_num_splits(num_splits)  # (the interim path has no splits: validated for the API's sake)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    scale = _attention._check_scale(scale)
+    window = _attention._check_window(local_window_size)
+    sinks = _attention._check_sinks(sinks, q.shape[2])
+    soft_cap = _attention._check_soft_cap(logits_soft_cap)
+    if q.dtype not in _attention._KERNEL_DTYPES:
+        raise TypeError(f"query and the caches must be bfloat16, float16 or float32, got {q.dtype}")
+    head_dim = q.shape[-1]
+    if head_dim > _attention.MAX_HEAD_DIM or head_dim % _attention.HEAD_DIM_MULTIPLE:
+        raise ValueError(f"head_dim must be a positive multiple of {_attention.HEAD_DIM_MULTIPLE} up to "
+                         f"{_attention.MAX_HEAD_DIM}, got {head_dim}")
+    q, k_cache, v_cache = _forward_only((q, k_cache, v_cache))
+
+    k, v = ((_gather_pages(c, page_table) for c in (k_cache, v_cache)) if page_table is not None
+            else (k_cache, v_cache))
+    rows = q.shape[1]
+    lengths = jnp.clip(kv_lengths, 0, capacity)
+    q_base = lengths - rows  # global position of query row 0 (negative: rows before the sequence see nothing)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if scale < 0:
+        q, scale = -q, -scale
+    elif scale == 0:
+        q, scale = jnp.zeros_like(q), 1.0
+    if window is not None:
+        window = tuple(min(w, capacity + rows) for w in window)
+    cfg = _attention._Config(scale=scale, is_causal=bool(is_causal), window=window,
+                             kernel_platforms=_attention._kernel_platforms(q.dtype), softcap=soft_cap,
+                             has_sinks=sinks is not None)
+    sinks_bn = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (q.shape[0], q.shape[2]))
+    # Rows are valid up to the sequence's end: q_lens (global) = kv_lengths.
+    out, lse = _attention.sharding.forward(cfg, _attention._local_forward, q, k, v, lengths, lengths, None, None,
+                                           sinks_bn, q_base)
+    if not return_residual:
+        return out
+    dead = -jnp.inf if sinks is None else sinks.astype(jnp.float32)[:, None]
+    lse = jnp.where(lse == jnp.inf, dead, lse)  # rows that see no key: log of the sink's mass alone, or -inf
+    return out, jnp.swapaxes(lse, -1, -2)
+
+
+def combine(outputs: ArrayLike, lses: ArrayLike, axis: int = 0):
+    """Merges partial attention results over parts of the keys (for example ``decode_attention`` over the pages of
+    two caches, or over shards of one): ``outputs`` (..., B, Tq, Hq, D) and ``lses`` (..., B, Tq, Hq) stacked along
+    ``axis``; returns (output, lse) as one call over all the keys would give them. Parts whose rows see no key
+    (lse -inf) weigh nothing; a row that no part lets see a key gives 0 and -inf."""
+    outputs, lses = jnp.asarray(outputs), jnp.asarray(lses, jnp.float32)
+    axis = axis % lses.ndim
+    if outputs.shape[:-1] != lses.shape:
+        raise ValueError(f"outputs {outputs.shape} and lses {lses.shape} must agree but for the outputs' last dim")
+    total = jax.nn.logsumexp(lses, axis=axis, keepdims=True)
+    safe = jnp.where(jnp.isfinite(total), total, 0.0)
+    weights = jnp.where(jnp.isneginf(lses), 0.0, jnp.exp(lses - safe))
+    out = jnp.sum(outputs.astype(jnp.float32) * weights[..., None], axis=axis)
+    return out.astype(outputs.dtype), jnp.squeeze(total, axis)

@@ -1,0 +1,209 @@
+"""jax_flash.decode_attention and combine against a float64 reference: dense and paged caches, ragged lengths
+(1 and the full cache included), GQA and MQA, Tq > 1 with the bottom-right causal mask, windows, soft cap and sinks,
+num_splits, combine over parts of a cache; validation; forward only. float32 on the CPU, bfloat16 on a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash.reference import numpy_attention_fwd_bwd
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
+TOL = 3e-2 if ON_GPU else 2e-5
+
+
+def _reference(q, k, v, lengths, *, is_causal=True, window=None, sinks=None, softcap=None):
+    """float64 (out, lse [B, Tq, Hq]) of each sequence's rows at positions length - Tq + t over its first keys."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, rows, hq, d = q.shape
+    outs, lses = [], []
+    for i in range(b):
+        n = int(lengths[i])
+        pos = n - rows + np.arange(rows)[:, None]
+        j = np.arange(k.shape[1])[None, :]
+        vis = np.broadcast_to(j < n, (rows, k.shape[1])).copy()
+        if is_causal:
+            vis &= j <= pos
+        if window is not None:
+            vis &= (j >= pos - window[0]) & (j <= pos + window[1])
+        vis = vis[None, None]
+        o = numpy_attention_fwd_bwd(q[i:i + 1], k[i:i + 1], v[i:i + 1], np.zeros_like(q[i:i + 1]), vis,
+                                    sinks=sinks, logits_soft_cap=softcap)[0]
+        outs.append(o[0])
+        # lse from the same logits
+        group = hq // k.shape[2]
+        kr = np.repeat(k[i], group, axis=1)
+        logits = np.einsum("tnh,snh->nts", q[i], kr) / np.sqrt(d)
+        if softcap is not None:
+            logits = softcap * np.tanh(logits / softcap)
+        logits = np.where(vis[0], logits, -np.inf)
+        m = logits.max(-1, keepdims=True)
+        if sinks is not None:
+            m = np.maximum(m, np.asarray(sinks, np.float64)[:, None, None])
+        m = np.where(np.isfinite(m), m, 0)
+        tot = np.exp(logits - m).sum(-1) + (0 if sinks is None else np.exp(np.asarray(sinks)[:, None] - m[..., 0]))
+        with np.errstate(divide="ignore"):
+            lses.append(np.swapaxes(np.log(tot) + m[..., 0], 0, 1))
+    return np.stack(outs), np.stack(lses)
+
+
+def _cache(rng, batch, capacity, hkv, d, page_size=None):
+    """(dense k, v [B, capacity, Hkv, D], and for a paged layout the pages, a shuffled page table)."""
+    k, v = (rng.standard_normal((batch, capacity, hkv, d)).astype(np.float32) for _ in range(2))
+    if page_size is None:
+        return k, v, None, None, None
+    per = capacity // page_size
+    perm = rng.permutation(batch * per + 3)[:batch * per]  # a few spare pages, in no order
+    table = perm.reshape(batch, per).astype(np.int32)
+    pages_k = np.zeros((batch * per + 3, page_size, hkv, d), np.float32)
+    pages_v = np.zeros_like(pages_k)
+    for b in range(batch):
+        for j in range(per):
+            pages_k[table[b, j]] = k[b, j * page_size:(j + 1) * page_size]
+            pages_v[table[b, j]] = v[b, j * page_size:(j + 1) * page_size]
+    return k, v, pages_k, pages_v, table
+
+
+CASES = {
+    "dense_gqa_t1": dict(batch=3, rows=1, hq=8, hkv=2, d=64, capacity=96, lengths=(96, 1, 45)),
+    "dense_mqa_t4": dict(batch=2, rows=4, hq=4, hkv=1, d=128, capacity=80, lengths=(80, 3)),
+    "paged16_t16_ragged": dict(batch=3, rows=16, hq=4, hkv=2, d=64, capacity=128, lengths=(128, 17, 5),
+                               page_size=16),
+    "paged64_window": dict(batch=2, rows=2, hq=2, hkv=2, d=64, capacity=192, lengths=(150, 192), page_size=64,
+                           window=(40, 0)),
+    "noncausal_softcap_sinks": dict(batch=2, rows=3, hq=4, hkv=2, d=32, capacity=64, lengths=(64, 20),
+                                    is_causal=False, softcap=5.0, sinks=True),
+    "paged_d256_sinks": dict(batch=1, rows=5, hq=2, hkv=1, d=256, capacity=64, lengths=(33,), page_size=16,
+                             sinks=True),
+}
+
+
+def _run(case, num_splits=None, seed=0):
+    rng = np.random.default_rng(seed)
+    b, rows, hq, hkv, d, cap = (case[x] for x in ("batch", "rows", "hq", "hkv", "d", "capacity"))
+    q = rng.standard_normal((b, rows, hq, d)).astype(np.float32)
+    k, v, pk, pv, table = _cache(rng, b, cap, hkv, d, case.get("page_size"))
+    sinks = rng.standard_normal(hq).astype(np.float32) if case.get("sinks") else None
+    lengths = np.asarray(case["lengths"], np.int32)
+    kw = dict(is_causal=case.get("is_causal", True), local_window_size=case.get("window"),
+              logits_soft_cap=case.get("softcap"), sinks=None if sinks is None else jnp.asarray(sinks),
+              num_splits=num_splits, return_residual=True)
+    cast = lambda x: jnp.asarray(x, DTYPE)  # noqa: E731
+    if table is None:
+        out, lse = jax.jit(lambda q, k, v, n: jax_flash.decode_attention(q, k, v, n, **kw))(
+            cast(q), cast(k), cast(v), jnp.asarray(lengths))
+    else:
+        out, lse = jax.jit(lambda q, k, v, n, t: jax_flash.decode_attention(q, k, v, n, page_table=t, **kw))(
+            cast(q), cast(pk), cast(pv), jnp.asarray(lengths), jnp.asarray(table))
+    q16, k16, v16 = (np.asarray(cast(x), np.float64) for x in (q, k, v))
+    ref = _reference(q16, k16, v16, lengths, is_causal=kw["is_causal"], window=case.get("window"), sinks=sinks,
+                     softcap=case.get("softcap"))
+    return np.asarray(out, np.float64), np.asarray(lse, np.float64), ref
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_float64_reference(name):
+    out, lse, (ref_o, ref_lse) = _run(CASES[name])
+    np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
+    assert (lse[~finite] == -np.inf).all()
+
+
+def test_rows_before_the_sequence_see_nothing():
+    """kv_length < Tq: the rows at negative positions see no key under the causal mask (output 0, lse -inf)."""
+    case = dict(CASES["paged16_t16_ragged"])  # its third sequence has 5 keys for 16 rows
+    out, lse, (ref_o, _) = _run(case)
+    assert not out[2, :11].any() and (lse[2, :11] == -np.inf).all()
+    np.testing.assert_allclose(out[2, 11:], ref_o[2, 11:], atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_independent_of_num_splits(num_splits):
+    base, _, _ = _run(CASES["dense_gqa_t1"])
+    out, _, _ = _run(CASES["dense_gqa_t1"], num_splits=num_splits)
+    np.testing.assert_allclose(out, base, atol=TOL, rtol=TOL)
+
+
+def test_combine_equals_one_call():
+    """Two calls over the halves of each cache (the second with its rows' positions after the first half) merge to
+    one call over the whole cache."""
+    rng = np.random.default_rng(1)
+    b, rows, hq, hkv, d, cap = 2, 1, 4, 2, 64, 64
+    q = jnp.asarray(rng.standard_normal((b, rows, hq, d)), DTYPE)
+    k, v = (jnp.asarray(rng.standard_normal((b, cap, hkv, d)), DTYPE) for _ in range(2))
+    n = jnp.full((b,), cap, jnp.int32)
+    whole, whole_lse = jax_flash.decode_attention(q, k, v, n, is_causal=False, return_residual=True)
+    half = cap // 2
+    parts = [jax_flash.decode_attention(q, k[:, s], v[:, s], jnp.full((b,), half, jnp.int32), is_causal=False,
+                                        return_residual=True) for s in (slice(0, half), slice(half, cap))]
+    out, lse = jax_flash.combine(jnp.stack([p[0] for p in parts]), jnp.stack([p[1] for p in parts]))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(whole, np.float32), atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(whole_lse), atol=TOL, rtol=TOL)
+    # a part that sees nothing weighs nothing
+    empty = jax_flash.decode_attention(q, k, v, jnp.zeros((b,), jnp.int32), is_causal=False, return_residual=True)
+    out2, lse2 = jax_flash.combine(jnp.stack([whole, empty[0]]), jnp.stack([whole_lse, empty[1]]))
+    np.testing.assert_allclose(np.asarray(out2, np.float32), np.asarray(whole, np.float32), atol=TOL, rtol=TOL)
+
+
+def test_gqa_matches_dot_product_attention_at_full_cache():
+    """With every sequence full and Tq = S, decode_attention is dot_product_attention (causal alignments agree)."""
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((2, 16, 8, 64)), DTYPE)
+    k, v = (jnp.asarray(rng.standard_normal((2, 16, 2, 64)), DTYPE) for _ in range(2))
+    a = jax_flash.decode_attention(q, k, v, jnp.full((2,), 16, jnp.int32))
+    b = jax_flash.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=TOL, rtol=TOL)
+
+
+BAD = {
+    "rows": (dict(rows=17), ValueError, "1 to 16 query rows"),
+    "lengths_range": (dict(lengths=[5, 99]), ValueError, r"kv_lengths must lie in \[0, 32\]"),
+    "lengths_negative": (dict(lengths=[-1, 3]), ValueError, "kv_lengths must lie in"),
+    "lengths_dtype": (dict(lengths=np.array([3, 3], np.int64)), ValueError, "kv_lengths must be int32"),
+    "page_ids": (dict(paged=True, table=[[0, 9], [1, 2]]), ValueError, r"page_table\[0\] holds page ids outside"),
+    "page_table_shape": (dict(paged=True, table=[[0, 1]]), ValueError, "page_table must be int32 of shape"),
+    "heads": (dict(hq=3), ValueError, "multiple of the caches' key/value heads"),
+    "splits": (dict(num_splits=0), ValueError, "num_splits must be None or a positive int"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_arguments(name):
+    bad, error, message = BAD[name]
+    hq = bad.get("hq", 4)
+    q = jnp.zeros((2, bad.get("rows", 1), hq, 32), DTYPE)
+    lengths = bad.get("lengths", [3, 3])
+    lengths = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths, np.int32)
+    if bad.get("paged"):
+        k = jnp.zeros((4, 16, 2, 32), DTYPE)
+        table = np.asarray(bad["table"], np.int32)
+        call = lambda: jax_flash.decode_attention(q, k, k, np.asarray([20, 20], np.int32), page_table=table)  # noqa
+    else:
+        k = jnp.zeros((2, 32, 2, 32), DTYPE)
+        call = lambda: jax_flash.decode_attention(q, k, k, lengths, num_splits=bad.get("num_splits"))  # noqa
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_traced_bad_values_read_nothing_outside():
+    """Under jit the values are not known: page ids and lengths out of range are clamped (finite results, no
+    out-of-bounds read)."""
+    q = jnp.ones((1, 1, 2, 32), DTYPE)
+    k = jnp.ones((2, 16, 1, 32), DTYPE)
+    f = jax.jit(lambda t, n: jax_flash.decode_attention(q, k, k, n, page_table=t))
+    out = f(jnp.asarray([[5, -3]], jnp.int32), jnp.asarray([1000], jnp.int32))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_forward_only():
+    q = jnp.ones((1, 1, 2, 32), DTYPE)
+    k = jnp.ones((1, 8, 1, 32), DTYPE)
+    n = jnp.asarray([8], jnp.int32)
+    with pytest.raises(TypeError, match="forward-only"):
+        jax.grad(lambda q: jnp.sum(jax_flash.decode_attention(q, k, k, n).astype(jnp.float32)))(q)
+    with pytest.raises(TypeError, match="forward-only"):
+        jax.grad(lambda k: jnp.sum(jax_flash.decode_attention(q, k, k, n).astype(jnp.float32)))(k)
