@@ -93,8 +93,9 @@ def test_smoke_run_shows_rates_and_ratios(tmp_path):
     assert "Smoke run without a GPU" in md and "ratio = jax_flash / xla" in md
     table = [line.split(" | ") for line in md.splitlines() if line.startswith("| 1, ")]
     assert len(table) == 2
-    for cells in table:  # jax_flash, xla, fwd ratio, bwd ratio
-        assert not cells[1].startswith("0 /") and float(cells[3]) > 0 and float(cells[4]) > 0
+    for cells in table:  # jax_flash, xla, fwd ratio, bwd ratio: one-iteration CPU timings are noise, so a ratio
+        # may print as 0.00; it must be there and be a number
+        assert not cells[1].startswith("0 /") and float(cells[3]) >= 0 and float(cells[4]) >= 0
     assert "Geometric mean jax_flash/xla" in md
 
 
