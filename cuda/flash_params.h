@@ -70,6 +70,20 @@ struct FlashParams {
   float softcap_post;
   const float* sinks;
 
+  // Decode (kernels/decode): seqlen_q is Tq (query step t of batch b sits at position kv_lens[b] - Tq + t) and
+  // seqlen_k the cache capacity. Paged caches (page_table non-null): k, v are [num_pages, page_size, heads_kv,
+  // head_dim] and key j of batch b is row j % page_size of page page_table[b * max_pages + j / page_size]; dense
+  // caches: [batch, seqlen_k, heads_kv, head_dim]. The key range is split num_splits ways; the splits' float32 O
+  // [num_splits, batch, Tq, heads_q, head_dim] and lse [num_splits, batch, heads_q, Tq] are workspace.
+  const int32_t* page_table;
+  int page_size;
+  int page_shift;  // log2(page_size) when it is a power of two, else -1
+  int max_pages;
+  int num_pages;
+  int num_splits;
+  float* o_partial;
+  float* lse_partial;
+
   // Forward.
   const void* q;
   const void* k;

@@ -2,7 +2,7 @@
 
 Two nanobind extensions carry the handlers: ``_jax_flash_cpu`` (always built) and ``_jax_flash_cuda`` (absent
 from a CPU-only build). Each exposes ``registrations()``, a dict {target name: capsule} for the targets
-``jax_flash_fwd`` and ``jax_flash_bwd``.
+``jax_flash_fwd`` and ``jax_flash_bwd``, and the CUDA one also ``jax_flash_decode``.
 
 Array arguments have layout [..., seq, heads, head_dim]; the handlers fold every leading dimension into one batch
 dimension, so ``vmap_method="broadcast_all"`` (which prepends the mapped axis to every argument, the int32 length
@@ -14,6 +14,7 @@ import contextvars
 import functools
 import importlib
 import importlib.util
+import math
 import os
 
 import jax
@@ -34,6 +35,7 @@ except ImportError:
 
 FWD_TARGET = "jax_flash_fwd"
 BWD_TARGET = "jax_flash_bwd"
+DECODE_TARGET = "jax_flash_decode"  # CUDA only
 
 for _name, _capsule in _jax_flash_cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
@@ -279,3 +281,77 @@ def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=N
     dk, dv = (jax.lax.psum(d, tuple(sorted(vma - _vma(x)))) if vma - _vma(x) else d for d, x in ((dk, k), (dv, v)))
     dk, dv = _varying_like((dk,), (k,))[0], _varying_like((dv,), (v,))[0]
     return dq, dk, dv
+
+
+#: Query rows (Tq) a decode call takes (kMaxDecodeQueryRows in cuda/ffi/validation.h), and packed query rows
+#: (query heads per kv head x Tq) the decode kernel takes (kMaxDecodeRows in cuda/kernels/flash_api.h).
+MAX_DECODE_QUERY_ROWS = 16
+MAX_DECODE_ROWS = 128
+#: Splits of the key range a decode call may ask for (kMaxDecodeSplits in cuda/kernels/decode/decode_traits.h).
+MAX_DECODE_SPLITS = 1024
+
+
+@functools.cache
+def _sm_count():
+    """Streaming multiprocessors of the first GPU (132, an H100's or H200's, when JAX sees none: the choice is then
+    only traced, not run)."""
+    try:
+        return int(getattr(jax.devices("gpu")[0], "core_count", 0) or 132)
+    except RuntimeError:
+        return 132
+
+
+#: Shared memory per SM (H100 / H200), for the decode grid when no GPU is visible.
+_SMEM_PER_SM = 228 * 1024
+
+
+def decode_splits(q_shape, heads_kv, capacity):
+    """Parts of the key range for the decode kernel of q [B, Tq, Hq, D] over caches of `capacity` keys per
+    sequence: as many blocks (batch x kv heads x splits) as the GPU holds at once (from the kernel's shared memory
+    and threads, cuda/kernels/decode/decode_traits.h), so that one wave streams the cache with no tail; at least two
+    key tiles (64 keys) per split, and the splits' float32 partial results (written and read back: 8 bytes per
+    packed row and dim per split) at most about an eighth of the K/V bytes they stand for."""
+    batch, rows, heads_q, head_dim = q_shape
+    packed = heads_q // heads_kv * rows
+    smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed)
+    per_sm = max(1, min(_SMEM_PER_SM // (smem + 2048), 2048 // max(threads, 1)))
+    base = max(1, batch * heads_kv)
+    want = max(1, per_sm * _sm_count() // base)
+    return max(1, min(want, capacity // 128, capacity // (16 * packed), 256))
+
+
+def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, num_splits, scale, is_causal,
+                 window_left, window_right, softcap=None):
+    """Runs the decode target (CUDA only): the split-KV kernel and its combine.
+
+    Args:
+      q: [B, Tq, Hq, D] (Tq <= 16; bfloat16 or float16); k_cache, v_cache: dense [B, S, Hkv, D], or paged
+        [num_pages, page_size, Hkv, D] with page_table int32 [B, max_pages] (ids clamped into range by the kernel).
+      kv_lens: int32 [B]: valid keys of each sequence (clamped to the capacity); query row t sits at position
+        kv_lens[b] - Tq + t (bottom-right causal; windows from there).
+      sinks: float32 [B, Hq] (broadcast from [Hq]) or None. num_splits: parts of the key range across blocks.
+
+    Returns:
+      (o, lse): o like q; lse float32 [B, Hq, Tq], +inf for rows that see no key (as flash_fwd).
+    """
+    batch, rows, heads_q, head_dim = q.shape
+    call = jax.ffi.ffi_call(
+        DECODE_TARGET,
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, heads_q, rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, batch, rows, heads_q, head_dim), jnp.float32),  # workspace
+            jax.ShapeDtypeStruct((num_splits, batch, heads_q, rows), jnp.float32),  # workspace
+        ),
+        vmap_method="sequential",  # a paged cache is not batched like the query; vmap loops
+    )
+    paged = page_table is not None
+    table = page_table if paged else jnp.zeros((batch, 1), jnp.int32)
+    has_sinks = sinks is not None
+    sinks = (jnp.zeros((batch, 1), jnp.float32) if sinks is None
+             else jnp.broadcast_to(sinks.astype(jnp.float32), (batch, heads_q)))
+    inputs = (q, k_cache, v_cache, kv_lens, table, sinks)
+    o, lse, _, _ = call(*inputs, scale=np.float32(scale), is_causal=bool(is_causal),
+                        window_left=np.int64(window_left), window_right=np.int64(window_right),
+                        softcap=np.float32(0.0 if softcap is None else softcap), paged=paged, has_sinks=has_sinks)
+    return _varying_like((o, lse), inputs)

@@ -49,6 +49,9 @@ class _Config:
     kernel_window: tuple[int, int] | None = None
     softcap: float | None = None  # logit soft cap
     has_sinks: bool = False  # o and lse include sinks (the xla fallback's backward then works from them)
+    # The forward may run the decode kernels on CUDA (few query rows, every row valid, no position-dependent mask:
+    # jax.nn-style decode calls), set by dot_product_attention.
+    decode: bool = False
 
     def attrs(self):
         window = self.kernel_window if self.kernel_window is not None else self.window
@@ -171,8 +174,16 @@ def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks
             return _dense_forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets)
         return _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets)
 
+    def decode_kernel(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets):
+        splits = _ffi.decode_splits(q.shape, k.shape[2], k.shape[1])
+        return _ffi.flash_decode(q, k, v, kv_lens, None, sinks, num_splits=splits, **cfg.attrs())
+
+    branches = {platform: kernel for platform in cfg.kernel_platforms}
+    if ("cuda" in branches and cfg.decode and q_offsets is None and q_seg is None and q.ndim == 4
+            and q.shape[2] // k.shape[2] * q.shape[1] <= _ffi.MAX_DECODE_ROWS):
+        branches["cuda"] = decode_kernel
     return jax.lax.platform_dependent(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets, default=fallback,
-                                      **{platform: kernel for platform in cfg.kernel_platforms})
+                                      **branches)
 
 
 def _forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks):
@@ -577,9 +588,13 @@ def dot_product_attention(
             q, scale = -q, -scale
         elif scale == 0:
             q, scale = jnp.zeros_like(q), 1.0
+        # jax.nn-style decode (a few rows, all valid, against a long cache, no position-dependent mask) runs the
+        # split-KV decode kernels forward on CUDA.
+        decode = (seqlen_q <= _ffi.MAX_DECODE_QUERY_ROWS and query_seq_lengths is None and not is_causal and
+                  (kernel_window is None or kernel_window == (-1, -1)) and q_seg is None)
         cfg = _Config(scale=scale, is_causal=bool(is_causal), window=window,
                       kernel_platforms=_kernel_platforms(q.dtype), deterministic=bool(deterministic),
-                      kernel_window=kernel_window, softcap=soft_cap, has_sinks=sinks is not None)
+                      kernel_window=kernel_window, softcap=soft_cap, has_sinks=sinks is not None, decode=decode)
         out, lse = _flash_attention(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)
         if return_residual:
             # The kernels store +inf for rows that see no key (and have no sink); the log of their mass is -inf.

@@ -4,13 +4,15 @@ Semantics: query t of a call (t < Tq) sits at position ``kv_lengths[b] - Tq + t`
 mask is bottom-right aligned (``dot_product_attention``'s is top-left: there query t sits at position t), and a
 local window is measured from that position. Keys at or past ``kv_lengths[b]`` are never read. Forward only.
 
-Today the call runs jax_flash's attention kernels with the rows' global positions as offsets (paged caches are
-first gathered into a dense one): correct everywhere, but not yet the split-KV decode kernel that reads the cache at
-the memory-bandwidth limit (``NOTES.md``, issue 19).
+On CUDA the call runs the decode kernels (``cuda/kernels/decode``): the query heads sharing a kv head, times Tq,
+packed into the rows of one tile, the key range split across thread blocks (split-KV) and merged by a combine
+kernel, paged caches read through the page table. On the CPU (and for batch- or head-sharded paged caches, which are
+first gathered into dense ones) it runs jax_flash's attention kernel with the rows' global positions as offsets.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -19,13 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jax_flash import _ffi
 from jax_flash import attention as _attention
 
 __all__ = ["decode_attention", "combine", "MAX_QUERY_ROWS"]
 
 #: The most query rows a decode call takes (speculative decoding, chunked prefill tails); more: use
 #: ``dot_product_attention``.
-MAX_QUERY_ROWS = 16
+MAX_QUERY_ROWS = _ffi.MAX_DECODE_QUERY_ROWS
 
 
 def _concrete(x):
@@ -39,8 +42,9 @@ def _concrete(x):
 def _check_num_splits(num_splits):
     if num_splits is None:
         return None
-    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
-        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    if (isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral)
+            or not 1 <= num_splits <= _ffi.MAX_DECODE_SPLITS):
+        raise ValueError(f"num_splits must be None or an int in [1, {_ffi.MAX_DECODE_SPLITS}], got {num_splits!r}")
     return int(num_splits)
 
 
@@ -103,6 +107,52 @@ def _gather_pages(cache, page_table):
     return gathered.reshape(gathered.shape[0], -1, *cache.shape[2:])
 
 
+def _local_decode(cfg, num_splits, q, k_cache, v_cache, lengths, page_table, sinks):
+    """(o, lse [..., Hq, Tq]) of one device's block: the decode kernels on CUDA, elsewhere the attention kernel (or
+    jax.nn's xla path) with the rows at the end of each sequence. Leading dims beyond the batch (a vmapped axis kept
+    by jax_flash.sharding; dense caches only) are folded into it."""
+    lead = q.shape[:-3]
+    if len(lead) != 1:
+        fold = lambda x, n: None if x is None else x.reshape(-1, *x.shape[x.ndim - n:])  # noqa: E731
+        out, lse = _local_decode(cfg, num_splits, fold(q, 3), fold(k_cache, 3), fold(v_cache, 3), fold(lengths, 0),
+                                 None, fold(sinks, 1))
+        return out.reshape(q.shape), lse.reshape(*lead, *lse.shape[1:])
+    rows = q.shape[1]
+
+    def kernel(q, k_cache, v_cache, lengths, page_table, sinks):
+        capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
+        splits = num_splits or _ffi.decode_splits(q.shape, k_cache.shape[2], capacity)
+        return _ffi.flash_decode(q, k_cache, v_cache, lengths, page_table, sinks, num_splits=splits, **cfg.attrs())
+
+    def other(q, k_cache, v_cache, lengths, page_table, sinks):
+        k, v = ((_gather_pages(c, page_table) for c in (k_cache, v_cache)) if page_table is not None
+                else (k_cache, v_cache))
+        return _attention._local_forward(cfg, q, k, v, lengths, lengths, None, None, sinks, q_offsets=lengths - rows)
+
+    if "cuda" not in cfg.kernel_platforms:
+        return other(q, k_cache, v_cache, lengths, page_table, sinks)
+    if q.shape[2] // k_cache.shape[2] * rows > _ffi.MAX_DECODE_ROWS:
+        _attention._warn_once("decode:rows", f"jax_flash.decode_attention: the decode kernel packs at most "
+                              f"{_ffi.MAX_DECODE_ROWS} query rows per kv head (query heads per kv head x Tq = "
+                              f"{q.shape[2] // k_cache.shape[2] * rows}); running the attention kernel instead",
+                              stacklevel=3)
+        return other(q, k_cache, v_cache, lengths, page_table, sinks)
+    return jax.lax.platform_dependent(q, k_cache, v_cache, lengths, page_table, sinks, default=other, cuda=kernel)
+
+
+@functools.cache
+def _sharded_block(num_splits, rows):
+    """jax_flash.sharding's one-device function for a decode call over dense caches: the decode kernels on blocks
+    that hold every query row (batch or head shards), the attention kernel with offsets on sequence shards."""
+
+    def block(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks=None, q_offsets=None):
+        if q.shape[-3] == rows:
+            return _local_decode(cfg, num_splits, q, k, v, kv_lens, None, sinks)
+        return _attention._local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets)
+
+    return block
+
+
 @jax.custom_jvp
 def _forward_only(x):
     return x
@@ -147,7 +197,7 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
     """
     q, k_cache, v_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
     kv_lengths, page_table, capacity = _validate(q, k_cache, v_cache, kv_lengths, page_table)
-    _check_num_splits(num_splits)  # (the interim path has no splits: validated for the API's sake)
+    num_splits = _check_num_splits(num_splits)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     scale = _attention._check_scale(scale)
@@ -162,11 +212,8 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
                          f"{_attention.MAX_HEAD_DIM}, got {head_dim}")
     q, k_cache, v_cache = _forward_only((q, k_cache, v_cache))
 
-    k, v = ((_gather_pages(c, page_table) for c in (k_cache, v_cache)) if page_table is not None
-            else (k_cache, v_cache))
     rows = q.shape[1]
     lengths = jnp.clip(kv_lengths, 0, capacity)
-    q_base = lengths - rows  # global position of query row 0 (negative: rows before the sequence see nothing)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if scale < 0:
         q, scale = -q, -scale
@@ -178,9 +225,18 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
                              kernel_platforms=_attention._kernel_platforms(q.dtype), softcap=soft_cap,
                              has_sinks=sinks is not None)
     sinks_bn = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (q.shape[0], q.shape[2]))
-    # Rows are valid up to the sequence's end: q_lens (global) = kv_lengths.
-    out, lse = _attention.sharding.forward(cfg, _attention._local_forward, q, k, v, lengths, lengths, None, None,
-                                           sinks_bn, q_base)
+    if _attention.sharding._path(q, k_cache, v_cache)[0] == "local":
+        out, lse = _local_decode(cfg, num_splits, q, k_cache, v_cache, lengths, page_table, sinks_bn)
+    else:  # partitioned as dot_product_attention: by batch and heads (sequence shards of Tq: offsets)
+        if page_table is not None:
+            if "cuda" in cfg.kernel_platforms:
+                _attention._warn_once("decode:paged-sharded", "jax_flash.decode_attention: on more than one device "
+                                      "a paged cache is gathered into a dense one per sequence before the decode "
+                                      "kernel (page pools are not partitioned)", stacklevel=2)
+            k_cache, v_cache = (_gather_pages(c, page_table) for c in (k_cache, v_cache))
+        # Rows are valid up to the sequence's end: q_lens (global) = kv_lengths; row 0 sits at kv_lengths - Tq.
+        out, lse = _attention.sharding.forward(cfg, _sharded_block(num_splits, rows), q, k_cache, v_cache, lengths,
+                                               lengths, None, None, sinks_bn, lengths - rows)
     if not return_residual:
         return out
     dead = -jnp.inf if sinks is None else sinks.astype(jnp.float32)[:, None]

@@ -1,6 +1,10 @@
 """jax_flash.decode_attention and combine against a float64 reference: dense and paged caches, ragged lengths
 (1 and the full cache included), GQA and MQA, Tq > 1 with the bottom-right causal mask, windows, soft cap and sinks,
-num_splits, combine over parts of a cache; validation; forward only. float32 on the CPU, bfloat16 on a GPU."""
+num_splits, combine over parts of a cache; validation; forward only. float32 on the CPU and, where a GPU is
+visible, bfloat16 on it (the CUDA decode kernels)."""
+
+import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +14,24 @@ import pytest
 import jax_flash
 from jax_flash.reference import numpy_attention_fwd_bwd
 
-ON_GPU = jax.devices()[0].platform == "gpu"
-DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
-TOL = 3e-2 if ON_GPU else 2e-5
+# Every test runs on the CPU (float32) and, where the CUDA kernels can run, on the GPU (bfloat16): the fixture
+# below sets the default device and these module values for each.
+PLATFORMS = ["cpu"] + (["gpu"] if jax_flash.cuda_available() else [])
+pytestmark = pytest.mark.gpu  # devices are chosen by the fixture, not conftest's CPU default
+ON_GPU = False
+DTYPE = jnp.float32
+TOL = 2e-5
+
+
+@pytest.fixture(autouse=True, params=PLATFORMS)
+def platform(request, monkeypatch):
+    gpu = request.param == "gpu"
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "ON_GPU", gpu)
+    monkeypatch.setattr(module, "DTYPE", jnp.bfloat16 if gpu else jnp.float32)
+    monkeypatch.setattr(module, "TOL", 3e-2 if gpu else 2e-5)
+    with jax.default_device(jax.devices(request.param)[0]):
+        yield request.param
 
 
 def _reference(q, k, v, lengths, *, is_causal=True, window=None, sinks=None, softcap=None):
@@ -81,6 +100,10 @@ CASES = {
 }
 
 
+def _case(name):
+    return CASES[name] if name in CASES else KERNEL_CASES[name]
+
+
 def _run(case, num_splits=None, seed=0):
     rng = np.random.default_rng(seed)
     b, rows, hq, hkv, d, cap = (case[x] for x in ("batch", "rows", "hq", "hkv", "d", "capacity"))
@@ -104,9 +127,30 @@ def _run(case, num_splits=None, seed=0):
     return np.asarray(out, np.float64), np.asarray(lse, np.float64), ref
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_matches_float64_reference(name):
-    out, lse, (ref_o, ref_lse) = _run(CASES[name])
+# Shapes for the decode kernel's variants on a GPU (1, 2, 4 and 8 row tiles; padded head dims; many splits), and one
+# past its 128 packed rows (the attention kernel runs, with a warning).
+KERNEL_CASES = {
+    "rows32_ragged": dict(batch=2, rows=4, hq=16, hkv=2, d=128, capacity=1000, lengths=(1000, 333)),
+    "rows64_d256": dict(batch=1, rows=8, hq=8, hkv=1, d=256, capacity=300, lengths=(300,), is_causal=False),
+    "rows128_paged64_window": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=704, lengths=(700, 64),
+                                   page_size=64, window=(100, 0)),
+    "d96": dict(batch=2, rows=2, hq=4, hkv=4, d=96, capacity=130, lengths=(129, 2)),
+    "d40_softcap_sinks": dict(batch=2, rows=1, hq=6, hkv=3, d=40, capacity=77, lengths=(77, 9), softcap=20.0,
+                              sinks=True),
+    "long_one_sequence": dict(batch=1, rows=1, hq=32, hkv=8, d=128, capacity=20000, lengths=(19999,)),
+    "paged16_long_ragged": dict(batch=3, rows=2, hq=8, hkv=2, d=64, capacity=4096, lengths=(4096, 1, 2500),
+                                page_size=16),
+    "rows256_falls_back": dict(batch=1, rows=16, hq=16, hkv=1, d=64, capacity=64, lengths=(40,)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(KERNEL_CASES))
+def test_matches_float64_reference(name, fresh_warnings):
+    if name == "rows256_falls_back" and ON_GPU:
+        with pytest.warns(RuntimeWarning, match="packs at most 128 query rows"):
+            out, lse, (ref_o, ref_lse) = _run(_case(name))
+    else:
+        out, lse, (ref_o, ref_lse) = _run(_case(name))
     np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
@@ -121,11 +165,74 @@ def test_rows_before_the_sequence_see_nothing():
     np.testing.assert_allclose(out[2, 11:], ref_o[2, 11:], atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_independent_of_num_splits(num_splits):
-    base, _, _ = _run(CASES["dense_gqa_t1"])
-    out, _, _ = _run(CASES["dense_gqa_t1"], num_splits=num_splits)
+@pytest.mark.parametrize("name", ["dense_gqa_t1", "paged16_long_ragged", "rows128_paged64_window"])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 64])
+def test_independent_of_num_splits(name, num_splits):
+    """Any split count (more splits than key tiles included) gives the default's result within rounding."""
+    base, base_lse, _ = _run(_case(name))
+    out, lse, _ = _run(_case(name), num_splits=num_splits)
     np.testing.assert_allclose(out, base, atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(lse, base_lse, atol=TOL, rtol=TOL)
+
+
+def test_float16():
+    if not ON_GPU:
+        pytest.skip("float16 runs the CUDA decode kernel; the CPU path is tested in float32")
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 3, 8, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 500, 2, 64)).astype(np.float32) for _ in range(2))
+    n = np.asarray([500, 77], np.int32)
+    out = jax_flash.decode_attention(*(jnp.asarray(x, jnp.float16) for x in (q, k, v)), jnp.asarray(n))
+    assert out.dtype == jnp.float16
+    q16, k16, v16 = (np.asarray(jnp.asarray(x, jnp.float16), np.float64) for x in (q, k, v))
+    ref, _ = _reference(q16, k16, v16, n)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_nonfinite_propagate_as_jax_nn():
+    """A nan in a visible key makes the rows that see it nan; past kv_length it is never read."""
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 64)), DTYPE)
+    k = np.asarray(rng.standard_normal((2, 300, 2, 64)), np.float32)
+    k[0, 10] = np.nan   # seen by sequence 0
+    k[1, 250] = np.nan  # past sequence 1's length
+    k = jnp.asarray(k, DTYPE)
+    out = jax_flash.decode_attention(q, k, k, jnp.asarray([300, 200], jnp.int32), num_splits=4)
+    out = np.asarray(out, np.float32)
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+
+
+def test_vmap_matches_a_loop():
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((3, 2, 1, 4, 32)), DTYPE)
+    k = jnp.asarray(rng.standard_normal((3, 2, 48, 2, 32)), DTYPE)
+    n = jnp.asarray([[48, 5], [1, 30], [17, 48]], jnp.int32)
+    f = lambda q, k, n: jax_flash.decode_attention(q, k, k, n)  # noqa: E731
+    got = jax.jit(jax.vmap(f))(q, k, n)
+    want = jnp.stack([f(q[i], k[i], n[i]) for i in range(3)])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=TOL, rtol=TOL)
+
+
+def test_dot_product_attention_decode_call():
+    """A jax.nn-style decode call (few rows, key_value_seq_lengths, not causal) runs the decode kernel forward on a
+    GPU (its lowered HLO holds the decode target) and agrees with the reference, gradients included."""
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((2, 2, 8, 64)), DTYPE)
+    k, v = (jnp.asarray(rng.standard_normal((2, 900, 2, 64)), DTYPE) for _ in range(2))
+    n = jnp.asarray([900, 123], jnp.int32)
+    f = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, key_value_seq_lengths=n))
+    if ON_GPU:
+        targets = set(re.findall(r"custom_call @(\w+)", f.lower(q, k, v).as_text()))
+        assert "jax_flash_decode" in targets, targets
+    # both rows of a sequence see every key below its length: as decode rows of a non-causal call
+    want = jax_flash.decode_attention(q, k, v, n, is_causal=False)
+    np.testing.assert_allclose(np.asarray(f(q, k, v), np.float32), np.asarray(want, np.float32), atol=TOL, rtol=TOL)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+    grads = jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n)),
+                   argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=5 * TOL, rtol=5 * TOL)
 
 
 def test_combine_equals_one_call():
@@ -167,7 +274,8 @@ BAD = {
     "page_ids": (dict(paged=True, table=[[0, 9], [1, 2]]), ValueError, r"page_table\[0\] holds page ids outside"),
     "page_table_shape": (dict(paged=True, table=[[0, 1]]), ValueError, "page_table must be int32 of shape"),
     "heads": (dict(hq=3), ValueError, "multiple of the caches' key/value heads"),
-    "splits": (dict(num_splits=0), ValueError, "num_splits must be None or a positive int"),
+    "splits": (dict(num_splits=0), ValueError, r"num_splits must be None or an int in \[1, 1024\]"),
+    "splits_many": (dict(num_splits=1025), ValueError, r"num_splits must be None or an int in \[1, 1024\]"),
 }
 
 

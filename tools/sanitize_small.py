@@ -1,6 +1,7 @@
 """Small forward+backward calls for compute-sanitizer (memcheck, racecheck): every head-dim class, odd lengths,
 Sq != Sk, GQA, each mask, segment ids (packed and in any order), sinks and soft-capping, on the default kernels and
-the sm_80-class ones. Run as `compute-sanitizer --tool memcheck python tools/sanitize_small.py`."""
+the sm_80-class ones; then decode calls (dense and paged, ragged, every row-tile count, out-of-range page ids and
+lengths under jit, many splits). Run as `compute-sanitizer --tool memcheck python tools/sanitize_small.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -59,5 +60,44 @@ def main():
                   f"finite={finite}", flush=True)
 
 
+DECODE_CASES = [
+    # (B, Tq, Hq, Hkv, D, capacity, page_size, num_splits, kwargs)
+    (3, 1, 8, 2, 64, 200, None, None, dict()),
+    (2, 4, 16, 2, 128, 333, 16, 5, dict(local_window_size=(50, 0))),
+    (1, 8, 8, 1, 256, 130, None, 3, dict(is_causal=False, sinks=True, logits_soft_cap=10.0)),
+    (2, 16, 8, 1, 96, 256, 64, 64, dict()),
+]
+
+
+def decode():
+    rng = np.random.default_rng(1)
+    for b, tq, hq, hkv, d, cap, page_size, splits, kw in DECODE_CASES:
+        kw = dict(kw)
+        if kw.pop("sinks", False):
+            kw["sinks"] = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+        q = jnp.asarray(rng.standard_normal((b, tq, hq, d)), jnp.bfloat16)
+        lengths = jnp.asarray(rng.integers(0, cap + 1, b), jnp.int32).at[0].set(cap)
+        if page_size is None:
+            k, v = (jnp.asarray(rng.standard_normal((b, cap, hkv, d)), jnp.bfloat16) for _ in range(2))
+            table = None
+        else:
+            pages = -(-cap // page_size)
+            k, v = (jnp.asarray(rng.standard_normal((b * pages, page_size, hkv, d)), jnp.bfloat16) for _ in range(2))
+            table = jnp.asarray(rng.permutation(b * pages).reshape(b, pages), jnp.int32)
+        f = jax.jit(lambda q, k, v, n, t: jax_flash.decode_attention(q, k, v, n, page_table=t, num_splits=splits,
+                                                                     **kw))
+        out = f(q, k, v, lengths, table)
+        # traced out-of-range values are clamped: nothing outside the caches is read
+        bad_n = lengths.at[-1].set(10**6)
+        bad_t = None if table is None else table.at[0, 0].set(-5).at[-1, -1].set(10**6)
+        out_bad = f(q, k, v, bad_n, bad_t)
+        print(f"decode B={b} Tq={tq} Hq={hq} Hkv={hkv} D={d} cap={cap} pages={page_size} splits={splits}: "
+              f"finite={bool(jnp.isfinite(out.astype(jnp.float32)).all())} "
+              f"clamped_ok={bool(jnp.isfinite(out_bad.astype(jnp.float32)).all())}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    if "--decode-only" not in sys.argv:
+        main()
+    decode()

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "ffi/validation.h"
+#include "kernels/decode/decode_traits.h"
 #include "kernels/flash_api.h"
 
 namespace nb = nanobind;
@@ -85,6 +86,24 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   return ffi::Error::Success();
 }
 
+ffi::Error FlashDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> sinks, float scale,
+                               bool is_causal, int64_t window_left, int64_t window_right, float softcap, bool paged,
+                               bool has_sinks, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                               ffi::Result<ffi::Buffer<ffi::F32>> o_partial,
+                               ffi::Result<ffi::Buffer<ffi::F32>> lse_partial) {
+  FlashParams p{};
+  if (auto e = FillDecodeParams(q, k_cache, v_cache, kv_lens, page_table, sinks, scale, is_causal, window_left,
+                                window_right, softcap, paged, has_sinks, o, lse, o_partial, lse_partial, &p);
+      e.failure()) {
+    return e;
+  }
+  if (const char* why = cuda::DecodeUnsupportedReason(p); why[0] != '\0') return Invalid(why);
+  if (cudaError_t err = cuda::RunFlashDecode(p, stream); err != cudaSuccess) return CudaError(err, "decode kernels");
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -98,12 +117,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_flash::BindBackward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashDecodeCuda, jax_flash::FlashDecodeCudaImpl,
+    jax_flash::BindDecode(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
 NB_MODULE(_jax_flash_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_flash_fwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashForwardCuda));
     d["jax_flash_bwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashBackwardCuda));
+    d["jax_flash_decode"] = nb::capsule(reinterpret_cast<void*>(JaxFlashDecodeCuda));
     return d;
+  });
+  // The decode split kernel's dynamic shared memory (bytes) and threads per block for a head dim and a number of
+  // packed query rows (jax_flash._ffi.decode_splits sizes the grid from them); (0, 0) past 128 rows.
+  m.def("decode_launch_shape", [](int head_dim, int packed_rows) {
+    namespace decode = jax_flash::cuda::decode;
+    const int tiles = decode::RowTiles(packed_rows);
+    const int kd = decode::HeadDimClass(head_dim);
+    return tiles == 0 ? nb::make_tuple(0, 0) : nb::make_tuple(decode::SmemBytes(kd, tiles), decode::Threads(kd, tiles));
   });
   m.def("device_count", []() {
     int n = 0;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "flash_params.h"
+#include "kernels/decode/decode_traits.h"  // kMaxDecodeSplits
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_flash {
@@ -250,7 +251,111 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   return ffi::Error::Success();
 }
 
-// The argument lists of the two targets, shared by the CPU and CUDA handlers (which may first bind a context such
+// Decode (CUDA only): q [B, Tq, Hq, D]; caches dense [B, S, Hkv, D] or, when paged, [num_pages, page_size, Hkv, D]
+// with page_table int32 [B, max_pages]; kv_lens int32 [B]; sinks float32 [B, Hq] when has_sinks; results o like q,
+// lse [B, Hq, Tq], and the splits' workspace o_partial [splits, B, Tq, Hq, D] and lse_partial [splits, B, Hq, Tq]
+// (float32; the number of splits is their leading dimension). Fills every field the decode kernels read.
+inline constexpr int64_t kMaxDecodeQueryRows = 16;
+inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
+                                   ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> sinks, float scale,
+                                   bool is_causal, int64_t window_left, int64_t window_right, float softcap,
+                                   bool paged, bool has_sinks, ffi::Result<ffi::AnyBuffer>& o,
+                                   ffi::Result<ffi::Buffer<ffi::F32>>& lse,
+                                   ffi::Result<ffi::Buffer<ffi::F32>>& o_partial,
+                                   ffi::Result<ffi::Buffer<ffi::F32>>& lse_partial, FlashParams* p) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  if (qd.size() != 4) return Invalid("decode query must have shape [batch, rows, heads, head_dim], got " + ShapeString(qd));
+  if (kd.size() != 4) return Invalid("decode caches must be 4-d, got key cache " + ShapeString(kd));
+  if (auto e = ExpectShape(v, kd, "value cache"); e.failure()) return e;
+  const int64_t batch = qd[0], rows = qd[1], hq = qd[2], d = qd[3], hkv = kd[2];
+  if (rows < 1 || rows > kMaxDecodeQueryRows) {
+    return Invalid("decode takes 1 to 16 query rows, got " + std::to_string(rows));
+  }
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type()) {
+    return Invalid(std::string("query and caches must share a dtype, got ") + DTypeName(q.element_type()) + ", " +
+                   DTypeName(k.element_type()) + ", " + DTypeName(v.element_type()));
+  }
+  if (!ToDType(q.element_type(), &p->dtype)) return Invalid(std::string("unsupported dtype ") + DTypeName(q.element_type()));
+  if (kd[3] != d) return Invalid("cache head_dim " + std::to_string(kd[3]) + " != query head_dim " + std::to_string(d));
+  if (d <= 0 || d > kMaxHeadDim || d % kHeadDimMultiple != 0) {
+    return Invalid("head_dim must be a positive multiple of 8 up to 256, got " + std::to_string(d));
+  }
+  if (hkv <= 0 || hq <= 0 || hq % hkv != 0) {
+    return Invalid("query heads (" + std::to_string(hq) + ") must be a positive multiple of the caches' heads (" +
+                   std::to_string(hkv) + ")");
+  }
+  int64_t capacity = 0, max_pages = 0;
+  if (paged) {
+    auto pd = page_table.dimensions();
+    if (pd.size() != 2 || pd[0] != batch) {
+      return Invalid("page_table has shape " + ShapeString(pd) + ", expected [batch = " + std::to_string(batch) +
+                     ", max_pages]");
+    }
+    if (kd[0] < 1 || kd[1] < 1) return Invalid("a paged cache needs at least one page of at least one key, got " + ShapeString(kd));
+    max_pages = pd[1];
+    capacity = max_pages * kd[1];
+  } else {
+    if (kd[0] != batch) {
+      return Invalid("dense cache " + ShapeString(kd) + " and query " + ShapeString(qd) + " differ in batch");
+    }
+    capacity = kd[1];
+  }
+  if (auto e = ExpectShape(kv_lens, ffi::AnyBuffer::Dimensions(&batch, 1), "kv_lengths"); e.failure()) return e;
+  if (batch > INT32_MAX || capacity > INT32_MAX || kd[0] > INT32_MAX) return Invalid("dimension too large");
+  if (window_left < -1 || window_right < -1) return Invalid("window sizes must be >= 0 (or -1 for unbounded)");
+  if (!std::isfinite(scale)) return Invalid("scale must be finite");
+  if (auto e = ExpectShape(*o, qd, "output"); e.failure()) return e;
+  if (o->element_type() != q.element_type()) return Invalid("output dtype must match query dtype");
+  const int64_t stat[] = {batch, hq, rows};
+  if (auto e = ExpectShape(*lse, ffi::AnyBuffer::Dimensions(stat, 3), "lse"); e.failure()) return e;
+  auto od = o_partial->dimensions();
+  const int64_t splits = od.size() == 5 ? od[0] : 0;
+  const int64_t o_part[] = {splits, batch, rows, hq, d};
+  const int64_t lse_part[] = {splits, batch, hq, rows};
+  if (splits < 1 || splits > cuda::decode::kMaxDecodeSplits) {
+    return Invalid("o_partial must be [splits, B, Tq, Hq, D] with 1 <= splits <= " +
+                   std::to_string(cuda::decode::kMaxDecodeSplits) + ", got " + ShapeString(od));
+  }
+  if (auto e = ExpectShape(*o_partial, ffi::AnyBuffer::Dimensions(o_part, 5), "o_partial"); e.failure()) return e;
+  if (auto e = ExpectShape(*lse_partial, ffi::AnyBuffer::Dimensions(lse_part, 4), "lse_partial"); e.failure()) return e;
+
+  p->batch = static_cast<int>(batch);
+  p->seqlen_q = static_cast<int>(rows);
+  p->seqlen_k = static_cast<int>(capacity);
+  p->heads_q = static_cast<int>(hq);
+  p->heads_kv = static_cast<int>(hkv);
+  p->head_dim = static_cast<int>(d);
+  p->scale = scale;
+  p->scale_log2 = scale * kLog2e;
+  p->causal = is_causal;
+  constexpr int64_t kUnreachable = int64_t(1) << 30;  // as FillCommonParams
+  p->window_left = window_left < 0 || window_left >= kUnreachable ? -1 : static_cast<int>(window_left);
+  p->window_right = window_right < 0 || window_right >= kUnreachable ? -1 : static_cast<int>(window_right);
+  p->kv_lens = kv_lens.typed_data();
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->page_table = paged ? page_table.typed_data() : nullptr;
+  p->page_size = paged ? static_cast<int>(kd[1]) : 0;
+  p->page_shift = -1;
+  for (int shift = 0; shift < 31; ++shift) {
+    if (p->page_size == (1 << shift)) p->page_shift = shift;
+  }
+  p->max_pages = static_cast<int>(max_pages);
+  p->num_pages = paged ? static_cast<int>(kd[0]) : 0;
+  p->num_splits = static_cast<int>(splits);
+  p->o = o->untyped_data();
+  p->lse = lse->typed_data();
+  p->o_partial = o_partial->typed_data();
+  p->lse_partial = lse_partial->typed_data();
+  // Soft cap and sinks as the attention targets (no segment ids in decode).
+  ffi::Buffer<ffi::S32> none = kv_lens;
+  if (auto e = FillScoreModifiers(none, none, none, none, false, softcap, p); e.failure()) return e;
+  return FillSinks(sinks, has_sinks, p);
+}
+
+// The argument lists of the attention targets, shared by the CPU and CUDA handlers (which may first bind a context such
 // as the CUDA stream). Handler parameters follow this order.
 template <typename Binding>
 auto BindForward(Binding b) {
@@ -308,6 +413,27 @@ auto BindBackward(Binding b) {
       .template Ret<ffi::Buffer<ffi::F32>>()           // dq_accum [..., Sq, Hq, D]: float32 workspace
       .template Ret<ffi::Buffer<ffi::F32>>()           // dsum [..., Hq, Sq]: float32 workspace
       .template Ret<ffi::Buffer<ffi::S32>>();          // dq_semaphore [..., Hq, Sq]: int32 workspace
+}
+
+template <typename Binding>
+auto BindDecode(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()   // q [B, Tq, Hq, D]
+      .template Arg<ffi::AnyBuffer>()                  // key cache: [B, S, Hkv, D], or [pages, page_size, Hkv, D]
+      .template Arg<ffi::AnyBuffer>()                  // value cache: as the key cache
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_lens [B]: valid keys, this step's included
+      .template Arg<ffi::Buffer<ffi::S32>>()           // page_table [B, max_pages] (if paged)
+      .template Arg<ffi::Buffer<ffi::F32>>()           // sinks [B, Hq] (if has_sinks)
+      .template Attr<float>("scale")                   // logit scale
+      .template Attr<bool>("is_causal")                // bottom-right causal: row t at kv_len - Tq + t
+      .template Attr<int64_t>("window_left")           // keys before the row's position; -1 unbounded
+      .template Attr<int64_t>("window_right")          // keys after the row's position; -1 unbounded
+      .template Attr<float>("softcap")                 // logit soft cap c > 0; 0 none
+      .template Attr<bool>("paged")                    // the caches are pages addressed through page_table
+      .template Attr<bool>("has_sinks")                // the sinks operand holds sinks (else a placeholder)
+      .template Ret<ffi::AnyBuffer>()                  // o [B, Tq, Hq, D]
+      .template Ret<ffi::Buffer<ffi::F32>>()           // lse [B, Hq, Tq]
+      .template Ret<ffi::Buffer<ffi::F32>>()           // o_partial [splits, B, Tq, Hq, D]: workspace
+      .template Ret<ffi::Buffer<ffi::F32>>();          // lse_partial [splits, B, Hq, Tq]: workspace
 }
 
 }  // namespace jax_flash

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "kernels/common/launch_utils.h"
+#include "kernels/decode/decode_traits.h"
 #include "kernels/flash_api.h"
 
 namespace jax_flash::cuda {
@@ -117,6 +118,31 @@ const char* BackwardUnsupportedReason(const FlashParams& p, KernelChoice choice)
 cudaError_t RunFlashForward(const FlashParams& p, KernelChoice choice, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return cudaSuccess;
   return p.dtype == DType::kBF16 ? forward<__nv_bfloat16>(p, choice, stream) : forward<__half>(p, choice, stream);
+}
+
+const char* DecodeUnsupportedReason(const FlashParams& p) {
+  if (const char* why = UnsupportedReason(p); why[0] != '\0') return why;
+  const int row_tiles = decode::RowTiles(p.group_size() * p.seqlen_q);
+  if (row_tiles == 0) return "decode packs at most 128 query rows (query heads per kv head x query rows) per kv head";
+  const int kd = p.head_dim <= 64 ? 64 : p.head_dim <= 128 ? 128 : 256;
+  int smem = 0;
+  if (cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem) != cudaSuccess) {
+    return "could not query the CUDA device's shared memory";
+  }
+  if (decode::SmemBytes(kd, row_tiles) > smem) {
+    return "decode with head_dim > 128 and more than 64 packed query rows (query heads per kv head x query rows) "
+           "needs 128 KB of shared memory per block, more than this GPU has";
+  }
+  return "";
+}
+
+cudaError_t RunFlashDecode(const FlashParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return cudaSuccess;
+  auto run = [&](auto t) {
+    using T = decltype(t);
+    return for_head_dim_class(p.head_dim, [&](auto d) { return launch_decode<T, decltype(d)::value>(p, stream); });
+  };
+  return p.dtype == DType::kBF16 ? run(__nv_bfloat16{}) : run(__half{});
 }
 
 cudaError_t RunFlashBackward(const FlashParams& p, KernelChoice choice, cudaStream_t stream) {

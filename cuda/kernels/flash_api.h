@@ -14,6 +14,13 @@ cudaError_t RunFlashForward(const FlashParams& p, KernelChoice choice, cudaStrea
 // Writes p.dq, p.dk, p.dv, using p.dq_accum and p.dsum as workspace.
 cudaError_t RunFlashBackward(const FlashParams& p, KernelChoice choice, cudaStream_t stream);
 
+// Decode (few query rows against a dense or paged cache, split-KV): writes p.o and p.lse, using p.o_partial and
+// p.lse_partial as workspace. At most kMaxDecodeRows packed query rows (heads per kv head x Tq).
+inline constexpr int kMaxDecodeRows = 128;
+cudaError_t RunFlashDecode(const FlashParams& p, cudaStream_t stream);
+// Empty string when the decode kernels can run `p` on the current device; otherwise why not.
+const char* DecodeUnsupportedReason(const FlashParams& p);
+
 // Empty string when `p` can run on the current device; otherwise why not.
 const char* UnsupportedReason(const FlashParams& p);
 
@@ -27,6 +34,9 @@ cudaError_t launch_fwd_sm80(const FlashParams& p, cudaStream_t stream);
 // smem_optin_bytes: the device's opt-in shared memory per block, which picks between the two sm_80-class backwards.
 template <typename T, int kD>
 cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream, int smem_optin_bytes);
+
+template <typename T, int kD>
+cudaError_t launch_decode(const FlashParams& p, cudaStream_t stream);
 
 namespace sm90 {
 template <typename T, int kD>

@@ -23,4 +23,14 @@ __device__ __forceinline__ bool quad_any(bool x) {
   return (v | __shfl_xor_sync(0xffffffff, v, 2)) != 0;
 }
 
+// Max / sum over the 32 lanes of a warp (every lane gets the result).
+__device__ __forceinline__ float warp_max(float x) {
+  for (int d = kWarpSize / 2; d > 0; d /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, d));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int d = kWarpSize / 2; d > 0; d /= 2) x += __shfl_xor_sync(0xffffffff, x, d);
+  return x;
+}
+
 }  // namespace jax_flash::cuda

@@ -1,0 +1,344 @@
+"""Decode: a few query rows against a long key/value cache, jax_flash.decode_attention beside the peers, in one run.
+
+Metric: bytes of K and V a call must read (sum over sequences of kv_length x Hkv x D x 2 tensors x 2 bytes) per
+second of its median time (2 bytes an element in bfloat16; the CPU smoke run's float32 counts 4), and that as a percentage of the device's HBM peak (H200 4.8 TB/s, H100 3.35 TB/s).
+Times are pipelined: `--calls` calls are enqueued back to back and the total divided by their number (the median
+over repetitions), so Python dispatch overlaps the kernels; a cache below the L2 size (50 MB) may be served partly
+from L2 and show more than the HBM peak (the targets count caches of 64 MB and more only).
+
+Matrix (issue 19): (Hq, Hkv, D) in {(32, 8, 128), (64, 8, 128), (8, 1, 128), (16, 8, 256)} x Tq in {1, 4, 16} x
+B in {1, 8, 64, 256} x S in {1k, 8k, 32k, 128k} (caches over --max-cache-gb skipped), each with equal lengths (the
+full cache) and ragged ones (uniform in [1, S]), dense and paged (pages of 16 and 64 keys, in shuffled order).
+`--preset core` takes a subset (every head configuration, Tq 1 and 16, four (B, S) pairs); `--preset smoke` is a
+tiny CPU-sized run (the default without a GPU: not performance numbers).
+
+Implementations (those that apply to a row; a failure is recorded with its error):
+  jax_flash     jax_flash.decode_attention (bottom-right causal), num_splits chosen by jax_flash
+  cudnn         jax.nn.dot_product_attention(implementation="cudnn"): dense, Tq = 1, key_value_seq_lengths
+  xla           jax.nn.dot_product_attention(implementation="xla"): dense, key_value_seq_lengths (at Tq > 1 not
+                causal: jax.nn has no bottom-right causal mask; the same bytes)
+  fa3_jax       flash_attn3_jax.flash_mha_with_kvcache (dense and paged, causal, cache_seqlens) with the num_splits
+                jax_flash chooses (its own default is 1 split)
+  tokamax       tokamax.dot_product_attention(implementation="mosaic"): dense, Tq = 1
+
+Writes <out>/<name>.json (rows: impl, B, Tq, Sk, Hq, Hkv, D, paged, page_size, ragged, us, gbps, kv_bytes,
+pct_peak, device, jax_version, error) and <name>.md (tables and the targets' check), and <name>.png when matplotlib
+is installed.
+    python3 benchmarks/bench_decode.py [--preset full|core|smoke] [--impls ...] [--out DIR]
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+from jax_flash import _ffi
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SMOKE_OUT = os.path.join(tempfile.gettempdir(), "jax_flash_bench")
+ALL_IMPLS = ("jax_flash", "cudnn", "xla", "fa3_jax", "tokamax")
+HEADS = ((32, 8, 128), (64, 8, 128), (8, 1, 128), (16, 8, 256))
+#: HBM peak in GB/s by device kind (substring match).
+PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
+TARGET_MIN_BYTES = 64 << 20
+
+PRESETS = {
+    "full": dict(heads=HEADS, tq=(1, 4, 16), bs=tuple(itertools.product((1, 8, 64, 256),
+                                                                      (1024, 8192, 32768, 131072))),
+                 layouts=("dense", "paged16", "paged64"), lengths=("equal", "ragged")),
+    "core": dict(heads=HEADS, tq=(1, 16), bs=((1, 131072), (8, 32768), (64, 8192), (256, 1024)),
+                 layouts=("dense", "paged16", "paged64"), lengths=("equal", "ragged")),
+    "smoke": dict(heads=((4, 2, 64),), tq=(1, 4), bs=((2, 256),), layouts=("dense", "paged16"),
+                  lengths=("equal", "ragged")),
+}
+
+
+def peak_gbps(device_kind):
+    return next((v for k, v in PEAK_GBPS.items() if k in device_kind), None)
+
+
+def _time_us(fn, args, calls, reps):
+    """Median microseconds per call of `calls` pipelined calls (compiled and warmed up first)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = [fn(*args) for _ in range(calls)]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times) * 1e6
+
+
+def _fa3():
+    try:
+        import flash_attn3_jax
+        return flash_attn3_jax.flash_mha_with_kvcache, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _tokamax():
+    try:
+        import tokamax
+        return tokamax.dot_product_attention, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {e}"
+
+
+def implementations(impl, tq, layout, num_splits, platform="gpu"):
+    """The function (q, k_cache, v_cache, lengths, page_table) -> out of `impl` for this row, or (None, why)."""
+    paged = layout != "dense"
+    if impl in ("cudnn", "fa3_jax", "tokamax") and platform != "gpu":
+        return None, "GPU only"
+    if impl == "jax_flash":
+        def f(q, k, v, n, table):
+            return jax_flash.decode_attention(q, k, v, n, page_table=table)
+        return f, None
+    if impl in ("cudnn", "xla"):
+        if paged:
+            return None, "dense caches only"
+        if impl == "cudnn" and tq != 1:
+            return None, "Tq = 1 only (no bottom-right causal mask)"
+
+        def f(q, k, v, n, table):
+            return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n, implementation=impl)
+        return f, None
+    if impl == "fa3_jax":
+        fa3, why = _fa3()
+        if fa3 is None:
+            return None, f"not installed ({why})"
+
+        def f(q, k, v, n, table):
+            return fa3(q, k, v, cache_seqlens=n, page_table=table, is_causal=True, num_splits=num_splits)
+        return f, None
+    if impl == "tokamax":
+        if paged or tq != 1:
+            return None, "dense, Tq = 1 only"
+        tok, why = _tokamax()
+        if tok is None:
+            return None, f"not installed ({why})"
+
+        def f(q, k, v, n, table):
+            return tok(q, k, v, key_value_seq_lengths=n, implementation="mosaic")
+        return f, None
+    raise ValueError(impl)
+
+
+def _paged(k, v, page_size, key):
+    """The dense caches as pools of pages in shuffled order, and the page table that reads them back."""
+    b, s, h, d = k.shape
+    per = s // page_size
+    perm = jax.random.permutation(key, b * per)
+    inv = jnp.argsort(perm).astype(jnp.int32)
+    pool = lambda x: x.reshape(b * per, page_size, h, d)[perm]  # noqa: E731  pool[i] = page perm[i]
+    return pool(k), pool(v), inv.reshape(b, per)  # table[b, j] = where page b * per + j went
+
+
+def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
+    rows = []
+    key = jax.random.PRNGKey(b * 7 + s + tq + hq)
+    kq, kk, kv, kl, kp = jax.random.split(key, 5)
+    dtype = jnp.bfloat16 if meta["platform"] == "gpu" else jnp.float32
+    q = jax.random.normal(kq, (b, tq, hq, d), dtype)
+    k = jax.random.normal(kk, (b, s, hkv, d), dtype)
+    v = jax.random.normal(kv, (b, s, hkv, d), dtype)
+    splits = _ffi.decode_splits(q.shape, hkv, s)
+    for lengths_kind in args.lengths:
+        if lengths_kind == "equal":
+            n = jnp.full((b,), s, jnp.int32)
+        else:
+            n = jax.random.randint(kl, (b,), max(tq, 1), s + 1, jnp.int32)
+        kv_bytes = int(np.asarray(n, np.int64).sum()) * hkv * d * 2 * jnp.dtype(dtype).itemsize
+        for layout in args.layouts:
+            page_size = int(layout[5:]) if layout != "dense" else None
+            if page_size:
+                kc, vc, table = _paged(k, v, page_size, kp)
+            else:
+                kc, vc, table = k, v, None
+            for impl in args.impls:
+                fn, why = implementations(impl, tq, layout, splits, meta["platform"])
+                row = dict(impl=impl, B=b, Tq=tq, Sk=s, Hq=hq, Hkv=hkv, D=d, paged=page_size is not None,
+                           page_size=page_size, ragged=lengths_kind == "ragged", kv_bytes=kv_bytes, us=None,
+                           gbps=None, pct_peak=None, device=meta["device"], jax_version=meta["jax_version"],
+                           error=None)
+                if fn is None:
+                    continue  # does not apply (not a row)
+                try:
+                    us = _time_us(jax.jit(fn), (q, kc, vc, n, table), args.calls, args.reps)
+                    row.update(us=round(us, 2), gbps=round(kv_bytes / us / 1e3, 1))
+                    if meta["peak_gbps"]:
+                        row["pct_peak"] = round(100 * row["gbps"] / meta["peak_gbps"], 1)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rows.append(row)
+                shown = (f"{row['us']:9.1f} us {row['gbps']:8.1f} GB/s" if row["error"] is None
+                         else f"error: {row['error'][:80]}")
+                progress(f"B={b} Tq={tq} S={s} {hq}/{hkv}x{d} {lengths_kind:6s} {layout:7s} {impl:9s} {shown}")
+            del kc, vc, table
+    return rows
+
+
+def _fmt(r):
+    if r is None:
+        return "–"
+    if r["error"]:
+        return "error"
+    pct = f", {r['pct_peak']:.0f}%" if r["pct_peak"] is not None else ""
+    rate = f"{r['gbps'] / 1e3:.2f} TB/s" if r["gbps"] >= 100 else f"{r['gbps']:.2g} GB/s"
+    return f"{r['us']:.1f} µs ({rate}{pct})"
+
+
+def markdown(rows, meta):
+    impls = [i for i in ALL_IMPLS if any(r["impl"] == i for r in rows)]
+    by = {}
+    for r in rows:
+        by.setdefault((r["Hq"], r["Hkv"], r["D"], r["Tq"], r["B"], r["Sk"], r["ragged"], r["paged"],
+                       r["page_size"]), {})[r["impl"]] = r
+    lines = [f"# Decode benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
+             ("Smoke run without a GPU: the timings are not performance numbers. " if meta["platform"] != "gpu"
+              else "") +
+             f"Pipelined medians; TB/s = bytes of K and V read per second; % of the HBM peak "
+             f"({meta['peak_gbps']} GB/s). xla rows at Tq > 1 are not causal (jax.nn has no bottom-right causal "
+             "mask); fa3_jax runs with jax_flash's split count.", "",
+             "| Hq/Hkv, D | Tq | B | S | lengths | layout | KV MB | " + " | ".join(impls) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(impls)]
+    misses = []
+    for key, group in by.items():
+        hq, hkv, d, tq, b, s, ragged, paged, ps = key
+        kv_mb = next(iter(group.values()))["kv_bytes"] / 2**20
+        lines.append(f"| {hq}/{hkv}, {d} | {tq} | {b} | {s} | {'ragged' if ragged else 'equal'} | "
+                     f"{f'paged {ps}' if paged else 'dense'} | {kv_mb:.0f} | " +
+                     " | ".join(_fmt(group.get(i)) for i in impls) + " |")
+        ours = group.get("jax_flash")
+        if ours is None or ours["error"]:
+            misses.append(f"{key}: jax_flash did not run")
+            continue
+        if kv_mb * 2**20 >= TARGET_MIN_BYTES and ours["pct_peak"] is not None and ours["pct_peak"] < 80:
+            misses.append(f"Hq/Hkv {hq}/{hkv} D {d} Tq {tq} B {b} S {s} {'ragged' if ragged else 'equal'} "
+                          f"{f'paged {ps}' if paged else 'dense'}: {ours['pct_peak']:.0f}% of peak (< 80%)")
+        for i, r in group.items():
+            if i != "jax_flash" and r["error"] is None and r["us"] < ours["us"]:
+                misses.append(f"Hq/Hkv {hq}/{hkv} D {d} Tq {tq} B {b} S {s} {'ragged' if ragged else 'equal'} "
+                              f"{f'paged {ps}' if paged else 'dense'}: {i} faster ({r['us']:.1f} vs "
+                              f"{ours['us']:.1f} µs)")
+    errors = sorted({f"{r['impl']}: {r['error']}" for r in rows if r["error"]})
+    if meta.get("not_installed"):
+        lines += ["", "Not installed in this run (no rows): " +
+                  "; ".join(f"{k} ({v})" for k, v in meta["not_installed"].items())]
+    if meta["platform"] == "gpu":
+        lines += ["", f"## Targets (>= 80% of peak at >= 64 MB of KV; at or above every peer): "
+                      f"{'all met' if not misses else f'{len(misses)} misses'}", ""]
+        lines += [f"- {m}" for m in misses]
+    else:
+        lines += ["", "Targets not checked (smoke run)."]
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, meta, path):
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install '.[bench]')", flush=True)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, paged in zip(axes, (False, True)):
+        for impl in ALL_IMPLS:
+            pts = [(r["kv_bytes"] / 2**20, r["gbps"] / 1e3) for r in rows
+                   if r["impl"] == impl and r["paged"] == paged and r["error"] is None and not r["ragged"]]
+            if pts:
+                xs, ys = zip(*sorted(pts))
+                ax.scatter(xs, ys, label=impl, s=14)
+        if meta["peak_gbps"]:
+            ax.axhline(meta["peak_gbps"] / 1e3, color="gray", ls="--", lw=1, label="HBM peak")
+            ax.axhline(0.8 * meta["peak_gbps"] / 1e3, color="gray", ls=":", lw=1, label="80% of peak")
+        ax.set_xscale("log")
+        ax.set_xlabel("K + V bytes per call (MB)")
+        ax.set_title(("paged" if paged else "dense") + " caches, equal lengths")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("TB/s of K and V read")
+    fig.suptitle(f"Decode: {meta['device']}, jax {meta['jax_version']}, {meta['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="matrix (default: full on a GPU, smoke without one)")
+    parser.add_argument("--impls", default=",".join(ALL_IMPLS))
+    parser.add_argument("--heads", default=None, help="subset of Hq/Hkv/D, e.g. 32/8/128,8/1/128")
+    parser.add_argument("--tq", default=None, help="subset of Tq, e.g. 1,16")
+    parser.add_argument("--layouts", default=None, help="dense,paged16,paged64")
+    parser.add_argument("--lengths", default=None, help="equal,ragged")
+    parser.add_argument("--max-cache-gb", type=float, default=40.0, help="skip shapes whose K + V exceed this")
+    parser.add_argument("--calls", type=int, default=20, help="pipelined calls per repetition")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--name", default=None, help="file stem (default decode-<device>-<date>)")
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    platform = device.platform
+    preset = PRESETS[args.preset or ("full" if platform == "gpu" else "smoke")]
+    heads = preset["heads"] if args.heads is None else tuple(tuple(int(x) for x in h.split("/"))
+                                                             for h in args.heads.split(","))
+    tqs = preset["tq"] if args.tq is None else tuple(int(x) for x in args.tq.split(","))
+    args.layouts = preset["layouts"] if args.layouts is None else tuple(args.layouts.split(","))
+    args.lengths = preset["lengths"] if args.lengths is None else tuple(args.lengths.split(","))
+    args.impls = tuple(args.impls.split(","))
+    for name, values, allowed in (("--impls", args.impls, ALL_IMPLS),
+                                  ("--layouts", args.layouts, ("dense", "paged16", "paged64")),
+                                  ("--lengths", args.lengths, ("equal", "ragged"))):
+        bad = [x for x in values if x not in allowed]
+        if bad:
+            parser.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
+    meta = dict(device=device.device_kind, platform=platform, jax_version=jax.__version__,
+                date=datetime.date.today().isoformat(), peak_gbps=peak_gbps(device.device_kind),
+                preset=args.preset or ("full" if platform == "gpu" else "smoke"))
+    missing = {name: why for name, (fn, why) in (("fa3_jax", _fa3()), ("tokamax", _tokamax()))
+               if name in args.impls and fn is None and platform == "gpu"}
+    meta["not_installed"] = missing
+    for name, why in missing.items():
+        print(f"{name} is not installed here ({why}): no {name} rows", flush=True)
+    if platform != "gpu":
+        print("No GPU: a smoke run (tiny shapes; not performance numbers)", flush=True)
+    shapes = [(hq, hkv, d, tq, b, s) for (hq, hkv, d) in heads for tq in tqs for (b, s) in preset["bs"]
+              if b * s * hkv * d * 2 * 2 <= args.max_cache_gb * 2**30]
+    t0 = time.perf_counter()
+    rows = []
+    for i, (hq, hkv, d, tq, b, s) in enumerate(shapes):
+        def progress(msg, i=i):
+            print(f"[{i + 1}/{len(shapes)} {time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
+        rows += rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress)
+    out = args.out or (RESULTS_DIR if platform == "gpu" else SMOKE_OUT)
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, args.name or f"decode-{device.device_kind.replace(' ', '_')}-{meta['date']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    text = markdown(rows, meta)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    wrote = [stem + ".json", stem + ".md"]
+    if platform == "gpu" and plot(rows, meta, stem + ".png"):
+        wrote.append(stem + ".png")
+    print(text)
+    print("wrote " + ", ".join(wrote), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+// Launcher of the decode kernels (flash_decode.cuh), instantiated per (dtype, head-dim class) in
+// flash_decode_hdim*.cu: the split-KV kernel with as many 16-row tiles as the packed query rows need, then the
+// combine kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/common/launch_utils.h"
+#include "kernels/decode/flash_decode.cuh"
+#include "kernels/flash_api.h"
+
+namespace jax_flash::cuda {
+
+template <typename T, int kD>
+cudaError_t launch_decode(const FlashParams& p, cudaStream_t stream) {
+  const int rows = p.group_size() * p.seqlen_q;
+  auto run = [&](auto row_tiles) -> cudaError_t {
+    using Traits = decode::DecodeTraits<kD, decltype(row_tiles)::value>;
+    constexpr auto kernel = decode::flash_decode_split_kernel<T, Traits>;
+    if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+    kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    decode::flash_decode_combine_kernel<T>
+        <<<unsigned(int64_t(p.batch) * p.seqlen_q * p.heads_q), decode::kCombineThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  };
+  switch (decode::RowTiles(rows)) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 8: return run(std::integral_constant<int, 8>{});
+    default: break;
+  }
+  return cudaErrorInvalidValue;  // the handler refuses such calls first
+}
+
+}  // namespace jax_flash::cuda
+
+#define JAX_FLASH_INSTANTIATE_DECODE(T, D) \
+  template cudaError_t jax_flash::cuda::launch_decode<T, D>(const FlashParams&, cudaStream_t);
