@@ -254,6 +254,7 @@ def plot(rows, meta, path):
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    colors = dict(zip(ALL_IMPLS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, paged in zip(axes, (False, True)):
         for impl in ALL_IMPLS:
@@ -261,7 +262,7 @@ def plot(rows, meta, path):
                    if r["impl"] == impl and r["paged"] == paged and r["error"] is None and not r["ragged"]]
             if pts:
                 xs, ys = zip(*sorted(pts))
-                ax.scatter(xs, ys, label=impl, s=14)
+                ax.scatter(xs, ys, label=impl, s=14, color=colors[impl])
         if meta["peak_gbps"]:
             ax.axhline(meta["peak_gbps"] / 1e3, color="gray", ls="--", lw=1, label="HBM peak")
             ax.axhline(0.8 * meta["peak_gbps"] / 1e3, color="gray", ls=":", lw=1, label="80% of peak")
