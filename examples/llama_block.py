@@ -25,6 +25,13 @@ Modes (default: ``bench`` when JAX's default device is a GPU, ``train`` otherwis
   (``peak_bytes_in_use``, which cannot be reset) is that measurement's own; ``--no-isolate`` runs everything in
   this process and reports the process peak so far.
 
+* ``generate``: a LLaMA-3-8B-like stack (``--config``; tiny without a GPU) on random weights: a B x P prompt
+  (``--batch``, ``--seq``; default 16 x 4096 on a GPU) prefilled through ``jax_flash.flax.Attention.prefill``,
+  then ``--steps`` (64) greedy decode steps of one token per sequence through the layers' KV caches
+  (``Attention.decode``: ``jax_flash.decode_attention``, or jax.nn for cudnn / xla), the caches donated so that
+  ``dynamic_update_slice`` writes them in place. Reports decode tokens/s for each ``--attention`` in the same run
+  and writes ``<out>/generate-<device>-<date>.{json,md}``.
+
 Model FLOPs of one train step (the basis of TFLOP/s and MFU, recomputation not counted):
 ``6 * P * B * S + 3 * F_attn``, where P is the number of weights in the block's matmuls (the q, k, v, o
 projections and the three MLP matrices; 2 FLOPs per weight and token forward, 4 backward for the gradients of
@@ -37,6 +44,7 @@ backward counts twice the forward). RMSNorm, RoPE, SwiGLU's elementwise work and
     python examples/llama_block.py --mode check --config tiny
     python examples/llama_block.py --mode bench --batch 1 --seq 8192 --attention jax_flash cudnn
     python examples/llama_block.py --mode bench --dry-run          # lower every step at full size, run nothing
+    python examples/llama_block.py --mode generate --batch 16 --seq 4096 --steps 64
 """
 
 import argparse
@@ -64,7 +72,7 @@ import jax_flash
 from jax_flash.flax import Attention
 
 ATTENTION = {"jax_flash": None, "cudnn": "cudnn", "xla": "xla"}  # --attention -> Attention(implementation=...)
-MODES = ("train", "check", "bench", "multi")
+MODES = ("train", "check", "bench", "multi", "generate")
 # Dense bfloat16/float16 tensor-core peaks of known GPUs, by JAX device_kind: (TFLOP/s, model), for MFU.
 GPU_PEAK_TFLOPS = {
     "NVIDIA H100 80GB HBM3": (989.0, "H100 SXM"),
@@ -137,6 +145,16 @@ class Block(nnx.Module):
         h = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids)
         return h + self.mlp(self.mlp_norm(h))
 
+    def prefill(self, x, cache):
+        y, cache = self.attn.prefill(self.attn_norm(x), cache)
+        h = x + y
+        return h + self.mlp(self.mlp_norm(h)), cache
+
+    def decode(self, x, cache):
+        y, cache = self.attn.decode(self.attn_norm(x), cache)
+        h = x + y
+        return h + self.mlp(self.mlp_norm(h)), cache
+
 
 class Decoder(nnx.Module):
     """Token embedding, cfg.num_layers blocks, final RMSNorm and an untied LM head; returns float32 logits."""
@@ -157,6 +175,28 @@ class Decoder(nnx.Module):
         for block in self.layers:
             x = block(x, positions=positions, segment_ids=segment_ids)
         return self.lm_head(self.final_norm(x)).astype(jnp.float32)
+
+    def init_caches(self, batch, max_len):
+        """One empty jax_flash.flax.KVCache per layer."""
+        return [block.attn.init_cache(batch, max_len) for block in self.layers]
+
+    def _cached(self, method, tokens, caches, last_only=False):
+        x, new = self.embed(tokens), []
+        for block, cache in zip(self.layers, caches):
+            x, cache = getattr(block, method)(x, cache)
+            new.append(cache)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.final_norm(x)).astype(jnp.float32), new
+
+    def prefill(self, tokens, caches):
+        """The prompt tokens [B, P] (positions 0..P-1) through every layer, filling the caches: (logits of the last
+        position [B, 1, vocab], caches)."""
+        return self._cached("prefill", tokens, caches, last_only=True)
+
+    def decode(self, tokens, caches):
+        """The next tokens [B, T] (T <= 16) at the caches' positions: (logits [B, T, vocab], caches)."""
+        return self._cached("decode", tokens, caches)
 
 
 def set_attention(module, attention):
@@ -892,6 +932,97 @@ def multi(args):
 # command line
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# generate: prefill, then greedy decode steps through the KV caches
+
+
+def generate(args):
+    """Prefills a random prompt of B x P tokens with the jax_flash kernels (the same for every choice: jax.nn's xla
+    prefill would materialise B x H x P x P scores), then times N greedy decode steps (one token per sequence each,
+    the caches donated so they update in place) with each attention choice on the same weights. Reports decode
+    tokens/s (B x timed steps / time; the first step, which compiles, is not timed) and how many generated tokens
+    agree with the first choice's."""
+    cfg = CONFIGS[args.config]
+    dtype = jnp.dtype(args.dtype)
+    device, kind, on_gpu = device_info()
+    batch, prompt, steps = args.batch, args.seq, args.steps
+    max_len = prompt + steps
+    model = Decoder(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(args.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    kv_bytes = cfg.num_layers * 2 * batch * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize  # per cached token
+    log(f"{kind} | jax {jax.__version__} | {args.config}: {cfg.num_layers} layers, {n_params / 1e6:,.1f}M params "
+        f"({dtype.name}) | batch {batch}, prompt {prompt}, {steps} decode steps | KV cache "
+        f"{kv_bytes * max_len / 2**30:.2f} GiB")
+    tokens = jax.random.randint(jax.random.key(args.seed + 1), (batch, prompt), 0, cfg.vocab, jnp.int32)
+    set_attention(model, "jax_flash")
+    prefill_graph, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def prefill(state, tokens, caches):
+        logits, caches = nnx.merge(prefill_graph, state).prefill(tokens, caches)
+        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
+
+    rows, generated = [], {}
+    for attention in args.attention:
+        set_attention(model, attention)
+        decode_graph, _ = nnx.split(model)
+
+        @functools.partial(jax.jit, donate_argnums=2)
+        def step(state, token, caches, decode_graph=decode_graph):
+            logits, caches = nnx.merge(decode_graph, state).decode(token[:, None], caches)
+            return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
+
+        caches = model.init_caches(batch, max_len)
+        t0 = time.perf_counter()
+        token, caches = prefill(state, tokens, caches)
+        token.block_until_ready()
+        prefill_s = time.perf_counter() - t0
+        out = [token]
+        token, caches = step(state, token, caches)  # compiles
+        out.append(token)
+        token.block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(steps - 2):
+            token, caches = step(state, token, caches)
+            out.append(token)
+        token.block_until_ready()
+        dt = time.perf_counter() - t0
+        timed = steps - 2
+        generated[attention] = np.asarray(jnp.stack(out, 1))
+        row = dict(attention=attention, batch=batch, prompt=prompt, steps=steps, prefill_s=round(prefill_s, 3),
+                   step_ms=round(dt / max(timed, 1) * 1e3, 3), tokens_per_s=round(batch * timed / dt, 1) if timed else None)
+        first = generated[args.attention[0]]
+        row["agree"] = round(float((generated[attention] == first).mean()), 4)
+        rows.append(row)
+        log(f"{attention:9s} decode {row['step_ms']:8.2f} ms/step, {row['tokens_per_s']:10,.0f} tokens/s "
+            f"(prefill {prefill_s:.2f} s, the first includes compilation; tokens agreeing with {args.attention[0]}: {row['agree']:.1%})")
+        del caches
+    meta = dict(device=kind, jax_version=jax.__version__, date=datetime.date.today().isoformat(),
+                config=args.config, dtype=dtype.name, params=int(n_params), smoke=not on_gpu)
+    best = max(rows, key=lambda r: r["tokens_per_s"] or 0)
+    lines = [f"# LLaMA generation: {kind}, jax {meta['jax_version']}, {meta['date']}", "",
+             ("Smoke run without a GPU: the timings are not performance numbers. " if not on_gpu else "") +
+             f"{args.config} ({cfg.num_layers} layers, {n_params / 1e6:,.1f}M params, {dtype.name}), batch {batch}, "
+             f"prompt {prompt} tokens (prefilled with jax_flash), {steps} tokens generated per sequence greedily "
+             f"(the prefill's, then {steps - 1} decode steps of one token); the attention choice applies to the "
+             f"decode steps; tokens/s over the {steps - 2} steps after the first (which compiles).",
+             "", "| attention | ms / step | tokens/s | vs best | tokens agreeing with " + args.attention[0] + " |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['attention']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tokens_per_s'] / best['tokens_per_s']:.3f} | {r['agree']:.1%} |")
+    text = "\n".join(lines) + "\n"
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.name or f"generate-{kind.replace(' ', '_')}-{meta['date']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    log(text)
+    log(f"wrote {stem}.json, {stem}.md")
+    return 0
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -982,6 +1113,19 @@ def finish_args(args, error, on_gpu):
                 error(f"--{name.replace('_', '-')} does not apply to --mode train")
         if not 1 <= args.packed <= args.seq:
             error(f"--packed must be between 1 and --seq ({args.seq}), got {args.packed}")
+    elif args.mode == "generate":
+        args.config = args.config or ("llama3-8b" if on_gpu else "tiny")
+        args.attention = args.attention or [a for a in ATTENTION if on_gpu or a != "cudnn"]
+        if len(set(args.attention)) != len(args.attention):
+            error("--attention lists a choice twice")
+        args.batch = args.batch or (16 if on_gpu else 2)
+        args.seq = args.seq or (4096 if on_gpu else 16)
+        args.steps = args.steps or (64 if on_gpu else 6)
+        if args.steps < 3:
+            error("--mode generate needs --steps >= 3 (the first step compiles and is not timed)")
+        args.out = args.out or (RESULTS_DIR if on_gpu else SMOKE_OUT)
+        if args.dry_run:
+            error("--dry-run does not apply to --mode generate")
     elif args.mode == "multi":
         args.config = args.config or ("llama3-8b" if on_gpu else "tiny")
         args.attention = args.attention or (["jax_flash", "cudnn"] if on_gpu else ["jax_flash", "xla"])
@@ -1037,6 +1181,8 @@ def main(argv=None):
         return check_mode(args)
     if args.mode == "multi":
         return multi(args)
+    if args.mode == "generate":
+        return generate(args)
     return bench(args, child_env)
 
 

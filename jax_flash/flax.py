@@ -23,7 +23,15 @@ masks over as traced arrays whose structure is unknown at trace time, so a call 
 sequence lengths instead of a mask to stay on the kernel.
 
 ``Attention`` is a grouped-query self-attention layer with rotary embeddings whose ``implementation`` can be
-switched between the kernel and jax.nn's implementations on the same parameters.
+switched between the kernel and jax.nn's implementations on the same parameters. For generation it has a KV-cache
+mode: ``init_cache`` makes a :class:`KVCache`, ``prefill`` runs the prompt and fills the cache, ``decode`` runs a
+few new tokens against it (:func:`jax_flash.decode_attention`); both return the new cache, which the caller
+threads through its step function (donate it under ``jax.jit`` so the update is in place)::
+
+    cache = layer.init_cache(batch, max_len)
+    y, cache = layer.prefill(prompt_x, cache)           # [B, P, d_model]
+    step = jax.jit(lambda x, cache: layer.decode(x, cache), donate_argnums=1)
+    y, cache = step(next_x, cache)                      # [B, 1, d_model]
 
 This module needs ``flax`` (``pip install ".[flax]"`` in the repository installs jax_flash with flax and optax);
 ``import jax_flash`` does not import it.
@@ -32,7 +40,7 @@ This module needs ``flax`` (``pip install ".[flax]"`` in the repository installs
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +51,9 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jax_flash import attention as attention_module
 from jax_flash.attention import Implementation, dot_product_attention
+from jax_flash.decode import MAX_QUERY_ROWS, decode_attention
 
-__all__ = ["Attention", "apply_rope", "attention_fn", "make_attention_fn"]
+__all__ = ["Attention", "KVCache", "apply_rope", "attention_fn", "make_attention_fn"]
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -308,6 +317,26 @@ def apply_rope(x: jax.Array, positions: ArrayLike, theta: float = 10000.0) -> ja
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+class KVCache(NamedTuple):
+    """One attention layer's key/value cache (a pytree): ``k``, ``v`` [batch, max_len, num_kv_heads, head_dim] and
+    ``lengths`` int32 [batch], the valid entries of each sequence (the next token's position)."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+
+def _write_cache(cache, k, v, start):
+    """The cache with k, v [B, T, H, D] written at each sequence's position ``start`` [B] (dynamic_update_slice
+    per sequence: in place when the cache is donated). Writes past the end are clipped by XLA to the last
+    positions; callers keep lengths within max_len."""
+    def one(ck, cv, k, v, s):
+        return (jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (s, 0, 0)),
+                jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (s, 0, 0)))
+    ck, cv = jax.vmap(one)(cache.k, cache.v, k, v, start)
+    return ck, cv
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary embeddings, run by the jax_flash kernels.
 
@@ -421,3 +450,90 @@ class Attention(nnx.Module):
             implementation=_check_implementation(self.implementation), q_segment_ids=segment_ids,
             sinks=None if self.sinks is None else self.sinks[...], logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
+
+    # -- KV-cache generation ------------------------------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int, dtype: DTypeLike | None = None) -> KVCache:
+        """An empty cache for `batch` sequences of up to `max_len` tokens (dtype: the layer's ``dtype``, else
+        bfloat16)."""
+        dtype = dtype or self.q_proj.dtype or jnp.bfloat16
+        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    def _project(self, x, positions):
+        batch, seqlen, _ = x.shape
+        q = self.q_proj(x).reshape(batch, seqlen, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, seqlen, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, seqlen, self.num_kv_heads, self.head_dim)
+        if self.rope:
+            q = apply_rope(q, positions, self.rope_theta)
+            k = apply_rope(k, positions, self.rope_theta)
+        return q, k, v
+
+    def _check_cache_input(self, x, cache):
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be [batch, seq, d_model={self.d_model}], got shape {x.shape}")
+        if not isinstance(cache, KVCache) or cache.k.shape[0] != x.shape[0]:
+            raise ValueError("cache must be a KVCache from init_cache for this batch")
+        if cache.k.shape[2:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"cache heads/head_dim {cache.k.shape[2:]} differ from the layer's "
+                             f"({self.num_kv_heads}, {self.head_dim})")
+
+    def prefill(self, x: jax.Array, cache: KVCache, *, lengths: ArrayLike | None = None
+                ) -> tuple[jax.Array, KVCache]:
+        """Causal self-attention over the prompt x [batch, P, d_model] (positions 0..P-1), with its keys and values
+        written to the start of the cache. ``lengths`` (int32 [batch], default P): prompts right-padded to P;
+        rows past a prompt's length output 0 and the cache counts only its length.
+
+        Returns (y [batch, P, d_model], the cache)."""
+        self._check_cache_input(x, cache)
+        batch, seqlen, _ = x.shape
+        if seqlen > cache.k.shape[1]:
+            raise ValueError(f"the prompt ({seqlen} tokens) does not fit the cache ({cache.k.shape[1]})")
+        lengths = jnp.full((batch,), seqlen, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        q, k, v = self._project(x, jnp.arange(seqlen))
+        out = dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=self.local_window_size, query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths, implementation=_check_implementation(self.implementation),
+            sinks=None if self.sinks is None else self.sinks[...], logits_soft_cap=self.logits_soft_cap)
+        ck, cv = _write_cache(cache, k, v, jnp.zeros((batch,), jnp.int32))
+        y = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
+        return y, KVCache(ck, cv, lengths)
+
+    def decode(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """The next Tq <= 16 tokens x [batch, Tq, d_model] of each sequence, at positions ``cache.lengths + t``:
+        their keys and values are appended to the cache, then each attends (causally) to its sequence's cache
+        (:func:`jax_flash.decode_attention`; with ``implementation="xla"`` or ``"cudnn"``, jax.nn with the same
+        mask). The caller keeps ``cache.lengths + Tq`` within the cache's max_len.
+
+        Returns (y [batch, Tq, d_model], the cache with the new entries)."""
+        self._check_cache_input(x, cache)
+        if not self.is_causal:
+            raise ValueError("decode needs a causal layer (is_causal=True)")
+        batch, rows, _ = x.shape
+        if not 1 <= rows <= MAX_QUERY_ROWS:
+            raise ValueError(f"decode takes 1 to {MAX_QUERY_ROWS} new tokens, got {rows}")
+        positions = cache.lengths[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]
+        q, k, v = self._project(x, positions)
+        ck, cv = _write_cache(cache, k, v, cache.lengths)
+        lengths = cache.lengths + rows
+        implementation = _check_implementation(self.implementation)
+        sinks = None if self.sinks is None else self.sinks[...]
+        if implementation is not None and (sinks is not None or self.logits_soft_cap is not None):
+            raise ValueError(f"sinks and logits_soft_cap are jax_flash options: implementation={implementation!r} "
+                             "(jax.nn) does not take them")
+        if implementation is None:
+            out = decode_attention(q, ck, cv, lengths, local_window_size=self.local_window_size, sinks=sinks,
+                                   logits_soft_cap=self.logits_soft_cap)
+        elif rows == 1 and self.local_window_size is None:
+            out = jax.nn.dot_product_attention(q, ck, cv, key_value_seq_lengths=lengths, implementation=implementation)
+        else:  # bottom-right causal (and window) as a dense mask
+            pos = positions[:, None, :, None]
+            key = jnp.arange(ck.shape[1], dtype=jnp.int32)[None, None, None, :]
+            visible = (key <= pos) & (key < lengths[:, None, None, None])
+            if self.local_window_size is not None:
+                left, right = attention_module._check_window(self.local_window_size)
+                visible &= (key >= pos - left) & (key <= pos + right)
+            out = jax.nn.dot_product_attention(q, ck, cv, mask=visible, implementation=implementation)
+        y = self.o_proj(out.reshape(batch, rows, self.num_heads * self.head_dim))
+        return y, KVCache(ck, cv, lengths)
