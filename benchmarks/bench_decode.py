@@ -152,7 +152,7 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
     q = jax.random.normal(kq, (b, tq, hq, d), dtype)
     k = jax.random.normal(kk, (b, s, hkv, d), dtype)
     v = jax.random.normal(kv, (b, s, hkv, d), dtype)
-    splits = _ffi.decode_splits(q.shape, hkv, s)
+    splits = _ffi.decode_splits(q.shape, hkv, s) if meta["platform"] == "gpu" else None  # for fa3_jax (GPU only)
     for lengths_kind in args.lengths:
         if lengths_kind == "equal":
             n = jnp.full((b,), s, jnp.int32)
