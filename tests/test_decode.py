@@ -315,3 +315,23 @@ def test_forward_only():
         jax.grad(lambda q: jnp.sum(jax_flash.decode_attention(q, k, k, n).astype(jnp.float32)))(q)
     with pytest.raises(TypeError, match="forward-only"):
         jax.grad(lambda k: jnp.sum(jax_flash.decode_attention(q, k, k, n).astype(jnp.float32)))(k)
+
+
+def test_split_count_fills_one_wave(monkeypatch):
+    """decode_splits sizes the grid to the blocks the GPU holds at once (from the kernel's shared memory and
+    threads), with at least two key tiles per split and bounded partial-result traffic."""
+    from jax_flash import _ffi
+
+    class FakeCudaModule:  # the CUDA module's answer for a d128 single-row-tile kernel: ~100 KB, 128 threads
+        @staticmethod
+        def decode_launch_shape(head_dim, packed_rows):
+            return (102 * 1024, 128)
+
+    monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
+    monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)
+    # two blocks per SM: 264 resident; B x Hkv = 8 -> 33 splits; 64 x 8 = 512 >= 264 -> 1 split
+    assert _ffi.decode_splits((1, 1, 32, 128), 8, 131072) == 33
+    assert _ffi.decode_splits((64, 1, 32, 128), 8, 8192) == 1
+    # short caches: at least two 64-key tiles per split; many packed rows: the partials' traffic bound
+    assert _ffi.decode_splits((1, 1, 32, 128), 8, 512) == 4
+    assert _ffi.decode_splits((1, 16, 32, 128), 8, 4096) == 4096 // (16 * 64)
