@@ -12,13 +12,7 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 note "options_gpu_check $(date -u +%Y-%m-%dT%H:%MZ) mode=$MODE $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-wheel=$(ls dist/*/jax_flash-*-cp312-*.whl | head -1)
-python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
-cp jax_flash/*.py /tmp/jf_site/jax_flash/  # the working tree's Python over the wheel's
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer_site .whl/*.whl || note "peer install failed"
-fi
-export PYTHONPATH=/tmp/jf_site:/tmp/peer_site:$REPO/.whl/stubs PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+source tools/gpu_site.sh  # the wheel from dist/, the working tree's Python, the peers; PYTHONPATH
 status=0
 if [ "$MODE" != bench ]; then
   cd /tmp

@@ -226,14 +226,14 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
     if (computes) {
       const int key0 = tile_key0(tile) + slice * kSN;  // this warp's slice of the tile
       float acc_s[kNTiles][4];
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kNTiles; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0.f;
       const uint32_t k_stage = k_addr + stage * kStageBytes;
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         uint32_t a_reg[4];
         ldmatrix_x4(a_reg, q_addr ^ (kk * 32));
-  #pragma unroll
+#pragma unroll
         for (int nn = 0; nn < kSN / 16; ++nn) {
           uint32_t b_reg[4];
           ldmatrix_x4(b_reg, (k_stage ^ (kk * 32)) + nn * 16 * kRB);
@@ -242,12 +242,12 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
         }
       }
       // Soft cap, mask, online softmax (as the forward kernels).
-  #pragma unroll
+#pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         float mx = row_max[rr];
-  #pragma unroll
+#pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 2; ++e) {
             float s = acc_s[nt][2 * rr + e];
             if (cap.enabled()) s = cap.apply(s);
@@ -262,14 +262,14 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
         const float correction = exp2f(row_max[rr] * p.scale_log2 - max_scaled);
         row_max[rr] = mx;
         row_sum[rr] *= correction;
-  #pragma unroll
+#pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           acc_o[dt][2 * rr] *= correction;
           acc_o[dt][2 * rr + 1] *= correction;
         }
-  #pragma unroll
+#pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float pe = exp2f(acc_s[nt][2 * rr + e] * p.scale_log2 - max_scaled);
             acc_s[nt][2 * rr + e] = pe;
@@ -279,14 +279,14 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
       }
       // O += P V over this warp's slice of keys.
       const uint32_t v_stage = v_addr + stage * kStageBytes;
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < kSN / 16; ++kk) {
         uint32_t a_reg[4];
         a_reg[0] = ET::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
         a_reg[1] = ET::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
         a_reg[2] = ET::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
         a_reg[3] = ET::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-  #pragma unroll
+#pragma unroll
         for (int dd = 0; dd < kD / 16; ++dd) {
           uint32_t b_reg[4];
           ldmatrix_x4_trans(b_reg, (v_stage ^ (dd * 32)) + kk * 16 * kRB);

@@ -1,0 +1,11 @@
+# Sourced by the one-GPU check scripts (options_gpu_check.sh, decode_gpu_check.sh), from the repository root, after
+# they define note(): installs the wheel carried in dist/*/ into /tmp/jf_site with the working tree's Python over
+# it, the peers' wheels in .whl/ (FA3-jax, tokamax and theirs) into /tmp/peer_site, and exports the PYTHONPATH and
+# memory settings the tests and benchmarks run with.
+wheel=$(ls dist/*/jax_flash-*-cp312-*.whl | head -1)
+python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
+cp jax_flash/*.py /tmp/jf_site/jax_flash/  # the working tree's Python over the wheel's
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer_site .whl/*.whl || note "peer install failed"
+fi
+export PYTHONPATH=/tmp/jf_site:/tmp/peer_site:$PWD/.whl/stubs PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
