@@ -1,4 +1,5 @@
-"""Attention-only benchmark: jax_flash beside jax.nn.dot_product_attention (xla and cudnn) in one process.
+"""Attention-only benchmark: jax_flash beside jax.nn.dot_product_attention (xla and cudnn) and the installed JAX
+peers (FlashAttention-3 as a JAX op, tokamax) in one process.
 
 Times are medians over samples of back-to-back jit'd calls (wall clock from the first dispatch to
 block_until_ready on the last, divided by the number of calls) after warm-up, so per-call host synchronisation is
@@ -9,6 +10,16 @@ reference computed on a slice of heads.
 
     python benchmarks/bench_attention.py            # full matrix on a GPU; a smoke run without one
     python benchmarks/bench_attention.py --quick    # a handful of shapes
+
+Implementations (--impls; by default these five, each where it applies):
+  jax_flash   jax_flash.dot_product_attention
+  cudnn, xla  jax.nn.dot_product_attention(implementation=...)
+  fa3_jax     flash_attn3_jax.flash_mha (PyPI flash-attn3-jax; its wheel has head-dim-128 kernels only, so it runs at
+              head dim 128 and its cells at other head dims are empty)
+  tokamax     tokamax.dot_product_attention(implementation="mosaic") (fails under jax_enable_x64)
+A peer that is not installed is skipped with a note saying why (printed and in the table); the GPU-only ones
+(cudnn, fa3_jax, tokamax) are skipped without a GPU. ``../shared/peers/fetch_peer_wheels.sh`` downloads the peers'
+wheels for a machine without network.
 
 Writes <out>/<device>-<date>.json (one row per shape x implementation), a markdown table with jax_flash/cudnn
 ratios (jax_flash/xla where cudnn did not run) (.md) and a plot of TFLOP/s against sequence length (.png). While it
@@ -37,7 +48,9 @@ import numpy as np
 
 import jax_flash
 
-IMPLS = ("jax_flash", "cudnn", "xla")
+IMPLS = ("jax_flash", "cudnn", "xla", "fa3_jax", "tokamax")
+GPU_ONLY = ("cudnn", "fa3_jax", "tokamax")
+PEERS = ("cudnn", "fa3_jax", "tokamax")  # the best of these is the bar of the "vs best peer" ratios
 # jax_flash with one more option, for its cost against the plain call (only through --impls). The values keep the
 # output equal to the plain call's (so the error column stays comparable) and the work the same: sinks of -1e4
 # (weights exp(-1e4 - lse) = 0), a soft cap of 1e4 (c tanh(x / c) = x to float32 rounding at these logits).
@@ -117,7 +130,30 @@ def attention_fn(impl, causal, deterministic=False):
             return with_sinks
         return lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=causal,
                                                                deterministic=deterministic, **options)
+    if impl == "fa3_jax":
+        import flash_attn3_jax
+        return lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=causal)
+    if impl == "tokamax":
+        import tokamax
+        return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+
+
+def missing_peer(impl):
+    """Why `impl` (fa3_jax or tokamax) cannot run here: None if its package imports."""
+    module = {"fa3_jax": "flash_attn3_jax", "tokamax": "tokamax"}.get(impl)
+    if module is None:
+        return None
+    try:
+        __import__(module)
+    except Exception as e:  # noqa: BLE001 - any import failure means the peer is not usable
+        return f"not installed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    return None
+
+
+def applies(impl, shape):
+    """Whether `impl` has kernels for `shape` (FA3-jax's wheel: head dim 128 only)."""
+    return impl != "fa3_jax" or shape.head_dim == 128
 
 
 SAMPLE_SECONDS = 2e-3  # back-to-back calls per sample: enough to cover this much device time,
@@ -207,16 +243,24 @@ def markdown(rows, meta):
         by.setdefault((r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"]), {})[r["impl"]] = r
     impls = [i for i in ALL_IMPLS if any(r["impl"] == i for r in rows)]
     baseline = next((i for i in ("cudnn", "xla") if i in impls and "jax_flash" in impls), None)  # of the ratios
+    peers = [i for i in PEERS if i in impls and "jax_flash" in impls]
+    skipped = meta.get("skipped") or {}
     lines = [f"# Attention benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
              ("Smoke run without a GPU: the timings are not performance numbers. " if meta.get("smoke") else "") +
              (f"Partial run: {meta['partial']}. " if meta.get("partial") else "") +
              ("jax_flash with deterministic=True; " if meta.get("deterministic") else "") +
              f"dtype {meta['dtype']}; fwd / bwd TFLOP/s (fwd ms, pipelined; fwd latency ms of one blocking call); " +
              (f"ratio = jax_flash / {baseline}" if baseline else "no ratios") +
-             "; err = forward relative error vs float32.", "",
-             "| B, S, Hq/Hkv, D, causal | " + " | ".join(impls) + " | fwd ratio | bwd ratio | jax_flash err |",
-             "|---|" + "---|" * (len(impls) + 3)]
-    fwd_ratios, bwd_ratios = [], []
+             ("; vs best = jax_flash / the fastest of " + ", ".join(peers) + " on that shape (which one)"
+              if peers else "") + "; err = forward relative error vs float32."]
+    if skipped:
+        lines += ["", "Not run: " + "; ".join(f"{i}: {why}" for i, why in skipped.items()) + "."]
+    if "fa3_jax" in impls:
+        lines += ["", "fa3_jax runs at head dim 128 only (its wheel's kernels); its other cells are empty."]
+    lines += ["", "| B, S, Hq/Hkv, D, causal | " + " | ".join(impls) + " | fwd ratio | bwd ratio" +
+              (" | fwd vs best | bwd vs best" if peers else "") + " | jax_flash err |",
+              "|---|" + "---|" * (len(impls) + 3 + (2 if peers else 0))]
+    ratios = {k: [] for k in ("fwd", "bwd", "fwd_best", "bwd_best")}
     for (b, s, hq, hkv, d, c), group in by.items():
         cells = []
         for i in impls:
@@ -226,23 +270,37 @@ def markdown(rows, meta):
             else:
                 cells.append(f"{fmt_rate(r['fwd_tflops'])} / {fmt_rate(r['bwd_tflops'])} "
                              f"({fmt(r['fwd_ms'], '.3f')}; {fmt(r['fwd_latency_ms'], '.3f')})")
-        jf, base = group.get("jax_flash"), group.get(baseline)
-        fr = br = None
-        if jf and base and jf["fwd_tflops"] and base["fwd_tflops"]:
-            fr = jf["fwd_tflops"] / base["fwd_tflops"]
-            fwd_ratios.append(fr)
-        if jf and base and jf["bwd_tflops"] and base["bwd_tflops"]:
-            br = jf["bwd_tflops"] / base["bwd_tflops"]
-            bwd_ratios.append(br)
+        jf = group.get("jax_flash")
+        ok = lambda r, key: r is not None and not r["error"] and r[key]
+        row_ratios = {}
+        for key in ("fwd", "bwd"):
+            rate = f"{key}_tflops"
+            base = group.get(baseline)
+            if ok(jf, rate) and ok(base, rate):
+                row_ratios[key] = jf[rate] / base[rate]
+            best = max((group[i] for i in peers if ok(group.get(i), rate)), key=lambda r: r[rate], default=None)
+            if ok(jf, rate) and best is not None:
+                row_ratios[f"{key}_best"] = (jf[rate] / best[rate], best["impl"])
+        for key, value in row_ratios.items():
+            ratios[key].append(value[0] if isinstance(value, tuple) else value)
+        best_cells = ""
+        if peers:
+            best_cells = "".join(f" | {fmt(row_ratios[k][0], '.2f')} ({row_ratios[k][1]})" if k in row_ratios
+                                 else " | –" for k in ("fwd_best", "bwd_best"))
         err = fmt(jf["rel_err"], ".1e") if jf else "–"
         lines.append(f"| {b}, {s}, {hq}/{hkv}, {d}, {'Y' if c else 'N'} | " + " | ".join(cells) +
-                     f" | {fmt(fr, '.2f')} | {fmt(br, '.2f')} | {err} |")
+                     f" | {fmt(row_ratios.get('fwd'), '.2f')} | {fmt(row_ratios.get('bwd'), '.2f')}" + best_cells +
+                     f" | {err} |")
     gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
     if baseline:
-        lines += ["", f"Geometric mean jax_flash/{baseline}: forward {fmt(gm(fwd_ratios), '.2f')}, "
-                      f"backward {fmt(gm(bwd_ratios), '.2f')}."]
+        lines += ["", f"Geometric mean jax_flash/{baseline}: forward {fmt(gm(ratios['fwd']), '.2f')}, "
+                      f"backward {fmt(gm(ratios['bwd']), '.2f')}."]
     else:
         lines += ["", "No ratios: jax_flash did not run beside cudnn or xla (--impls)."]
+    if peers:
+        lines += [f"jax_flash / best peer: forward geometric mean {fmt(gm(ratios['fwd_best']), '.2f')} (min "
+                  f"{fmt(min(ratios['fwd_best'], default=None), '.2f')}), backward {fmt(gm(ratios['bwd_best']), '.2f')}"
+                  f" (min {fmt(min(ratios['bwd_best'], default=None), '.2f')})."]
     return "\n".join(lines) + "\n"
 
 
@@ -304,7 +362,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a handful of shapes")
     parser.add_argument("--impls", default=",".join(IMPLS),
                         help="comma-separated subset of " + ",".join(ALL_IMPLS) + " (the last two: jax_flash with "
-                             "sinks or a soft cap, for their cost)")
+                             "sinks or a soft cap, for their cost); peers not installed are skipped with a note")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--out", default=None,
                         help=f"results directory (default: benchmarks/results/ on a GPU; without one, for a smoke "
@@ -338,12 +396,17 @@ def main(argv=None):
     unknown = [i for i in impls if i not in ALL_IMPLS]
     if unknown:
         parser.error(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(ALL_IMPLS)}")
-    if not on_gpu:
-        impls = [i for i in impls if i != "cudnn"]
+    skipped = {}
+    for i in impls:
+        why = "GPU only" if i in GPU_ONLY and not on_gpu else missing_peer(i)
+        if why:
+            skipped[i] = why
+            print(f"{i}: {why}; skipped", flush=True)
+    impls = [i for i in impls if i not in skipped]
     dtype = jnp.dtype(args.dtype)
     date = datetime.date.today().isoformat()
     meta = dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__, date=date,
-                dtype=dtype.name, deterministic=args.deterministic, smoke=not on_gpu,
+                dtype=dtype.name, deterministic=args.deterministic, smoke=not on_gpu, skipped=skipped,
                 method="median over samples of back-to-back jit'd calls (wall clock to "
                 "block_until_ready on the last) per call; latency = median of single blocking calls")
     shapes = parse_shapes(args.shapes) if args.shapes else shape_matrix(args.quick, on_gpu)
@@ -361,7 +424,7 @@ def main(argv=None):
     if on_gpu:
         warm_up_device()
     for n, shape in enumerate(shapes, 1):
-        for impl in impls:
+        for impl in (i for i in impls if applies(i, shape)):
             t0 = time.perf_counter()
             row = run_case(shape, impl, dtype, args)
             row.update(device=meta["device"], jax_version=jax.__version__, date=date)

@@ -3,7 +3,10 @@
 The model: token embedding, a stack of pre-norm blocks (RMSNorm, grouped-query causal self-attention with rotary
 embeddings through ``jax_flash.flax.Attention``, RMSNorm, SwiGLU MLP, residual connections), a final RMSNorm and an
 untied LM head. ``--attention`` switches only the attention computation, on the same parameters: ``jax_flash``
-(the fused kernels), or ``cudnn`` / ``xla`` (``jax.nn.dot_product_attention`` with that implementation).
+(the fused kernels), ``cudnn`` / ``xla`` (``jax.nn.dot_product_attention`` with that implementation), or the JAX
+peers where installed (GPU only; train, check and bench modes): ``fa3_jax`` (``flash_attn3_jax.flash_mha``, PyPI
+flash-attn3-jax, head dim 128) and ``tokamax`` (``tokamax.dot_product_attention(implementation="mosaic")``). By
+default every choice that can run here is taken; a peer that is not installed is skipped with a note.
 
 Modes (default: ``bench`` when JAX's default device is a GPU, ``train`` otherwise):
 
@@ -71,7 +74,25 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_flash
 from jax_flash.flax import Attention
 
-ATTENTION = {"jax_flash": None, "cudnn": "cudnn", "xla": "xla"}  # --attention -> Attention(implementation=...)
+
+
+def fa3_jax_attention(q, k, v, *, is_causal):
+    """FlashAttention-3 as a JAX op (PyPI flash-attn3-jax), as a callable implementation of Attention."""
+    import flash_attn3_jax
+    return flash_attn3_jax.flash_mha(q, k, v, is_causal=is_causal)
+
+
+def tokamax_attention(q, k, v, *, is_causal):
+    """tokamax's Mosaic GPU attention, as a callable implementation of Attention."""
+    import tokamax
+    return tokamax.dot_product_attention(q, k, v, is_causal=is_causal, implementation="mosaic")
+
+
+# --attention -> Attention(implementation=...)
+ATTENTION = {"jax_flash": None, "cudnn": "cudnn", "xla": "xla", "fa3_jax": fa3_jax_attention,
+             "tokamax": tokamax_attention}
+PEER_MODULES = {"fa3_jax": "flash_attn3_jax", "tokamax": "tokamax"}
+GPU_ONLY = ("cudnn", "fa3_jax", "tokamax")
 MODES = ("train", "check", "bench", "multi", "generate")
 # Dense bfloat16/float16 tensor-core peaks of known GPUs, by JAX device_kind: (TFLOP/s, model), for MFU.
 GPU_PEAK_TFLOPS = {
@@ -197,6 +218,46 @@ class Decoder(nnx.Module):
     def decode(self, tokens, caches):
         """The next tokens [B, T] (T <= 16) at the caches' positions: (logits [B, T, vocab], caches)."""
         return self._cached("decode", tokens, caches)
+
+
+def unavailable(attention, on_gpu):
+    """Why `attention` cannot run here (GPU only, or a peer that does not import), or None."""
+    if attention in GPU_ONLY and not on_gpu:
+        return "GPU only"
+    module = PEER_MODULES.get(attention)
+    if module is None:
+        return None
+    try:
+        __import__(module)
+    except Exception as e:  # noqa: BLE001 - any import failure means the peer is not usable
+        return f"not installed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    return None
+
+
+def choose_attentions(args, error, on_gpu, allowed):
+    """--attention, or every choice in `allowed` that can run here (peers that do not import noted in
+    args.skipped); a choice the user named that cannot run is an error."""
+    args.skipped = {}
+    if args.attention is not None:
+        for a in args.attention:
+            if a not in allowed:
+                error(f"--mode {args.mode} takes --attention {' / '.join(allowed)}, got {a}")
+            why = unavailable(a, on_gpu)
+            if why:
+                error(f"--attention {a}: {why}")
+        if len(set(args.attention)) != len(args.attention):
+            error("--attention lists a choice twice")
+        return args.attention
+    chosen = []
+    for a in allowed:
+        why = unavailable(a, on_gpu)
+        if why:
+            if a in PEER_MODULES and on_gpu:
+                log(f"note: --attention {a} skipped: {why}")
+                args.skipped[a] = why
+        else:
+            chosen.append(a)
+    return chosen
 
 
 def set_attention(module, attention):
@@ -619,6 +680,19 @@ def markdown(meta, checks, rows):
                      f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {mfu} | "
                      f"{fmt(gib(r['peak_bytes']), '.2f')} | {fmt(gib(r['xla_total_bytes']), '.2f')} | "
                      f"{fmt(ratio, '.2f')} |")
+    best = {}  # (batch, seqlen) -> the fastest peer's row
+    for r in rows:
+        if r["attention"] in GPU_ONLY and not r.get("error"):
+            key = (r["batch"], r["seqlen"])
+            if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
+                best[key] = r
+    if best and base:
+        lines += ["", "jax_flash tokens/s / the best peer's (" + ", ".join(a for a in GPU_ONLY if a in {
+            r["attention"] for r in rows}) + "): " + "; ".join(
+            f"{b} x {s}: {base[(b, s)]['tokens_per_s'] / r['tokens_per_s']:.3f} ({r['attention']})"
+            for (b, s), r in best.items() if (b, s) in base) + "."]
+    if meta.get("skipped"):
+        lines += ["", "Not run: " + "; ".join(f"{a}: {why}" for a, why in meta["skipped"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -667,6 +741,7 @@ def bench(args, child_env):
                 jax_flash_version=jax_flash.__version__, date=date, dtype=dtype.name, config_name=args.config,
                 config=dataclasses.asdict(cfg), steps=args.steps, warmup=args.warmup, peak_tflops=peak,
                 peak_note=peak_note, smoke=not on_gpu, isolated=args.isolate, memory_note=memory_note,
+                skipped=args.skipped,
                 flops_formula="6 * P * B * S + 3 * (4 * B * S^2 * Hq * D / 2), P = weights in the block's matmuls "
                               f"({cfg.matmul_params():,})",
                 method="median wall clock of the jit-compiled train step, block_until_ready")
@@ -1103,7 +1178,7 @@ def finish_args(args, error, on_gpu):
         args.config = args.config or "tiny"
         if args.config != "tiny":
             error("--mode train runs the tiny config only")
-        args.attention = args.attention or ["jax_flash"]
+        args.attention = choose_attentions(args, error, on_gpu, tuple(ATTENTION)) if args.attention else ["jax_flash"]
         if len(args.attention) != 1:
             error("--mode train takes one --attention")
         args.steps = args.steps or 30
@@ -1115,9 +1190,7 @@ def finish_args(args, error, on_gpu):
             error(f"--packed must be between 1 and --seq ({args.seq}), got {args.packed}")
     elif args.mode == "generate":
         args.config = args.config or ("llama3-8b" if on_gpu else "tiny")
-        args.attention = args.attention or [a for a in ATTENTION if on_gpu or a != "cudnn"]
-        if len(set(args.attention)) != len(args.attention):
-            error("--attention lists a choice twice")
+        args.attention = choose_attentions(args, error, on_gpu, ("jax_flash", "cudnn", "xla"))
         args.batch = args.batch or (16 if on_gpu else 2)
         args.seq = args.seq or (4096 if on_gpu else 16)
         args.steps = args.steps or (64 if on_gpu else 6)
@@ -1138,10 +1211,7 @@ def finish_args(args, error, on_gpu):
             error("--dry-run does not apply to --mode multi")
     else:
         args.config = args.config or "llama3-8b"
-        if args.attention is None:
-            args.attention = [a for a in ATTENTION if on_gpu or a != "cudnn"]
-        if len(set(args.attention)) != len(args.attention):
-            error("--attention lists a choice twice")
+        args.attention = choose_attentions(args, error, on_gpu, tuple(ATTENTION))
         if (args.batch is None) != (args.seq is None):
             error(f"--mode {args.mode} takes --batch and --seq together (or neither, for the default shapes)")
         if args.mode == "check" and args.steps is not None:

@@ -64,11 +64,19 @@ def _warn_once(reason, message):
     attention_module._warn_once(f"flax:{reason}", message, stacklevel=3)
 
 
-def _check_implementation(implementation):
+def _check_implementation(implementation, where=""):
+    if callable(implementation):
+        raise ValueError(f"{where}a callable implementation is only used by Attention.__call__; this takes None "
+                         "(the jax_flash kernel), 'xla' or 'cudnn'")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None (the jax_flash kernel), 'xla' or 'cudnn', got "
                          f"{implementation!r}")
     return implementation
+
+
+def _check_layer_implementation(implementation):
+    """Attention's implementation: one of IMPLEMENTATIONS, or any callable (another attention to compare with)."""
+    return implementation if callable(implementation) else _check_implementation(implementation)
 
 
 def _flatten_lengths(lengths, name, batch_shape):
@@ -357,7 +365,10 @@ class Attention(nnx.Module):
       rope_theta: the base of the rotary frequencies.
       implementation: None runs the jax_flash kernels; ``"xla"`` or ``"cudnn"`` run
         :func:`jax.nn.dot_product_attention` with that implementation (``"xla"`` is jax.nn's reference path, for
-        A/B checks; they take no sinks, soft cap or segment ids).
+        A/B checks; they take no sinks, soft cap or segment ids). A callable ``f(q, k, v, *, is_causal) -> out``
+        (all ``[batch, seq, heads, head_dim]``, k and v with ``num_kv_heads``) runs another attention on the same
+        weights, e.g. a third-party kernel to compare with; it is used by ``__call__`` only, without windows,
+        lengths, segment ids, sinks or a soft cap.
       sinks: own a float32 [num_heads] parameter ``sinks`` (initialised to 0): attention sinks (gpt-oss).
       logits_soft_cap: optional static float c > 0: logits become c * tanh(logits / c) (Gemma 2).
       dtype: computation dtype of the projections and the attention (the kernels take bfloat16 and float16, and
@@ -378,7 +389,7 @@ class Attention(nnx.Module):
         local_window_size: int | tuple[int, int] | None = None,
         rope: bool = True,
         rope_theta: float = 10000.0,
-        implementation: Implementation = None,
+        implementation: Implementation | Callable[..., jax.Array] = None,
         sinks: bool = False,
         logits_soft_cap: float | None = None,
         dtype: DTypeLike | None = jnp.bfloat16,
@@ -405,7 +416,7 @@ class Attention(nnx.Module):
         self.is_causal = bool(is_causal)
         self.local_window_size = local_window_size
         self.rope, self.rope_theta = bool(rope), float(rope_theta)
-        self.implementation = _check_implementation(implementation)
+        self.implementation = _check_layer_implementation(implementation)
         self.logits_soft_cap = attention_module._check_soft_cap(logits_soft_cap)
         self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else None
         linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
@@ -444,10 +455,21 @@ class Attention(nnx.Module):
             k = apply_rope(k, positions, self.rope_theta)
         elif positions is not None:
             raise ValueError("positions are only used with rope=True")
+        implementation = _check_layer_implementation(self.implementation)
+        if callable(implementation):
+            options = {name: value for name, value in (
+                ("local_window_size", self.local_window_size), ("query_seq_lengths", query_seq_lengths),
+                ("key_value_seq_lengths", key_value_seq_lengths), ("segment_ids", segment_ids),
+                ("sinks", self.sinks), ("logits_soft_cap", self.logits_soft_cap)) if value is not None}
+            if options:
+                raise ValueError(f"a callable implementation takes q, k, v and is_causal only, not "
+                                 f"{', '.join(options)}")
+            out = implementation(q, k, v, is_causal=self.is_causal)
+            return self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
         out = dot_product_attention(
             q, k, v, is_causal=self.is_causal, local_window_size=self.local_window_size,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-            implementation=_check_implementation(self.implementation), q_segment_ids=segment_ids,
+            implementation=implementation, q_segment_ids=segment_ids,
             sinks=None if self.sinks is None else self.sinks[...], logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
 
@@ -494,7 +516,7 @@ class Attention(nnx.Module):
         q, k, v = self._project(x, jnp.arange(seqlen))
         out = dot_product_attention(
             q, k, v, is_causal=True, local_window_size=self.local_window_size, query_seq_lengths=lengths,
-            key_value_seq_lengths=lengths, implementation=_check_implementation(self.implementation),
+            key_value_seq_lengths=lengths, implementation=_check_implementation(self.implementation, "prefill: "),
             sinks=None if self.sinks is None else self.sinks[...], logits_soft_cap=self.logits_soft_cap)
         ck, cv = _write_cache(cache, k, v, jnp.zeros((batch,), jnp.int32))
         y = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
@@ -517,7 +539,7 @@ class Attention(nnx.Module):
         q, k, v = self._project(x, positions)
         ck, cv = _write_cache(cache, k, v, cache.lengths)
         lengths = cache.lengths + rows
-        implementation = _check_implementation(self.implementation)
+        implementation = _check_implementation(self.implementation, "decode: ")
         sinks = None if self.sinks is None else self.sinks[...]
         if implementation is not None and (sinks is not None or self.logits_soft_cap is not None):
             raise ValueError(f"sinks and logits_soft_cap are jax_flash options: implementation={implementation!r} "

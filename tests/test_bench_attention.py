@@ -122,3 +122,33 @@ def test_cpu_run_writes_nothing_into_the_source_tree(tmp_path):
     out = tmp_path / "jax_flash_bench"
     assert f"Results go to {out}" in result.stdout
     assert sorted(p.suffix for p in out.iterdir()) == [".json", ".md"]
+
+
+def test_table_names_the_best_peer_and_what_did_not_run(bench):
+    """jax_flash's ratio against the fastest peer of each shape (cudnn, fa3_jax, tokamax), with the peer named;
+    skipped implementations listed with the reason; fa3_jax's head-dim-128-only cells explained."""
+    def row(impl, d, fwd, bwd, error=None):
+        return dict(impl=impl, B=1, Sq=1024, Hq=16, Hkv=16, D=d, causal=False, fwd_tflops=fwd, bwd_tflops=bwd,
+                    fwd_ms=1.0, fwd_latency_ms=1.0, rel_err=1e-3, error=error)
+
+    rows = [row("jax_flash", 128, 100, 200), row("cudnn", 128, 90, 190), row("fa3_jax", 128, 110, 250),
+            row("tokamax", 128, 120, 100),
+            row("jax_flash", 64, 100, 200), row("cudnn", 64, 80, 100), row("tokamax", 64, 0, 0, error="OOM")]
+    meta = dict(device="GPU", jax_version="0", date="today", dtype="bfloat16", skipped={"xla": "not asked"})
+    md = bench.markdown(rows, meta)
+    assert "Not run: xla: not asked." in md
+    assert "fa3_jax runs at head dim 128 only" in md
+    lines = {line.split(" | ")[0]: line.split(" | ") for line in md.splitlines() if line.startswith("| 1, 1024")}
+    d128, d64 = lines["| 1, 1024, 16/16, 128, N"], lines["| 1, 1024, 16/16, 64, N"]
+    assert d128[-3:-1] == ["0.83 (tokamax)", "0.80 (fa3_jax)"]  # fwd vs tokamax's 120, bwd vs fa3_jax's 250
+    assert d64[-3:-1] == ["1.25 (cudnn)", "2.00 (cudnn)"]       # tokamax failed, fa3_jax did not run
+    assert d64[3] == "–" and d64[4] == "error"                   # the fa3_jax and tokamax cells
+    assert "jax_flash / best peer: forward geometric mean 1.02 (min 0.83), backward 1.26 (min 0.80)." in md
+
+
+def test_peer_that_does_not_import_is_reported(bench, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", None)  # `import flash_attn3_jax` raises ImportError
+    assert bench.missing_peer("fa3_jax").startswith("not installed (ModuleNotFoundError")
+    assert bench.missing_peer("jax_flash") is None
+    shape = bench.Shape(1, 512, 8, 8, 64, False)
+    assert not bench.applies("fa3_jax", shape) and bench.applies("tokamax", shape)

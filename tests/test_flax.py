@@ -424,6 +424,36 @@ def test_implementation_is_the_one_switch():
         attention_fn(q, q, q, use_kernel=False)
 
 
+def test_callable_implementation_runs_on_the_same_weights():
+    """A callable implementation (another attention to compare with) gets the layer's projected, rotated q, k, v
+    and is_causal; options it cannot take, and prefill / decode, are clear errors."""
+    calls = []
+
+    def other(q, k, v, *, is_causal):
+        calls.append((q.shape, k.shape, is_causal))
+        return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation="xla")
+
+    model = make_attention()
+    x = inputs((2, 16, model.d_model))
+    model.implementation = "xla"
+    ref, ref_grads = out_and_grads(model, x)
+    model.implementation = other
+    out, grads = out_and_grads(model, x)
+    assert calls and calls[0] == ((2, 16, 4, 16), (2, 16, 2, 16), True)
+    assert rel_err(out, ref) == 0
+    assert_trees_close(grads, ref_grads, 0.0, "param grads")
+    with pytest.raises(ValueError, match="takes q, k, v and is_causal only, not segment_ids"):
+        model(x, segment_ids=jnp.zeros((2, 16), jnp.int32))
+    windowed = make_attention(local_window_size=4, implementation=other)
+    with pytest.raises(ValueError, match="not local_window_size"):
+        windowed(x)
+    cache = model.init_cache(2, 32)
+    with pytest.raises(ValueError, match="prefill: a callable implementation is only used by"):
+        model.prefill(x, cache)
+    with pytest.raises(ValueError, match="decode: a callable implementation"):
+        model.decode(x[:, :1], cache)
+
+
 def test_attention_rejects_bad_arguments():
     rngs = nnx.Rngs(0)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
@@ -639,3 +669,24 @@ def test_example_generate_smoke_run(tmp_path):
     rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
     assert [r["attention"] for r in rows] == ["jax_flash", "xla"]
     assert all(r["tokens_per_s"] > 0 and r["agree"] == 1.0 and r["steps"] == 5 for r in rows), out
+
+
+def test_example_bench_table_names_the_best_peer():
+    """The bench table ends with jax_flash's tokens/s over the best peer's per shape (cudnn, fa3_jax, tokamax) and
+    lists the peers that were skipped."""
+    example = _example_module()
+    meta = dict(device="GPU", jax_version="0", date="today", dtype="bfloat16", config_name="llama3-8b",
+                config=dict(d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336), steps=1,
+                warmup=0, smoke=False, flops_formula="f", peak_tflops=None, peak_note="none", memory_note="m",
+                skipped={"tokamax": "not installed (ModuleNotFoundError: No module named 'tokamax')"})
+
+    def row(attention, tokens_per_s, error=None):
+        return dict(attention=attention, batch=2, seqlen=4096, step_ms=1.0, tokens_per_s=tokens_per_s, tflops=1.0,
+                    mfu=None, peak_bytes=None, xla_total_bytes=None, error=error)
+
+    rows = [row("jax_flash", 420e3), row("cudnn", 400e3), row("xla", 500e3), row("fa3_jax", 440e3)]
+    md = example.markdown(meta, [], rows)
+    assert "jax_flash tokens/s / the best peer's (cudnn, fa3_jax): 2 x 4096: 0.955 (fa3_jax)." in md  # xla: no peer
+    assert "Not run: tokamax: not installed" in md
+    assert example.unavailable("fa3_jax", on_gpu=False) == "GPU only"
+    assert example.unavailable("xla", on_gpu=False) is None
