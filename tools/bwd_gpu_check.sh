@@ -6,7 +6,8 @@
 #   ncu     Nsight Compute (clocks as found) of one forward+backward step of jax_flash and of FA3-jax at
 #           NCU_SHAPE (default 4x4096x16x128 causal): every kernel's duration, and per backward main kernel the
 #           details page (stall reasons, pipe utilisation)
-# Summary in $OUT/summary.txt; results (JSON, md, png) in $OUT.
+# Summary in $OUT/summary.txt; results (JSON, md, png, ncu extracts) in $OUT, as $OUT/bwd_results.tgz when there are
+# more than seven files.
 #   bash tools/bwd_gpu_check.sh "bench ncu" [SHAPES]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,14 +51,14 @@ for mode in $MODES; do
   ncu)
     IFS=x read -r b s h d <<<"${NCU_SHAPE:-4x4096x16x128c}"
     causal=(); [[ $d == *c ]] && causal=(--causal); d=${d%c}
-    for impl in jax_flash fa3_jax; do
-      (cd /tmp && timeout 240 ncu -f --clock-control none --set full --kernel-name-base demangled -k regex:flash -c 10 -o "$OUT/ncu-$impl" python3 \
-        "$REPO/tools/profile_one.py" --impl $impl --batch $b --seqlen $s --heads $h --head-dim $d "${causal[@]}") \
-        >"$OUT/ncu-$impl-run.log" 2>&1 || { status=1; tail -5 "$OUT/ncu-$impl-run.log"; }
-      ncu -i "$OUT/ncu-$impl.ncu-rep" --page details >"$OUT/ncu-$impl-details.txt" 2>&1
-      ncu -i "$OUT/ncu-$impl.ncu-rep" --page raw --csv --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,smsp__cycles_active.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum >"$OUT/ncu-$impl-raw.csv" 2>&1
-      note "ncu $impl ${NCU_SHAPE:-4x4096x16x128c}: $(grep -c '' "$OUT/ncu-$impl-raw.csv") csv lines"
-      python3 - "$OUT/ncu-$impl-raw.csv" <<'PY' | tee -a "$SUMMARY"
+    for impl in ${NCU_IMPLS:-jax_flash fa3_jax}; do
+      rep=/tmp/ncu-$impl  # the report stays on the device; text extracts come back
+      (cd /tmp && timeout 240 ncu -f --clock-control none --set full --import-source yes --kernel-name-base demangled \
+        -k regex:flash -c 10 -o $rep python3 "$REPO/tools/profile_one.py" --impl $impl --batch $b --seqlen $s \
+        --heads $h --head-dim $d "${causal[@]}") >/tmp/ncu-$impl-run.log 2>&1 || { status=1; tail -5 /tmp/ncu-$impl-run.log; }
+      ncu -i $rep.ncu-rep --page raw --csv --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active >/tmp/ncu-$impl-raw.csv 2>&1
+      note "ncu $impl ${NCU_SHAPE:-4x4096x16x128c} (ms per kernel):"
+      python3 - /tmp/ncu-$impl-raw.csv <<'PY' | tee -a "$SUMMARY"
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 head = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
@@ -66,14 +67,30 @@ if head is None:
 cols = rows[head]
 for r in rows[head + 2:]:
     d = dict(zip(cols, r))
-    name = d.get("Kernel Name", "")[:90]
-    print(f"  {d.get('gpu__time_duration.sum', '?'):>10} ns  grid {d.get('launch__grid_size', '?'):>7}  regs "
-          f"{d.get('launch__registers_per_thread', '?'):>4}  tensor {d.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active', '?'):>6}%  {name}")
+    print(f"  {d.get('gpu__time_duration.sum', '?'):>10}  grid {d.get('launch__grid_size', '?'):>7}  regs "
+          f"{d.get('launch__registers_per_thread', '?'):>4}  tensor {d.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active', '?'):>6}%  {d.get('Kernel Name', '')[:90]}")
 PY
+      # the backward main kernel: its details page, its stall-reason samples and its per-instruction SASS view
+      kn='regex:flash_bwd_sm90_kernel|FlashAttnBwdSm90'
+      ncu -i $rep.ncu-rep --kernel-name-base demangled -k "$kn" --page details >"$OUT/ncu-$impl-bwd-details.txt" 2>&1
+      ncu -i $rep.ncu-rep --kernel-name-base demangled -k "$kn" --page raw --csv 2>/dev/null | python3 -c "
+import csv, sys
+rows = list(csv.reader(sys.stdin))
+head = next(i for i, r in enumerate(rows) if 'Kernel Name' in r)
+for name, unit, value in zip(rows[head], rows[head + 1], rows[head + 2]):
+    if 'stall' in name or 'pipe' in name or 'inst_executed' in name or 'barrier' in name:
+        print(f'{name},{unit},{value}')" >"$OUT/ncu-$impl-bwd-metrics.csv" 2>&1
+      ncu -i $rep.ncu-rep --kernel-name-base demangled -k "$kn" --page source --csv --print-source sass \
+        2>/dev/null | gzip >"$OUT/ncu-$impl-bwd-sass.csv.gz"
     done ;;
   *) note "unknown mode $mode"; status=1 ;;
   esac
 done
 note "bwd_gpu_check done: status=$status"
+# the device returns a handful of files: more than that travel as one archive
+if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
+  (cd "$OUT" && tar czf /tmp/bwd_results.tgz --exclude summary.txt . && find . -type f ! -name summary.txt -delete &&
+    mv /tmp/bwd_results.tgz .)
+fi
 cat "$SUMMARY"
 exit $status
