@@ -196,7 +196,11 @@ struct AttentionMask {
 
 // The mask of batch element b in local indices: the global lengths less the offsets, clamped to [0, seqlen]; the
 // diagonal shifted by q_offset - kv_offset. A window side that no (row, key) pair of the call can reach becomes
-// unbounded, so such calls take the kernels' unmasked paths.
+// unbounded, so such calls take the kernels' unmasked paths. kSegments = false, for a caller launched only when
+// the call has no segment ids (p.q_segment_ids null), gives a mask whose segment tests fold away at compile time:
+// the ids' pointers and chunk counts otherwise stay live across a kernel's main loop (the sm_90a d128 kernels
+// spilled 112-460 bytes with them).
+template <bool kSegments = true>
 JF_HD AttentionMask mask_for_batch(const FlashParams& p, int b) {
   const int q_off = p.q_offsets[b];
   const int kv_off = p.kv_offsets[b];
@@ -209,7 +213,7 @@ JF_HD AttentionMask mask_for_batch(const FlashParams& p, int b) {
   const int left = p.window_left >= 0 && q_len - 1 + shift - p.window_left <= 0 ? -1 : p.window_left;
   const int right = p.window_right >= 0 && shift + p.window_right >= kv_len - 1 ? -1 : p.window_right;
   SegmentPolicy seg;
-  if (p.q_segment_ids != nullptr) {
+  if (kSegments && p.q_segment_ids != nullptr) {
     seg.q_chunks = (p.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
     seg.kv_chunks = (p.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
     seg.q_ids = p.q_segment_ids + int64_t(b) * p.seqlen_q;

@@ -23,7 +23,8 @@ namespace jax_flash::cuda::sm90 {
 inline constexpr int kDqWriterWarp = 1;  // producer warp that issues the dQ reductions
 
 // kDeterministic: the key blocks add into each dQ tile in ascending order (FlashParams::deterministic).
-template <typename T, typename Traits, bool kDeterministic>
+// kSegments: the call has segment ids (false: their tests are compiled out, see mask_for_batch).
+template <typename T, typename Traits, bool kDeterministic, bool kSegments>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
 
-  const AttentionMask mask = mask_for_batch(p, b);
+  const AttentionMask mask = mask_for_batch<kSegments>(p, b);
   const SoftCap cap(p);
 
   const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);

@@ -28,7 +28,8 @@
 
 namespace jax_flash::cuda::sm90 {
 
-template <typename T, typename Traits>
+// kSegments: the call has segment ids (false: their tests are compiled out, see mask_for_batch).
+template <typename T, typename Traits, bool kSegments>
 __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::kClusterSize, 1, 1)
     flash_bwd_sm90_splitd_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
 
-  const AttentionMask mask = mask_for_batch(p, b);
+  const AttentionMask mask = mask_for_batch<kSegments>(p, b);
   const SoftCap cap(p);
 
   const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);

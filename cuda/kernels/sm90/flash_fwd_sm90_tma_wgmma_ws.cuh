@@ -24,7 +24,8 @@
 
 namespace jax_flash::cuda::sm90 {
 
-template <typename T, typename Traits>
+// kSegments: the call has segment ids (false: their tests are compiled out of the consumers, see mask_for_batch).
+template <typename T, typename Traits, bool kSegments>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   typename Mainloop::KVState kv;  // ring position of the next key tile
   typename Mainloop::QState q;
   for_each_tile([&](const FwdTile& tile) {
-    const AttentionMask mask = mask_for_batch(p, tile.b);
+    const AttentionMask mask = mask_for_batch<kSegments>(p, tile.b);
     const int m0 = tile.m_block * Traits::kBlockM;
     const int rows_valid = imin(Traits::kBlockM, p.seqlen_q - m0);
     int n_begin;

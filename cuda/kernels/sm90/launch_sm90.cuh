@@ -97,10 +97,10 @@ cudaError_t resident_ctas(int threads, int smem_bytes, int* ctas) {
       ctas);
 }
 
-template <typename T, typename TileTraits>
+template <typename T, typename TileTraits, bool kSegments>
 cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, TileTraits>;
-  constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits>;
+  constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits, kSegments>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v;
   CUtensorMap tm_o{};  // O in boxes of one warpgroup's rows; read only by the shared-memory (TMA store) epilogue
@@ -135,15 +135,22 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
 
 // The forward of head-dim class kD: its wide-tile variant (FwdWideTraitsSm90) where one exists for attention
 // without a window mask, either unmasked or causal over at least kCausalMinRows query rows; else its default tiles.
-template <typename T, int kD>
-cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
+// Each with segment-id tests compiled in only for calls that have segment ids.
+template <typename T, int kD, bool kSegments>
+cudaError_t launch_fwd_sm90_segments(const FlashParams& p, cudaStream_t stream) {
   if constexpr (FwdWideTraitsSm90<kD>::kAvailable) {
     const bool long_causal = p.causal && p.seqlen_q >= FwdWideTraitsSm90<kD>::kCausalMinRows;
     if ((!p.causal || long_causal) && p.window_left < 0 && p.window_right < 0) {
-      return launch_fwd_sm90_tiles<T, FwdWideTraitsSm90<kD>>(p, stream);
+      return launch_fwd_sm90_tiles<T, FwdWideTraitsSm90<kD>, kSegments>(p, stream);
     }
   }
-  return launch_fwd_sm90_tiles<T, FwdTraitsSm90<kD>>(p, stream);
+  return launch_fwd_sm90_tiles<T, FwdTraitsSm90<kD>, kSegments>(p, stream);
+}
+
+template <typename T, int kD>
+cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
+  return p.q_segment_ids != nullptr ? launch_fwd_sm90_segments<T, kD, true>(p, stream)
+                                    : launch_fwd_sm90_segments<T, kD, false>(p, stream);
 }
 
 // Q and dO in tiles of kBlockM rows, K and V in tiles of kBlockN: the loads of every sm_90a backward kernel.
@@ -157,10 +164,10 @@ cudaError_t make_bwd_tensor_maps(const FlashParams& p, CUtensorMap* tm_q, CUtens
 }
 
 // The sm_90a main backward kernel, with or without ordered (deterministic) dQ additions.
-template <typename T, int kD, bool kDeterministic>
+template <typename T, int kD, bool kDeterministic, bool kSegments>
 cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>;
-  constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kDeterministic>;
+  constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kDeterministic, kSegments>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
   if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
@@ -179,10 +186,10 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
 
 // The head-dim-256 main backward kernel (head dim split between the consumer warpgroups; clusters of two key
 // blocks share their dQ reductions, in no fixed order: BackwardUnsupportedReason rejects deterministic=True there).
-template <typename T, int kD>
+template <typename T, int kD, bool kSegments>
 cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdSplitDKernelTraitsSm90<T, BwdSplitDTraitsSm90<kD>>;
-  constexpr auto kernel = flash_bwd_sm90_splitd_kernel<T, Traits>;
+  constexpr auto kernel = flash_bwd_sm90_splitd_kernel<T, Traits, kSegments>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
   if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
@@ -193,16 +200,23 @@ cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t strea
   return cudaGetLastError();
 }
 
+// The main kernel of the head-dim class, with segment-id tests compiled in or out.
+template <typename T, int kD, bool kSegments>
+cudaError_t launch_bwd_sm90_segments(const FlashParams& p, cudaStream_t stream) {
+  if constexpr (kD > 128) {
+    return launch_bwd_sm90_splitd_main<T, kD, kSegments>(p, stream);
+  } else {
+    return p.deterministic ? launch_bwd_sm90_main<T, kD, true, kSegments>(p, stream)
+                           : launch_bwd_sm90_main<T, kD, false, kSegments>(p, stream);
+  }
+}
+
 // The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel of the head-dim class.
 template <typename T, int kD>
 cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
   return launch_bwd_sequence<T>(p, stream, [&]() -> cudaError_t {
-    if constexpr (kD > 128) {
-      return launch_bwd_sm90_splitd_main<T, kD>(p, stream);
-    } else {
-      return p.deterministic ? launch_bwd_sm90_main<T, kD, true>(p, stream)
-                             : launch_bwd_sm90_main<T, kD, false>(p, stream);
-    }
+    return p.q_segment_ids != nullptr ? launch_bwd_sm90_segments<T, kD, true>(p, stream)
+                                      : launch_bwd_sm90_segments<T, kD, false>(p, stream);
   });
 }
 
