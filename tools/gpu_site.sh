@@ -1,4 +1,4 @@
-# Sourced by the one-GPU check scripts (options_gpu_check.sh, decode_gpu_check.sh), from the repository root, after
+# Sourced by the one-GPU check scripts (options_gpu_check.sh, decode_gpu_check.sh, bwd_gpu_check.sh), from the repository root, after
 # they define note(): installs the wheel carried in dist/*/ into /tmp/jf_site with the working tree's Python over
 # it, the peers' wheels in .whl/ (FA3-jax, tokamax and theirs) into /tmp/peer_site, and exports the PYTHONPATH and
 # memory settings the tests and benchmarks run with.
