@@ -15,12 +15,8 @@ REPO=$PWD
 MODES=${1:-"tests bench"}
 SHAPES=${2:-"16x2048x16x64,16x2048x16x64c,4x4096x32x64,4x4096x32x64c,1x16384x32x64,1x16384x32x64c,16x1024x16x128,16x1024x16x128c,4x4096x16x128,4x4096x16x128c,1x16384x16x128,1x16384x16x128c,2x8192x32/8x128,2x8192x32/8x128c,4x4096x8x256,4x4096x8x256c,1x16384x8x256,1x16384x8x256c"}
 OUT=${OUT:-$PWD/bwd_out}
-mkdir -p "$OUT"
-SUMMARY="$OUT/summary.txt"
-note() { echo "$*" | tee -a "$SUMMARY"; }
-note "bwd_gpu_check $(date -u +%Y-%m-%dT%H:%MZ) modes=[$MODES] $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-source tools/gpu_site.sh  # the wheel from dist/, the working tree's Python, the peers; PYTHONPATH
-status=0
+CHECK_NAME=bwd_gpu_check CHECK_ARGS="modes=[$MODES]"
+source tools/gpu_site.sh  # $OUT, note(), status; the wheel from dist/, the working tree's Python, the peers
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_')
 day=$(date -u +%F)
 for mode in $MODES; do

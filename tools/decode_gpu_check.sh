@@ -9,12 +9,8 @@ REPO=$PWD
 MODE=${1:-all}
 shift || true
 OUT=${OUT:-$PWD/decode_out}
-mkdir -p "$OUT"
-SUMMARY="$OUT/summary.txt"
-note() { echo "$*" | tee -a "$SUMMARY"; }
-note "decode_gpu_check $(date -u +%Y-%m-%dT%H:%MZ) mode=$MODE $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-source tools/gpu_site.sh  # the wheel from dist/, the working tree's Python, the peers; PYTHONPATH
-status=0
+CHECK_NAME=decode_gpu_check CHECK_ARGS="mode=$MODE"
+source tools/gpu_site.sh  # $OUT, note(), status; the wheel from dist/, the working tree's Python, the peers
 if [ "$MODE" != bench ]; then
   cd /tmp
   t0=$SECONDS

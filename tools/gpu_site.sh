@@ -1,7 +1,14 @@
-# Sourced by the one-GPU check scripts (options_gpu_check.sh, decode_gpu_check.sh, bwd_gpu_check.sh), from the repository root, after
-# they define note(): installs the wheel carried in dist/*/ into /tmp/jf_site with the working tree's Python over
-# it, the peers' wheels in .whl/ (FA3-jax, tokamax and theirs) into /tmp/peer_site, and exports the PYTHONPATH and
-# memory settings the tests and benchmarks run with.
+# Sourced by the one-GPU check scripts (options_gpu_check.sh, decode_gpu_check.sh, bwd_gpu_check.sh), from the
+# repository root, with OUT (results directory), CHECK_NAME and CHECK_ARGS (the summary's first line) set: creates
+# $OUT and $OUT/summary.txt (SUMMARY), defines note() (echo and append to the summary) and status=0, installs the
+# wheel carried in dist/*/ into /tmp/jf_site with the working tree's Python over it, the peers' wheels in .whl/
+# (FA3-jax, tokamax and theirs) into /tmp/peer_site, and exports the PYTHONPATH and memory settings the tests and
+# benchmarks run with.
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+note "$CHECK_NAME $(date -u +%Y-%m-%dT%H:%MZ) $CHECK_ARGS $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+status=0
 wheel=$(ls dist/*/jax_flash-*-cp312-*.whl | head -1)
 python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
 cp jax_flash/*.py /tmp/jf_site/jax_flash/  # the working tree's Python over the wheel's
