@@ -3,7 +3,9 @@
 // Layout is jax.nn.dot_product_attention's BTNH:
 //   q, o, dq, dout : [batch, seqlen_q, heads_q,  head_dim]
 //   k, v, dk, dv   : [batch, seqlen_k, heads_kv, head_dim]
-//   lse, dsum      : [batch, heads_q, seqlen_q]            (float32)
+//   lse            : [batch, heads_q, seqlen_q]            (float32)
+//   row_stats      : [batch, heads_q, 2, seqlen_q_rounded] (float32; seqlen_q_rounded = seqlen_q rounded up to
+//                    kRowStatsAlign: whole 128-row tiles, so every kernel's query tile can be bulk-copied)
 //   dq_accum       : [batch, seqlen_q, heads_q, head_dim]  (float32)
 //   dq_semaphore   : [batch, heads_q, seqlen_q]            (int32; its first ceil(seqlen_q / block) of each row)
 // All arrays are dense and row-major. Query head h reads key/value head h / (heads_q / heads_kv).
@@ -20,6 +22,9 @@
 namespace jax_flash {
 
 inline constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
+// The backward's row statistics are padded to whole tiles of this many query rows (jax_flash/_ffi.py allocates them
+// with the same constant; the handler checks the shape).
+inline constexpr int kRowStatsAlign = 128;
 
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -97,7 +102,10 @@ struct FlashParams {
   void* dk;
   void* dv;
   float* dq_accum;  // float32 dQ accumulator (workspace)
-  float* dsum;      // rowsum(dout * o) (workspace)
+  // Per (batch, query head), seqlen_q_rounded entries each: lse * log2(e), then dsum = rowsum(dout * o); 0 in the
+  // padding rows (workspace, written by the backward's preprocessing).
+  float* row_stats;
+  int seqlen_q_rounded;
   // Bitwise-reproducible dQ: key blocks add into each query tile of dq_accum in ascending order, counted on
   // dq_semaphore (workspace; zeroed by the launcher). Only the sm_90a backward implements it.
   bool deterministic;
@@ -108,6 +116,10 @@ struct FlashParams {
   JF_HD int64_t q_batch_stride() const { return int64_t(seqlen_q) * q_row_stride(); }
   JF_HD int64_t kv_batch_stride() const { return int64_t(seqlen_k) * kv_row_stride(); }
   JF_HD int group_size() const { return heads_q / heads_kv; }
+  // Row statistics of (batch b, query head h): lse * log2(e) at [0, seqlen_q_rounded), dsum after them.
+  JF_HD int64_t row_stats_offset(int b, int h) const { return (int64_t(b) * heads_q + h) * 2 * seqlen_q_rounded; }
+  JF_HD float* lse_log2_of(int b, int h) const { return row_stats + row_stats_offset(b, h); }
+  JF_HD float* dsum_of(int b, int h) const { return row_stats + row_stats_offset(b, h) + seqlen_q_rounded; }
 };
 
 }  // namespace jax_flash

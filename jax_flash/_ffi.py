@@ -180,6 +180,17 @@ def _row_stats_shape(q_shape):
     return (*q_shape[:-3], q_shape[-2], q_shape[-3])
 
 
+# The backward's row statistics are padded to whole tiles of this many query rows (kRowStatsAlign in
+# cuda/flash_params.h; the handler checks the shape).
+ROW_STATS_ALIGN = 128
+
+
+def _row_stats_workspace_shape(q_shape):
+    """[..., Sq, Hq, D] -> [..., Hq, 2, Sq rounded up to ROW_STATS_ALIGN]: lse * log2(e) and rowsum(do * o)."""
+    rows = -(-q_shape[-3] // ROW_STATS_ALIGN) * ROW_STATS_ALIGN
+    return (*q_shape[:-3], q_shape[-2], 2, rows)
+
+
 def _zero_offsets(offsets, lens):
     return jnp.zeros_like(lens) if offsets is None else offsets
 
@@ -264,7 +275,7 @@ def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=N
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dq accumulator (workspace)
-            jax.ShapeDtypeStruct(_row_stats_shape(q.shape), jnp.float32),  # rowsum(do * o) (workspace)
+            jax.ShapeDtypeStruct(_row_stats_workspace_shape(q.shape), jnp.float32),  # lse, rowsum(do * o) (workspace)
             jax.ShapeDtypeStruct(_row_stats_shape(q.shape), jnp.int32),  # dQ tile semaphores (workspace)
         ),
         vmap_method="broadcast_all",

@@ -291,7 +291,8 @@ int main(int argc, char** argv) {
   Elem* grads = device_alloc<Elem>(3 * q_elems);      // dq, dk, dv
   Elem* ref_grads = device_alloc<Elem>(3 * q_elems);  // production launcher's dq, dk, dv
   float* lse = device_alloc<float>(stat_elems);
-  float* dsum = device_alloc<float>(stat_elems);
+  const int seq_rounded = (opt.seq + jax_flash::kRowStatsAlign - 1) / jax_flash::kRowStatsAlign * jax_flash::kRowStatsAlign;
+  float* row_stats = device_alloc<float>(int64_t(opt.batch) * opt.heads * 2 * seq_rounded);
   float* dq_accum = device_alloc<float>(q_elems);
   int32_t* q_lens = device_alloc<int32_t>(opt.batch);
   int32_t* kv_lens = device_alloc<int32_t>(opt.batch);
@@ -333,7 +334,8 @@ int main(int argc, char** argv) {
   p.dk = grads + q_elems;
   p.dv = grads + 2 * q_elems;
   p.dq_accum = dq_accum;
-  p.dsum = dsum;
+  p.row_stats = row_stats;
+  p.seqlen_q_rounded = seq_rounded;
 
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -415,7 +417,7 @@ int main(int argc, char** argv) {
   for (auto& e : events) CUDA_CHECK(cudaEventDestroy(e));
   CUDA_CHECK(cudaStreamDestroy(stream));
   for (void* ptr : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)dout, (void*)grads, (void*)ref_grads, (void*)lse,
-                    (void*)dsum, (void*)dq_accum, (void*)q_lens, (void*)kv_lens, (void*)offsets,
+                    (void*)row_stats, (void*)dq_accum, (void*)q_lens, (void*)kv_lens, (void*)offsets,
                     (void*)diff_scratch}) {
     CUDA_CHECK(cudaFree(ptr));
   }

@@ -349,11 +349,13 @@ inline void LoadQuerySide(const FlashParams& p, const AttentionMask& mask, int b
   const int64_t off = b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * p.head_dim;
   LoadRows(static_cast<const T*>(p.q) + off, q_rs, nq, nqp, p.head_dim, w.q.data(), w.ldd);
   LoadRows(static_cast<const T*>(p.dout) + off, q_rs, nq, nqp, p.head_dim, w.dout.data(), w.ldd);
-  const int64_t stat = (int64_t(b) * p.heads_q + h) * p.seqlen_q + q0;
+  const float* lse = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + q0;
+  const float* lse2 = p.lse_log2_of(b, h) + q0;
+  const float* dsum = p.dsum_of(b, h) + q0;
   for (int i = 0; i < nq; ++i) {
-    w.lse2[i] = p.lse[stat + i] * kLog2eF;
-    w.dsum[i] = p.dsum[stat + i];
-    if (RowSeesNoKey(p, mask, q0 + i, p.lse[stat + i])) {
+    w.lse2[i] = lse2[i];
+    w.dsum[i] = dsum[i];
+    if (RowSeesNoKey(p, mask, q0 + i, lse[i])) {
       std::fill_n(w.q.data() + int64_t(i) * w.ldd, p.head_dim, 0.0f);
       std::fill_n(w.dout.data() + int64_t(i) * w.ldd, p.head_dim, 0.0f);
     }
@@ -375,22 +377,28 @@ inline void LoadKeySide(const FlashParams& p, int b, int kvh, int k0, int nk, in
   if (need_k) LoadRows(k, kv_rs, nk, nkp, p.head_dim, w.k.data(), w.ldd);
 }
 
-// dsum[b, h, i] = sum_d dout[b, i, h, d] * o[b, i, h, d] for every row of (batch b, query head h).
+// The row statistics of (batch b, query head h): lse[b, h, i] * log2(e) and dsum[b, h, i] = sum_d dout[b, i, h, d] *
+// o[b, i, h, d] for every row, 0 in the padding rows.
 template <typename T>
-void ComputeDsum(const FlashParams& p, int b, int h) {
+void ComputeRowStats(const FlashParams& p, int b, int h) {
   const int D = p.head_dim;
   const int64_t q_rs = p.q_row_stride();
   const int64_t off = b * p.q_batch_stride() + int64_t(h) * D;
   const T* o = static_cast<const T*>(p.o) + off;
   const T* dout = static_cast<const T*>(p.dout) + off;
-  float* dsum = p.dsum + (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+  const float* lse = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+  float* lse2 = p.lse_log2_of(b, h);
+  float* dsum = p.dsum_of(b, h);
   for (int i = 0; i < p.seqlen_q; ++i) {
     const T* oi = o + i * q_rs;
     const T* di = dout + i * q_rs;
     F4 part = F4{};
     for (int d = 0; d < D; d += 4) part += Load4(oi + d) * Load4(di + d);
     dsum[i] = (part[0] + part[1]) + (part[2] + part[3]);
+    lse2[i] = lse[i] * kLog2eF;
   }
+  std::fill(lse2 + p.seqlen_q, lse2 + p.seqlen_q_rounded, 0.0f);
+  std::fill(dsum + p.seqlen_q, dsum + p.seqlen_q_rounded, 0.0f);
 }
 
 bool UseAvx2() {
@@ -519,7 +527,7 @@ void Backward(const FlashParams& p) {
     explicit NoScratch(const FlashParams&) {}
   };
   RunItems<NoScratch>(p, heads, nthreads, [&](int64_t i, NoScratch&) {
-    ComputeDsum<T>(p, int(i / p.heads_q), int(i % p.heads_q));
+    ComputeRowStats<T>(p, int(i / p.heads_q), int(i % p.heads_q));
   });
   const int64_t kv_items = pairs * CeilDiv(p.seqlen_k, BwdBlockK(p.head_dim));
   RunItems<BwdScratch>(p, kv_items, nthreads, [&](int64_t i, BwdScratch& w) {
@@ -889,7 +897,7 @@ void BackwardFusedItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   const int64_t q_rs = p.q_row_stride();
   for (int g = 0; g < G; ++g) {
     const int h = kvh * G + g;
-    ComputeDsum<T>(p, b, h);
+    ComputeRowStats<T>(p, b, h);
     float* dqa = p.dq_accum + b * p.q_batch_stride() + int64_t(h) * D;
     for (int i = 0; i < p.seqlen_q; ++i) std::fill(dqa + i * q_rs, dqa + i * q_rs + D, 0.0f);
   }

@@ -60,7 +60,7 @@ ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 bool deterministic, int32_t kernel,
                                 ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                 ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
-                                ffi::Result<ffi::Buffer<ffi::F32>> dsum,
+                                ffi::Result<ffi::Buffer<ffi::F32>> row_stats,
                                 ffi::Result<ffi::Buffer<ffi::S32>> dq_semaphore) {
   // The CPU backward is deterministic whatever `deterministic` says (fixed work split, no atomics).
   KernelChoice choice;  // validated; the CPU has one kernel
@@ -75,7 +75,7 @@ ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
       e.failure()) {
     return e;
   }
-  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, dsum, deterministic, dq_semaphore, &p);
+  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, row_stats, deterministic, dq_semaphore, &p);
       e.failure()) {
     return e;
   }

@@ -60,7 +60,7 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
                                  bool has_segments, bool deterministic, int32_t kernel,
                                  ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                  ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> dsum,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> row_stats,
                                  ffi::Result<ffi::Buffer<ffi::S32>> dq_semaphore) {
   KernelChoice choice;
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
@@ -74,7 +74,7 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
       e.failure()) {
     return e;
   }
-  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, dsum, deterministic, dq_semaphore, &p);
+  if (auto e = FillBackwardParams(q, k, o, lse, dout, dq, dk, dv, dq_accum, row_stats, deterministic, dq_semaphore, &p);
       e.failure()) {
     return e;
   }

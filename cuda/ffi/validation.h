@@ -200,11 +200,22 @@ inline ffi::Error ToKernelChoice(int32_t kernel, KernelChoice* choice) {
   return ffi::Error::Success();
 }
 
-// Dimensions of lse/dsum for query dims [..., Sq, Hq, D]: [..., Hq, Sq].
+// Dimensions of lse and dq_semaphore for query dims [..., Sq, Hq, D]: [..., Hq, Sq].
 inline std::vector<int64_t> RowStatDims(ffi::AnyBuffer::Dimensions qd) {
   std::vector<int64_t> out(qd.begin(), qd.end() - 3);
   out.push_back(qd[qd.size() - 2]);
   out.push_back(qd[qd.size() - 3]);
+  return out;
+}
+
+// Dimensions of the backward's row statistics for query dims [..., Sq, Hq, D]: [..., Hq, 2, Sq rounded up to
+// kRowStatsAlign].
+inline std::vector<int64_t> RowStatsWorkspaceDims(ffi::AnyBuffer::Dimensions qd) {
+  std::vector<int64_t> out(qd.begin(), qd.end() - 3);
+  const int64_t rows = qd[qd.size() - 3];
+  out.push_back(qd[qd.size() - 2]);
+  out.push_back(2);
+  out.push_back((rows + kRowStatsAlign - 1) / kRowStatsAlign * kRowStatsAlign);
   return out;
 }
 
@@ -222,7 +233,7 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
                                      ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dk,
                                      ffi::Result<ffi::AnyBuffer>& dv,
                                      ffi::Result<ffi::Buffer<ffi::F32>>& dq_accum,
-                                     ffi::Result<ffi::Buffer<ffi::F32>>& dsum, bool deterministic,
+                                     ffi::Result<ffi::Buffer<ffi::F32>>& row_stats, bool deterministic,
                                      ffi::Result<ffi::Buffer<ffi::S32>>& dq_semaphore, FlashParams* p) {
   auto stat = RowStatDims(q.dimensions());
   ffi::AnyBuffer::Dimensions stat_dims(stat.data(), stat.size());
@@ -233,7 +244,12 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   if (auto e = ExpectShape(*dk, k.dimensions(), "dk"); e.failure()) return e;
   if (auto e = ExpectShape(*dv, k.dimensions(), "dv"); e.failure()) return e;
   if (auto e = ExpectShape(*dq_accum, q.dimensions(), "dq_accum"); e.failure()) return e;
-  if (auto e = ExpectShape(*dsum, stat_dims, "dsum"); e.failure()) return e;
+  auto row_stats_dims = RowStatsWorkspaceDims(q.dimensions());
+  if (auto e = ExpectShape(*row_stats, ffi::AnyBuffer::Dimensions(row_stats_dims.data(), row_stats_dims.size()),
+                           "row_stats");
+      e.failure()) {
+    return e;
+  }
   if (auto e = ExpectShape(*dq_semaphore, stat_dims, "dq_semaphore"); e.failure()) return e;
   for (auto t : {o.element_type(), dout.element_type(), dq->element_type(), dk->element_type(), dv->element_type()}) {
     if (t != q.element_type()) return Invalid("output, cotangent and gradients must have the query dtype");
@@ -245,7 +261,8 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   p->dk = dk->untyped_data();
   p->dv = dv->untyped_data();
   p->dq_accum = dq_accum->typed_data();
-  p->dsum = dsum->typed_data();
+  p->row_stats = row_stats->typed_data();
+  p->seqlen_q_rounded = int(row_stats_dims.back());
   p->deterministic = deterministic;
   p->dq_semaphore = dq_semaphore->typed_data();
   return ffi::Error::Success();
@@ -411,7 +428,7 @@ auto BindBackward(Binding b) {
       .template Ret<ffi::AnyBuffer>()                  // dk [..., Sk, Hkv, D]
       .template Ret<ffi::AnyBuffer>()                  // dv [..., Sk, Hkv, D]
       .template Ret<ffi::Buffer<ffi::F32>>()           // dq_accum [..., Sq, Hq, D]: float32 workspace
-      .template Ret<ffi::Buffer<ffi::F32>>()           // dsum [..., Hq, Sq]: float32 workspace
+      .template Ret<ffi::Buffer<ffi::F32>>()           // row_stats [..., Hq, 2, Sq rounded up to 128]: float32 workspace
       .template Ret<ffi::Buffer<ffi::S32>>();          // dq_semaphore [..., Hq, Sq]: int32 workspace
 }
 

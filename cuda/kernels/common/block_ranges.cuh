@@ -63,6 +63,21 @@ struct QueryTileWalk {
   __device__ __forceinline__ int iters() const { return count * group; }
   __device__ __forceinline__ int head(int it) const { return hk * group + it / count; }
   __device__ __forceinline__ int row0(int it) const { return (first + it % count) * kBlockM; }
+
+  // Where an iteration stands (first row and query head), stepped one iteration at a time: what head() and row0()
+  // give without their division per iteration.
+  struct Position {
+    int row0;
+    int head;
+  };
+  __device__ __forceinline__ Position start() const { return {first * kBlockM, hk * group}; }
+  __device__ __forceinline__ void advance(Position& pos) const {
+    pos.row0 += kBlockM;
+    if (pos.row0 == (first + count) * kBlockM) {
+      pos.row0 = first * kBlockM;
+      ++pos.head;
+    }
+  }
 };
 template <int kKeys, int kBlockM>
 __device__ __forceinline__ QueryTileWalk<kBlockM> query_tile_walk(const AttentionMask& mask, const FlashParams& p,

@@ -1,5 +1,6 @@
 // The kernels around every main backward kernel (sm_80-class and sm_90a alike) and the sequence that launches
-// them: dq_accum = 0, dsum = rowsum(dO * O) (preprocess), the main kernel, dq = scale * dq_accum (conversion).
+// them: dq_accum = 0, the row statistics lse * log2(e) and dsum = rowsum(dO * O) (preprocess), the main kernel,
+// dq = scale * dq_accum (conversion).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,30 +16,37 @@ namespace jax_flash::cuda {
 
 inline constexpr int kPreprocessThreads = 256;
 
-// One warp per (row, head): dsum[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d].
+// One warp per (row, head) of the padded rows (seqlen_q_rounded): the row statistics of (b, h, i), lse * log2(e)
+// and dsum = sum_d dO[b, i, h, d] * O[b, i, h, d]; both 0 in the padding rows i >= seqlen_q.
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
-  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;  // flattened [b, i, h]
+  const int64_t rows = int64_t(p.batch) * p.seqlen_q_rounded * p.heads_q;  // flattened [b, i, h]
   const int64_t warp_id = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   if (warp_id >= rows) return;
-  const T* o = static_cast<const T*>(p.o) + warp_id * p.head_dim;
-  const T* dout = static_cast<const T*>(p.dout) + warp_id * p.head_dim;
+  const int h = int(warp_id % p.heads_q);
+  const int64_t bi = warp_id / p.heads_q;
+  const int i = int(bi % p.seqlen_q_rounded);
+  const int b = int(bi / p.seqlen_q_rounded);
   float acc = 0.f;
-  for (int d = 2 * lane; d < p.head_dim; d += 2 * kWarpSize) {
-    const float2 a = ET::unpack(*reinterpret_cast<const uint32_t*>(o + d));
-    const float2 c = ET::unpack(*reinterpret_cast<const uint32_t*>(dout + d));
-    acc += a.x * c.x + a.y * c.y;
-  }
+  float lse_log2 = 0.f;
+  if (i < p.seqlen_q) {
+    const int64_t off = (int64_t(b) * p.seqlen_q + i) * p.q_row_stride() + int64_t(h) * p.head_dim;
+    const T* o = static_cast<const T*>(p.o) + off;
+    const T* dout = static_cast<const T*>(p.dout) + off;
+    for (int d = 2 * lane; d < p.head_dim; d += 2 * kWarpSize) {
+      const float2 a = ET::unpack(*reinterpret_cast<const uint32_t*>(o + d));
+      const float2 c = ET::unpack(*reinterpret_cast<const uint32_t*>(dout + d));
+      acc += a.x * c.x + a.y * c.y;
+    }
 #pragma unroll
-  for (int off = kWarpSize / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
+    for (int lane_mask = kWarpSize / 2; lane_mask > 0; lane_mask /= 2) acc += __shfl_xor_sync(0xffffffff, acc, lane_mask);
+    lse_log2 = p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] * kLog2e;
+  }
   if (lane == 0) {
-    const int h = int(warp_id % p.heads_q);
-    const int64_t bi = warp_id / p.heads_q;
-    const int i = int(bi % p.seqlen_q);
-    const int b = int(bi / p.seqlen_q);
-    p.dsum[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] = acc;
+    p.lse_log2_of(b, h)[i] = lse_log2;
+    p.dsum_of(b, h)[i] = acc;
   }
 }
 
@@ -52,7 +60,7 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_convert_dq_kerne
   reinterpret_cast<uint32_t*>(p.dq)[i] = ET::pack(v.x * p.scale, v.y * p.scale);
 }
 
-// The backward sequence every main backward kernel shares: dq_accum = 0, dsum = rowsum(dO * O), the main kernel
+// The backward sequence every main backward kernel shares: dq_accum = 0, the row statistics, the main kernel
 // (launch_main(), which returns its launch error; skipped without keys), dq = scale * dq_accum.
 template <typename T, typename LaunchMain>
 cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
@@ -65,7 +73,7 @@ cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, Launc
     }
   }
   if (q_elems > 0) {
-    const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
+    const int64_t rows = int64_t(p.batch) * p.seqlen_q_rounded * p.heads_q;
     flash_bwd_preprocess_kernel<T><<<ceil_div(rows * kWarpSize, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }

@@ -38,11 +38,12 @@ __device__ __forceinline__ void load_query_side_async(const FlashParams& p, int6
   const int rows = p.seqlen_q - m0;
   load_tile_async<kBM, kD, kThreads>(sQ, static_cast<const T*>(p.q) + q_off, q_stride, rows, p.head_dim, tid);
   load_tile_async<kBM, kD, kThreads>(sdO, static_cast<const T*>(p.dout) + q_off, q_stride, rows, p.head_dim, tid);
-  const int64_t stat_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+  const float* lse = p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+  const float* dsum = p.dsum_of(b, h) + m0;
   for (int r = tid; r < kBM; r += kThreads) {
     const bool ok = r < rows;
-    cp_async_4(smem_addr(sLse + r), ok ? p.lse + stat_off + r : p.lse, ok);
-    cp_async_4(smem_addr(sDsum + r), ok ? p.dsum + stat_off + r : p.dsum, ok);
+    cp_async_4(smem_addr(sLse + r), ok ? lse + r : p.lse, ok);
+    cp_async_4(smem_addr(sDsum + r), ok ? dsum + r : p.row_stats, ok);
   }
 }
 

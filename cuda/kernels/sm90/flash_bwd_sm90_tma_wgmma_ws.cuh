@@ -39,7 +39,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kDqRows = Traits::kDqRows;
   constexpr int kDqCols = Traits::kDqCols;
   constexpr int kDqTiles = kDqCols / 8;
-  constexpr int kStatsPerThread = Traits::kStatsPerThread;
   constexpr int kDqWgThreads = kWarpgroupThreads + kWarpSize;  // a consumer warpgroup and the dQ writer warp
   static_assert(Traits::kDqBoxCols * sizeof(float) == kSwizzleBytes, "a dQ box row is one swizzled row");
   using ET = ElemTraits<T>;
@@ -99,12 +98,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       };
 #pragma unroll
       for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
-      for (int it = 0; it < iters; ++it) {
+      auto pos = walk.start();
+      for (int it = 0; it < iters; ++it, walk.advance(pos)) {
         int32_t* semaphore = nullptr;
         if constexpr (kDeterministic) {
-          const int m_block = walk.row0(it) / kBM;
+          const int m_block = pos.row0 / kBM;
           const int turn = key_blocks_before(m_block);
-          semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + m_block;
+          semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + pos.head) * p.seqlen_q + m_block;
           if (lane0) {
             while (ld_acquire_gpu(semaphore) != turn) {
             }
@@ -118,10 +118,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
             for (int box = 0; box < Traits::kDqBoxes; ++box) {
               // Warpgroup wg's dQ: rows [64 wg, +64) and every column, or every row and columns [wg kDqCols, +).
-              const int row0 = walk.row0(it) + (Traits::kDqSplitRows ? wg * kDqRows : 0);
+              const int row0 = pos.row0 + (Traits::kDqSplitRows ? wg * kDqRows : 0);
               const int col0 = Traits::kDqSplitRows ? 0 : wg * kDqCols;
               tma_reduce_add_4d(&tm_dq, smem.dq[wg] + box * kDqRows * Traits::kDqBoxCols,
-                                col0 + box * Traits::kDqBoxCols, row0, walk.head(it), b);
+                                col0 + box * Traits::kDqBoxCols, row0, pos.head, b);
             }
             bulk_commit_group();
           }
@@ -151,12 +151,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       prefetch_tensor_map(&tm_do);
       prefetch_tensor_map(&tm_dq);
       load_kv_block<kBN, Traits::kColBlocks>(smem.k, smem.v, &smem.kv_full, &tm_k, &tm_v, n0, hk, b);
+      auto pos = walk.start();
 #pragma unroll 1  // one thread issuing loads: unrolling only costs its 24 registers
-      for (int it = 0; it < iters; ++it) {
+      for (int it = 0; it < iters; ++it, walk.advance(pos)) {
         const QdOState qdo{it};
         const int s = qdo.slot();
-        const int h = walk.head(it);
-        const int m0 = walk.row0(it);
+        const int h = pos.head;
+        const int m0 = pos.row0;
         smem.qdo_ring.producer_acquire(qdo, Traits::kQdOBytes);
         uint64_t* full = smem.qdo_ring.full_barrier(qdo);
 #pragma unroll
@@ -164,6 +165,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, full, cb * kColBlock, m0, h, b);
           tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, full, cb * kColBlock, m0, h, b);
         }
+        // Row statistics of the tile's rows (padded to whole tiles: rows past seqlen_q hold 0, which makes their
+        // dS^T and dV terms 0 since their Q and dO load as zeros).
+        bulk_load_1d(smem.stats[s], p.lse_log2_of(b, h) + m0, Traits::kStatsBytes, full);
+        bulk_load_1d(smem.stats[s] + kBM, p.dsum_of(b, h) + m0, Traits::kStatsBytes, full);
       }
     }
     return;
@@ -219,30 +224,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // dQ stores: rows 16 warp + g (+8) of each box of kDqRows rows, chunk c XOR g, 8-byte pair t % 2.
   const uint32_t dq_thread = smem_addr(smem.dq[cw]) + (warp * kWarpRows + g) * kSwizzleBytes + (t % 2) * 8;
   static_assert(kWarpRows % kSwizzleRows == 0 && kSwizzleRows == 8, "row g + 8 r of a warp's slice is g modulo 8");
-  // Row statistics of query tile `it`, kStatsPerThread values per thread: value i of thread wg_tid is entry
-  // wg_tid + 128 i of [lse of the kBM rows, dsum of the kBM rows]. Rows past seqlen_q (their Q and dO load as zeros)
-  // get 0, which makes dS^T and the dV term 0. Loaded one iteration ahead so the global-memory latency hides under
-  // the previous iteration: the values stay raw until they are stored (scaling them at the load would wait for it).
-  auto load_stats = [&](int it, float (&out)[kStatsPerThread]) {
-#pragma unroll
-    for (int i = 0; i < kStatsPerThread; ++i) {
-      const int entry = wg_tid + i * kWarpgroupThreads;
-      const int row = walk.row0(it) + entry % kBM;
-      const int64_t idx = (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + row;
-      out[i] = row < p.seqlen_q ? (entry < kBM ? p.lse[idx] : p.dsum[idx]) : 0.f;
-    }
-  };
-  float stat_scale[kStatsPerThread];  // lse is kept as lse * log2(e), dsum as is
-#pragma unroll
-  for (int i = 0; i < kStatsPerThread; ++i) stat_scale[i] = wg_tid + i * kWarpgroupThreads < kBM ? kLog2e : 1.f;
-
-  float stat_next[kStatsPerThread];
-  load_stats(0, stat_next);
   mbar_wait(&smem.kv_full, 0);
 
-  for (int it = 0; it < iters; ++it) {
+  auto pos = walk.start();
+  for (int it = 0; it < iters; ++it, walk.advance(pos)) {
     const QdOState qdo{it};
-    const int m0 = walk.row0(it);
+    const int m0 = pos.row0;
     const uint32_t stage_off = qdo.slot() * kQdOStageBytes;
 
     // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory; two groups
@@ -265,14 +252,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
     issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
 
-    const uint32_t stats = smem_addr(smem.stats[cw][it & 1]);
-#pragma unroll
-    for (int i = 0; i < kStatsPerThread; ++i) {
-      st_shared_f32(stats + (wg_tid + i * kWarpgroupThreads) * sizeof(float), stat_next[i] * stat_scale[i]);
-    }
-    if (it + 1 < iters) load_stats(it + 1, stat_next);
-    named_barrier_sync(kStatsBarrier + cw, kWarpgroupThreads);
     // This thread's queries 8 j + 2 t, +1: lse * log2(e) as pairs (dsum is read later, to keep registers free).
+    const uint32_t stats = smem_addr(smem.stats[qdo.slot()]);
     float2 lse_log2[kSTiles];
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));

@@ -176,16 +176,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
   const uint32_t peer_full_remote = map_to_cta(smem_addr(smem.peer_ring.full), peer);
   const uint32_t peer_empty_remote = map_to_cta(smem_addr(smem.peer_ring.empty), peer);
 
-  // Row statistics of this warpgroup's queries of tile `it`, one value per thread of the first 2 kQueries: lse
-  // of query wg_tid, then dsum of query wg_tid - kQueries. Queries past seqlen_q (their Q and dO load as zeros)
-  // get 0, which makes dS^T and the dV term 0. Loaded one iteration ahead.
+  // Row statistics of this warpgroup's queries of tile `it`, one value per thread of the first 2 kQueries: lse *
+  // log2(e) of query wg_tid, then dsum of query wg_tid - kQueries. Queries past seqlen_q (their Q and dO load as
+  // zeros) have 0 (the padding rows of row_stats), which makes dS^T and the dV term 0. Loaded one iteration ahead.
   const bool stat_thread = wg_tid < 2 * kQueries;
   auto load_stat = [&](int it) {
     const int row = walk.row0(it) + q_col0 + wg_tid % kQueries;
-    const int64_t idx = (int64_t(b) * p.heads_q + walk.head(it)) * p.seqlen_q + row;
-    return stat_thread && row < p.seqlen_q ? (wg_tid < kQueries ? p.lse[idx] : p.dsum[idx]) : 0.f;
+    const float* stats = wg_tid < kQueries ? p.lse_log2_of(b, walk.head(it)) : p.dsum_of(b, walk.head(it));
+    return stat_thread ? stats[row] : 0.f;
   };
-  const float stat_scale = wg_tid < kQueries ? kLog2e : 1.f;  // lse is kept as lse * log2(e)
 
   float stat_next = load_stat(0);
   mbar_wait(&smem.kv_full, 0);
@@ -225,7 +224,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
     issue_keys_times_queries(acc_dp, desc_v_rows, desc_advance(desc_do_k, do_off));
 
     const uint32_t stats = smem_addr(smem.stats[cw][par]);
-    if (stat_thread) st_shared_f32(stats + wg_tid * sizeof(float), stat_next * stat_scale);
+    if (stat_thread) st_shared_f32(stats + wg_tid * sizeof(float), stat_next);
     if (it + 1 < iters) stat_next = load_stat(it + 1);
     named_barrier_sync(kStatsBarrier + cw, kWarpgroupThreads);
     float2 lse_log2[kSTiles];

@@ -129,7 +129,7 @@ struct BwdTraitsSm90<64> {
   static constexpr int kHeadDim = 64;
   // 128 queries per iteration (FA3's choice at this head dim): with 64 the GEMMs of an iteration are small beside its
   // fixed costs (barriers, statistics, the dQ hand-over). S^T and dP^T 64 registers each, dK + dV 64, dQ 32.
-  // K 16 + V 16 + 2 x (Q 16 + dO 16) + 2 x dS^T 32 + dQ 2 x 16 + statistics 4 KB = 196 KB
+  // K 16 + V 16 + 2 x (Q 16 + dO 16) + 2 x dS^T 32 + dQ 2 x 16 + statistics 2 KB = 194 KB
   static constexpr int kBlockM = 128;
   static constexpr int kStages = 2;
 };
@@ -138,7 +138,7 @@ template <>
 struct BwdTraitsSm90<128> {
   static constexpr int kHeadDim = 128;
   static constexpr int kBlockM = 64;  // S^T/dP^T 32 registers each; dK + dV accumulators 128; dQ 32
-  static constexpr int kStages = 2;   // K 32 + V 32 + 2 x (Q 16 + dO 16) + 2 x dS^T 16 + dQ 32 KB = 192 KB
+  static constexpr int kStages = 2;   // K 32 + V 32 + 2 x (Q 16 + dO 16) + 2 x dS^T 16 + dQ 32 + stats 1 KB = 193 KB
 };
 
 template <typename T, typename Base>
@@ -154,14 +154,12 @@ struct BwdKernelTraitsSm90 : Base {
   static constexpr int kDqCols = kDqSplitRows ? Base::kHeadDim : Base::kHeadDim / kConsumerWarpgroups;
   static constexpr int kDqBoxCols = 32;  // float32 columns in one 128-byte swizzled row: one TMA reduction box
   static constexpr int kDqBoxes = kDqCols / kDqBoxCols;
-  static constexpr int kStatsPerThread = 2 * Base::kBlockM / kWarpgroupThreads;  // lse and dsum of the rows
   // setmaxnreg budgets: 2 x 128 x 240 + 128 x 24 <= 64K registers.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(Base::kBlockM % kColBlock == 0, "dS^T rows are whole 128-byte swizzled rows of 64 queries");
   static_assert(!kDqSplitRows || Base::kBlockM == kConsumerWarpgroups * kWgmmaM, "one wgmma M of dQ rows each");
   static_assert(kDqCols % kDqBoxCols == 0, "dQ columns of a warpgroup are whole reduction boxes");
-  static_assert(2 * Base::kBlockM % kWarpgroupThreads == 0, "every thread stages the same number of statistics");
 
   struct alignas(1024) SharedStorage {
     alignas(1024) T k[kBlockN * Base::kHeadDim];                          // [kColBlocks][kBlockN][64]
@@ -170,13 +168,17 @@ struct BwdKernelTraitsSm90 : Base {
     alignas(1024) T dout[Base::kStages][Base::kBlockM * Base::kHeadDim];  // [stage][kColBlocks][kBlockM][64]
     alignas(1024) T ds[2][kBlockN * Base::kBlockM];  // [parity][kQueryColBlocks][key][64], swizzled
     alignas(1024) float dq[kConsumerWarpgroups][kDqRows * kDqCols];  // [wg][kDqBoxes][kDqRows][32], swizzled
-    float stats[kConsumerWarpgroups][2][2 * Base::kBlockM];  // [wg][parity]: lse * log2(e) of the rows, then dsum
+    // [stage]: lse * log2(e) of the tile's rows, then their dsum (bulk copies from FlashParams::row_stats).
+    alignas(16) float stats[Base::kStages][2 * Base::kBlockM];
     uint64_t kv_full;
-    PipelineBarriers<Base::kStages> qdo_ring;  // Q and dO tiles of one query tile
+    PipelineBarriers<Base::kStages> qdo_ring;  // Q and dO tiles of one query tile and their row statistics
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
-  static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T);  // Q and dO tiles
+  static_assert(kRowStatsAlign % Base::kBlockM == 0, "a query tile's row statistics lie inside the padded rows");
+  static constexpr uint32_t kStatsBytes = Base::kBlockM * sizeof(float);  // one statistic of a tile's rows
+  // Q and dO tiles and both statistics of their rows.
+  static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T) + 2 * kStatsBytes;
 };
 
 // Backward CTA at head dim 256, where one warpgroup's dK + dV for 64 keys x 256 columns would need 256 registers

@@ -73,6 +73,16 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
       : "memory");
 }
 
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory; completion is
+// counted on `bar` in bytes.
+__device__ __forceinline__ void bulk_load_1d(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_addr(smem)),
+      "l"(reinterpret_cast<uint64_t>(gmem)), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // Adds (float32) the shared-memory tile `smem` into the box at (c0, c1, c2, c3) of a 4-d tensor map; elements
 // outside the tensor are skipped. Each element's add is atomic. Tracked by this thread's bulk async-group.
 __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2,
