@@ -6,7 +6,9 @@
 //   lse            : [batch, heads_q, seqlen_q]            (float32)
 //   row_stats      : [batch, heads_q, 2, seqlen_q_rounded] (float32; seqlen_q_rounded = seqlen_q rounded up to
 //                    kRowStatsAlign: whole 128-row tiles, so every kernel's query tile can be bulk-copied)
-//   dq_accum       : [batch, seqlen_q, heads_q, head_dim]  (float32)
+//   dq_accum       : [batch, heads_q, seqlen_q_rounded, head_dim_rounded] (float32; head_dim_rounded: the head-dim
+//                    class of the kernels, head_dim_class(head_dim); each kernel family adds into it in its own
+//                    order: rows of head_dim_rounded, or per query tile in the order its accumulators hold them)
 //   dq_semaphore   : [batch, heads_q, seqlen_q]            (int32; its first ceil(seqlen_q / block) of each row)
 // All arrays are dense and row-major. Query head h reads key/value head h / (heads_q / heads_kv).
 #pragma once
@@ -25,6 +27,8 @@ inline constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(
 // The backward's row statistics are padded to whole tiles of this many query rows (jax_flash/_ffi.py allocates them
 // with the same constant; the handler checks the shape).
 inline constexpr int kRowStatsAlign = 128;
+// The kernels' head-dim classes: 64, 128 or 256 columns (head dims in between run padded to the class).
+JF_HD constexpr int head_dim_class(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -101,7 +105,8 @@ struct FlashParams {
   void* dq;
   void* dk;
   void* dv;
-  float* dq_accum;  // float32 dQ accumulator (workspace)
+  float* dq_accum;  // float32 dQ accumulator (workspace, zeroed by the launcher), [batch, heads_q] slabs
+  int head_dim_rounded;  // head_dim_class(head_dim): the columns of a dq_accum slab
   // Per (batch, query head), seqlen_q_rounded entries each: lse * log2(e), then dsum = rowsum(dout * o); 0 in the
   // padding rows (workspace, written by the backward's preprocessing).
   float* row_stats;
@@ -120,6 +125,10 @@ struct FlashParams {
   JF_HD int64_t row_stats_offset(int b, int h) const { return (int64_t(b) * heads_q + h) * 2 * seqlen_q_rounded; }
   JF_HD float* lse_log2_of(int b, int h) const { return row_stats + row_stats_offset(b, h); }
   JF_HD float* dsum_of(int b, int h) const { return row_stats + row_stats_offset(b, h) + seqlen_q_rounded; }
+  // dq_accum slab of (batch b, query head h): seqlen_q_rounded x head_dim_rounded floats.
+  JF_HD float* dq_accum_of(int b, int h) const {
+    return dq_accum + (int64_t(b) * heads_q + h) * seqlen_q_rounded * head_dim_rounded;
+  }
 };
 
 }  // namespace jax_flash

@@ -191,6 +191,13 @@ def _row_stats_workspace_shape(q_shape):
     return (*q_shape[:-3], q_shape[-2], 2, rows)
 
 
+def _dq_accum_workspace_shape(q_shape):
+    """[..., Sq, Hq, D] -> [..., Hq, Sq rounded up to ROW_STATS_ALIGN, D rounded up to its kernel class]."""
+    *lead, heads, _, rows = _row_stats_workspace_shape(q_shape)
+    head_dim = q_shape[-1]
+    return (*lead, heads, rows, 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256)
+
+
 def _zero_offsets(offsets, lens):
     return jnp.zeros_like(lens) if offsets is None else offsets
 
@@ -274,7 +281,7 @@ def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=N
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(q.shape, jnp.float32),  # dq accumulator (workspace)
+            jax.ShapeDtypeStruct(_dq_accum_workspace_shape(q.shape), jnp.float32),  # dq accumulator (workspace)
             jax.ShapeDtypeStruct(_row_stats_workspace_shape(q.shape), jnp.float32),  # lse, rowsum(do * o) (workspace)
             jax.ShapeDtypeStruct(_row_stats_shape(q.shape), jnp.int32),  # dQ tile semaphores (workspace)
         ),

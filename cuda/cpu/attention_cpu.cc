@@ -874,9 +874,9 @@ void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdScratch& 
       if constexpr (kFusedDq) {
         float* __restrict dqt = w.dq.data();
         Gemm<false>(nqp, D, nkp, w.ds.data(), ldk, 1, w.k.data(), ldd, dqt, ldd);  // dS K
-        float* dqa = p.dq_accum + b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
+        float* dqa = p.dq_accum_of(b, h) + int64_t(q0) * p.head_dim_rounded;
         for (int i = 0; i < nq; ++i) {
-          float* __restrict dst = dqa + i * q_rs;
+          float* __restrict dst = dqa + int64_t(i) * p.head_dim_rounded;
           const float* __restrict src = dqt + int64_t(i) * ldd;
           for (int d = 0; d < D; d += kW) VStore(dst + d, VLoad(dst + d) + VLoad(src + d));
         }
@@ -898,16 +898,17 @@ void BackwardFusedItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   for (int g = 0; g < G; ++g) {
     const int h = kvh * G + g;
     ComputeRowStats<T>(p, b, h);
-    float* dqa = p.dq_accum + b * p.q_batch_stride() + int64_t(h) * D;
-    for (int i = 0; i < p.seqlen_q; ++i) std::fill(dqa + i * q_rs, dqa + i * q_rs + D, 0.0f);
+    float* dqa = p.dq_accum_of(b, h);
+    std::fill(dqa, dqa + int64_t(p.seqlen_q) * p.head_dim_rounded, 0.0f);
   }
   for (int k0 = 0; k0 < p.seqlen_k; k0 += w.bk) BackwardKeyBlock<T, true>(p, b, kvh, k0, w);
   const AttentionMask mask = mask_for_batch(p, b);
   for (int g = 0; g < G; ++g) {
-    const int64_t off = b * p.q_batch_stride() + int64_t(kvh * G + g) * D;
-    ZeroRowsThatSeeNoKey(p, mask, 0, p.seqlen_q, p.lse + (int64_t(b) * p.heads_q + kvh * G + g) * p.seqlen_q,
-                         p.dq_accum + off, q_rs);
-    StoreRows(p.dq_accum + off, q_rs, p.seqlen_q, D, 1.0f, static_cast<T*>(p.dq) + off, q_rs);
+    const int h = kvh * G + g;
+    const int64_t off = b * p.q_batch_stride() + int64_t(h) * D;
+    ZeroRowsThatSeeNoKey(p, mask, 0, p.seqlen_q, p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q,
+                         p.dq_accum_of(b, h), p.head_dim_rounded);
+    StoreRows(p.dq_accum_of(b, h), p.head_dim_rounded, p.seqlen_q, D, 1.0f, static_cast<T*>(p.dq) + off, q_rs);
   }
 }
 
@@ -954,7 +955,6 @@ void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
     }
   }
   ZeroRowsThatSeeNoKey(p, mask, q0, nq, p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + q0, dqa, ldd);
-  for (int i = 0; i < nq; ++i) std::memcpy(p.dq_accum + q_off + i * q_rs, dqa + int64_t(i) * ldd, sizeof(float) * D);
   StoreRows(dqa, ldd, nq, D, 1.0f, static_cast<T*>(p.dq) + q_off, q_rs);
 }
 

@@ -219,6 +219,15 @@ inline std::vector<int64_t> RowStatsWorkspaceDims(ffi::AnyBuffer::Dimensions qd)
   return out;
 }
 
+// Dimensions of the backward's dQ accumulator for query dims [..., Sq, Hq, D]: [..., Hq, Sq rounded up to
+// kRowStatsAlign, head_dim_class(D)].
+inline std::vector<int64_t> DqAccumWorkspaceDims(ffi::AnyBuffer::Dimensions qd) {
+  std::vector<int64_t> out = RowStatsWorkspaceDims(qd);
+  out[out.size() - 2] = out.back();
+  out.back() = head_dim_class(int(qd[qd.size() - 1]));
+  return out;
+}
+
 inline ffi::Error CheckForwardResults(ffi::AnyBuffer q, ffi::Result<ffi::AnyBuffer>& o,
                                       ffi::Result<ffi::Buffer<ffi::F32>>& lse) {
   if (auto e = ExpectShape(*o, q.dimensions(), "output"); e.failure()) return e;
@@ -243,7 +252,12 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   if (auto e = ExpectShape(*dq, q.dimensions(), "dq"); e.failure()) return e;
   if (auto e = ExpectShape(*dk, k.dimensions(), "dk"); e.failure()) return e;
   if (auto e = ExpectShape(*dv, k.dimensions(), "dv"); e.failure()) return e;
-  if (auto e = ExpectShape(*dq_accum, q.dimensions(), "dq_accum"); e.failure()) return e;
+  auto dq_accum_dims = DqAccumWorkspaceDims(q.dimensions());
+  if (auto e = ExpectShape(*dq_accum, ffi::AnyBuffer::Dimensions(dq_accum_dims.data(), dq_accum_dims.size()),
+                           "dq_accum");
+      e.failure()) {
+    return e;
+  }
   auto row_stats_dims = RowStatsWorkspaceDims(q.dimensions());
   if (auto e = ExpectShape(*row_stats, ffi::AnyBuffer::Dimensions(row_stats_dims.data(), row_stats_dims.size()),
                            "row_stats");
@@ -261,6 +275,7 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   p->dk = dk->untyped_data();
   p->dv = dv->untyped_data();
   p->dq_accum = dq_accum->typed_data();
+  p->head_dim_rounded = int(dq_accum_dims.back());
   p->row_stats = row_stats->typed_data();
   p->seqlen_q_rounded = int(row_stats_dims.back());
   p->deterministic = deterministic;
@@ -427,8 +442,8 @@ auto BindBackward(Binding b) {
       .template Ret<ffi::AnyBuffer>()                  // dq [..., Sq, Hq, D]
       .template Ret<ffi::AnyBuffer>()                  // dk [..., Sk, Hkv, D]
       .template Ret<ffi::AnyBuffer>()                  // dv [..., Sk, Hkv, D]
-      .template Ret<ffi::Buffer<ffi::F32>>()           // dq_accum [..., Sq, Hq, D]: float32 workspace
-      .template Ret<ffi::Buffer<ffi::F32>>()           // row_stats [..., Hq, 2, Sq rounded up to 128]: float32 workspace
+      .template Ret<ffi::Buffer<ffi::F32>>()           // dq_accum [..., Hq, Sq rounded, D class]: f32 workspace
+      .template Ret<ffi::Buffer<ffi::F32>>()           // row_stats [..., Hq, 2, Sq rounded]: f32 workspace
       .template Ret<ffi::Buffer<ffi::S32>>();          // dq_semaphore [..., Hq, Sq]: int32 workspace
 }
 

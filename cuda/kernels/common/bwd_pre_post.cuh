@@ -41,7 +41,9 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
       acc += a.x * c.x + a.y * c.y;
     }
 #pragma unroll
-    for (int lane_mask = kWarpSize / 2; lane_mask > 0; lane_mask /= 2) acc += __shfl_xor_sync(0xffffffff, acc, lane_mask);
+    for (int lane_mask = kWarpSize / 2; lane_mask > 0; lane_mask /= 2) {
+      acc += __shfl_xor_sync(0xffffffff, acc, lane_mask);
+    }
     lse_log2 = p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] * kLog2e;
   }
   if (lane == 0) {
@@ -50,22 +52,44 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
   }
 }
 
-template <typename T>
+// The order in which a main kernel adds into a dq_accum slab (FlashParams::dq_accum_of), as tiles of kTileRows rows x
+// head_dim_rounded columns, one after the other; offset(row, col) is where (row, col) of a tile lies in it (col
+// even: col and col + 1 are adjacent). DqRowMajor: rows of head_dim_rounded floats (the sm_80-class and the
+// split-head-dim kernels); the sm_90a d64/d128 kernel's order is its accumulator fragments' (DqFragmentOrder).
+struct DqRowMajor {
+  static constexpr int kTileRows = 1;
+  __device__ __forceinline__ static int offset(int /*row*/, int col) { return col; }
+};
+
+// One thread per pair of columns of dq: dq[b, i, h, d] = scale * dq_accum (in DqOrder) of (b, h, i, d).
+template <typename T, typename DqOrder>
 __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_convert_dq_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
   const int64_t pairs = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim / 2;
   const int64_t i = int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x;
   if (i >= pairs) return;
-  const float2 v = reinterpret_cast<const float2*>(p.dq_accum)[i];
+  const int pairs_per_row = p.head_dim / 2;
+  const int d = int(i % pairs_per_row) * 2;
+  const int64_t bih = i / pairs_per_row;  // flattened [b, i, h]
+  const int h = int(bih % p.heads_q);
+  const int row = int(bih / p.heads_q % p.seqlen_q);
+  const int b = int(bih / p.heads_q / p.seqlen_q);
+  const int tile_row0 = row / DqOrder::kTileRows * DqOrder::kTileRows;
+  const float* tile = p.dq_accum_of(b, h) + int64_t(tile_row0) * p.head_dim_rounded;
+  const float2 v = *reinterpret_cast<const float2*>(tile + DqOrder::offset(row - tile_row0, d));
   reinterpret_cast<uint32_t*>(p.dq)[i] = ET::pack(v.x * p.scale, v.y * p.scale);
 }
 
 // The backward sequence every main backward kernel shares: dq_accum = 0, the row statistics, the main kernel
-// (launch_main(), which returns its launch error; skipped without keys), dq = scale * dq_accum.
-template <typename T, typename LaunchMain>
+// (launch_main(), which returns its launch error; skipped without keys; it adds into dq_accum in DqOrder),
+// dq = scale * dq_accum.
+template <typename T, typename DqOrder, typename LaunchMain>
 cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
   const int64_t q_elems = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim;
-  if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, q_elems * sizeof(float), stream); e != cudaSuccess) return e;
+  const int64_t accum_elems = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded * p.head_dim_rounded;
+  if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, accum_elems * sizeof(float), stream); e != cudaSuccess) {
+    return e;
+  }
   if (p.deterministic) {
     const size_t stat_elems = size_t(p.batch) * p.heads_q * p.seqlen_q;
     if (cudaError_t e = cudaMemsetAsync(p.dq_semaphore, 0, stat_elems * sizeof(int32_t), stream); e != cudaSuccess) {
@@ -81,7 +105,8 @@ cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, Launc
     if (cudaError_t e = launch_main(); e != cudaSuccess) return e;
   }
   if (q_elems > 0) {
-    flash_bwd_convert_dq_kernel<T><<<ceil_div(q_elems / 2, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+    flash_bwd_convert_dq_kernel<T, DqOrder>
+        <<<ceil_div(q_elems / 2, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
   return cudaSuccess;

@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
         mma_16x8x16<T>(acc_dq[2 * dd + 1], a_ds, b_k[2], b_k[3]);
       }
     }
-    float* gdQ = p.dq_accum + b * p.q_batch_stride() + int64_t(h) * p.head_dim;
+    float* gdQ = p.dq_accum_of(b, h);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = m0 + dq_wm * kMmaM + g + 8 * r;
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
         for (int dt = 0; dt < kDqW / 8; ++dt) {
           const int col = dq_wd * kDqW + dt * 8 + 2 * t;
           if (col < p.head_dim) {
-            atomic_add_f32x2(gdQ + row * q_stride + col, acc_dq[dt][2 * r], acc_dq[dt][2 * r + 1]);
+            atomic_add_f32x2(gdQ + row * p.head_dim_rounded + col, acc_dq[dt][2 * r], acc_dq[dt][2 * r + 1]);
           }
         }
       }

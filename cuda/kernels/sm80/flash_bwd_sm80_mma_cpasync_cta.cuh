@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
     }
-    float* gdQ = p.dq_accum + b * p.q_batch_stride() + int64_t(h) * p.head_dim;
+    float* gdQ = p.dq_accum_of(b, h);
 #pragma unroll
     for (int mi = 0; mi < kDqTM; ++mi) {
 #pragma unroll
@@ -281,7 +281,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           for (int nj = 0; nj < kDqTN; ++nj) {
             const int col = dq_wd * Traits::kDqCols + nj * 8 + 2 * t;
             if (col < p.head_dim) {
-              atomic_add_f32x2(gdQ + row * q_stride + col, acc_dq[mi][nj][2 * r], acc_dq[mi][nj][2 * r + 1]);
+              atomic_add_f32x2(gdQ + row * p.head_dim_rounded + col, acc_dq[mi][nj][2 * r],
+                               acc_dq[mi][nj][2 * r + 1]);
             }
           }
         }

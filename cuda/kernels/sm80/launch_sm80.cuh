@@ -49,10 +49,11 @@ template <typename T, int kD>
 cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream, int smem_optin_bytes) {
   using CtaTraits = BwdCtaKernelTraits<BwdCtaTraitsSm80<kD>>;
   if (smem_optin_bytes >= int(sizeof(BwdCtaSharedStorage<T, CtaTraits>))) {
-    return launch_bwd_sequence<T>(p, stream, [&] { return launch_bwd_sm80_cta_main<T, CtaTraits>(p, stream); });
+    return launch_bwd_sequence<T, DqRowMajor>(p, stream,
+                                              [&] { return launch_bwd_sm80_cta_main<T, CtaTraits>(p, stream); });
   }
   using Traits = BwdKernelTraits<BwdTraitsSm80<kD>>;
-  return launch_bwd_sequence<T>(p, stream, [&] { return launch_bwd_sm80_main<T, Traits>(p, stream); });
+  return launch_bwd_sequence<T, DqRowMajor>(p, stream, [&] { return launch_bwd_sm80_main<T, Traits>(p, stream); });
 }
 
 }  // namespace jax_flash::cuda

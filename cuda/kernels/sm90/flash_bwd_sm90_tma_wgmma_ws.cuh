@@ -28,7 +28,7 @@ template <typename T, typename Traits, bool kDeterministic, bool kSegments>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                          const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dq) {
+                          const __grid_constant__ CUtensorMap tm_do) {
 #if defined(JAX_FLASH_SM90A)
   constexpr int kD = Traits::kHeadDim;
   constexpr int kBM = Traits::kBlockM;
@@ -40,7 +40,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kDqCols = Traits::kDqCols;
   constexpr int kDqTiles = kDqCols / 8;
   constexpr int kDqWgThreads = kWarpgroupThreads + kWarpSize;  // a consumer warpgroup and the dQ writer warp
-  static_assert(Traits::kDqBoxCols * sizeof(float) == kSwizzleBytes, "a dQ box row is one swizzled row");
   using ET = ElemTraits<T>;
   using Storage = typename Traits::SharedStorage;
 
@@ -111,36 +110,37 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
           __syncwarp();
         }
+        // The query tile's dQ in dq_accum (DqFragmentOrder: warpgroup wg's part is kDqWgBytes from wg's).
+        float* dq_tile = p.dq_accum_of(b, pos.head) + int64_t(pos.row0) * kD;
 #pragma unroll
         for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
           named_barrier_sync(kDqFullBarrier + wg, kDqWgThreads);
           if (lane0) {
-#pragma unroll
-            for (int box = 0; box < Traits::kDqBoxes; ++box) {
-              // Warpgroup wg's dQ: rows [64 wg, +64) and every column, or every row and columns [wg kDqCols, +).
-              const int row0 = pos.row0 + (Traits::kDqSplitRows ? wg * kDqRows : 0);
-              const int col0 = Traits::kDqSplitRows ? 0 : wg * kDqCols;
-              tma_reduce_add_4d(&tm_dq, smem.dq[wg] + box * kDqRows * Traits::kDqBoxCols,
-                                col0 + box * Traits::kDqBoxCols, row0, pos.head, b);
-            }
+            bulk_reduce_add_f32(dq_tile + wg * kDqRows * kDqCols, smem.dq[wg], Traits::kDqWgBytes);
             bulk_commit_group();
           }
         }
-        if (lane0) {
-          if constexpr (kDeterministic) {  // the adds have landed before the next key block's turn
+        if constexpr (kDeterministic) {  // the adds have landed before the next key block's turn
+          if (lane0) {
             bulk_wait_group<0>();
             fence_proxy_async_global();
             red_release_gpu_add(semaphore, 1);
-          } else {
-            bulk_wait_group_read<0>();
           }
-        }
-        __syncwarp();
-        if (it + 1 < iters) {
+          __syncwarp();
+          if (it + 1 < iters) {
 #pragma unroll
-          for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
-            named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
+            for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
+              named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
+            }
           }
+        } else if (it + 1 < iters) {  // each warpgroup's buffer is free as soon as its own reduction has read it
+          static_assert(Traits::kConsumerWarpgroups == 2, "one pending group after the first warpgroup's");
+          if (lane0) bulk_wait_group_read<1>();
+          __syncwarp();
+          named_barrier_arrive(kDqEmptyBarrier, kDqWgThreads);
+          if (lane0) bulk_wait_group_read<0>();
+          __syncwarp();
+          named_barrier_arrive(kDqEmptyBarrier + 1, kDqWgThreads);
         }
       }
       if (lane0) bulk_wait_group<0>();  // the reductions are complete before the CTA exits
@@ -149,7 +149,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
       prefetch_tensor_map(&tm_do);
-      prefetch_tensor_map(&tm_dq);
       load_kv_block<kBN, Traits::kColBlocks>(smem.k, smem.v, &smem.kv_full, &tm_k, &tm_v, n0, hk, b);
       auto pos = walk.start();
 #pragma unroll 1  // one thread issuing loads: unrolling only costs its 24 registers
@@ -221,9 +220,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // dS^T stores with stmatrix: 16 queries (two 8-column tiles) per step, step kk at pair kk % 4 of its 64-query
   // column block (smem_layout.h gives the lane addresses).
   const uint32_t ds_lane = stmatrix_x4_lane_offset(key_row0, lane);
-  // dQ stores: rows 16 warp + g (+8) of each box of kDqRows rows, chunk c XOR g, 8-byte pair t % 2.
-  const uint32_t dq_thread = smem_addr(smem.dq[cw]) + (warp * kWarpRows + g) * kSwizzleBytes + (t % 2) * 8;
-  static_assert(kWarpRows % kSwizzleRows == 0 && kSwizzleRows == 8, "row g + 8 r of a warp's slice is g modulo 8");
+  // dQ stores (DqFragmentOrder): column tile j of this thread's accumulator is float4 j * 128 + wg_tid.
+  const uint32_t dq_thread = smem_addr(smem.dq[cw]) + wg_tid * sizeof(float4);
   mbar_wait(&smem.kv_full, 0);
 
   auto pos = walk.start();
@@ -325,8 +323,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     wgmma_commit();
 
-    // dQ -> shared memory (float32, [box][kDqRows rows][32 columns], 128-byte swizzled) while dK runs; the writer warp
-    // adds it to the accumulator.
+    // dQ -> shared memory (float32, DqFragmentOrder) while dK runs; the writer warp adds it to the accumulator.
     wgmma_wait<1>();
     fence_regs(acc_dv);
     fence_regs(a_p);
@@ -334,14 +331,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     named_barrier_sync(kDqEmptyBarrier + cw, kDqWgThreads);
 #pragma unroll
     for (int j = 0; j < kDqTiles; ++j) {
-      const int box = j * 8 / Traits::kDqBoxCols;
-      const int chunk = (j * 8 % Traits::kDqBoxCols) / 4 + t / 2;  // 16-byte chunk of columns 8 j + 2 t, +1
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        st_shared_f32x2(dq_thread + box * kDqRows * kSwizzleBytes + r * kSwizzleRows * kSwizzleBytes +
-                            (chunk ^ g) * kSwizzleChunkBytes,
-                        acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
-      }
+      st_shared_f32x4(dq_thread + j * kWarpgroupThreads * sizeof(float4), acc_dq[4 * j], acc_dq[4 * j + 1],
+                      acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
     }
     fence_proxy_async_smem();
     named_barrier_arrive(kDqFullBarrier + cw, kDqWgThreads);

@@ -314,8 +314,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::
       constexpr int kLoadGroup = 4;
       const int h = walk.head(it);
       const int m = m0 + row0 + g;  // and m + 8
-      float* dq_row = p.dq_accum + ((int64_t(b) * p.seqlen_q + m) * p.heads_q + h) * p.head_dim + d_col0 + 2 * t;
-      const int64_t dq_row8 = int64_t(8) * p.heads_q * p.head_dim;  // row m + 8
+      float* dq_row = p.dq_accum_of(b, h) + int64_t(m) * p.head_dim_rounded + d_col0 + 2 * t;
+      const int64_t dq_row8 = int64_t(8) * p.head_dim_rounded;  // row m + 8
       const bool row_ok[2] = {m < p.seqlen_q, m + 8 < p.seqlen_q};
 #pragma unroll
       for (int j0 = 0; j0 < kCTiles; j0 += kLoadGroup) {

@@ -152,14 +152,11 @@ struct BwdKernelTraitsSm90 : Base {
   static constexpr bool kDqSplitRows = Base::kBlockM > kWgmmaM;
   static constexpr int kDqRows = kDqSplitRows ? kWgmmaM : Base::kBlockM;  // dQ rows per consumer warpgroup
   static constexpr int kDqCols = kDqSplitRows ? Base::kHeadDim : Base::kHeadDim / kConsumerWarpgroups;
-  static constexpr int kDqBoxCols = 32;  // float32 columns in one 128-byte swizzled row: one TMA reduction box
-  static constexpr int kDqBoxes = kDqCols / kDqBoxCols;
   // setmaxnreg budgets: 2 x 128 x 240 + 128 x 24 <= 64K registers.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(Base::kBlockM % kColBlock == 0, "dS^T rows are whole 128-byte swizzled rows of 64 queries");
   static_assert(!kDqSplitRows || Base::kBlockM == kConsumerWarpgroups * kWgmmaM, "one wgmma M of dQ rows each");
-  static_assert(kDqCols % kDqBoxCols == 0, "dQ columns of a warpgroup are whole reduction boxes");
 
   struct alignas(1024) SharedStorage {
     alignas(1024) T k[kBlockN * Base::kHeadDim];                          // [kColBlocks][kBlockN][64]
@@ -167,7 +164,7 @@ struct BwdKernelTraitsSm90 : Base {
     alignas(1024) T q[Base::kStages][Base::kBlockM * Base::kHeadDim];     // [stage][kColBlocks][kBlockM][64]
     alignas(1024) T dout[Base::kStages][Base::kBlockM * Base::kHeadDim];  // [stage][kColBlocks][kBlockM][64]
     alignas(1024) T ds[2][kBlockN * Base::kBlockM];  // [parity][kQueryColBlocks][key][64], swizzled
-    alignas(1024) float dq[kConsumerWarpgroups][kDqRows * kDqCols];  // [wg][kDqBoxes][kDqRows][32], swizzled
+    alignas(1024) float dq[kConsumerWarpgroups][kDqRows * kDqCols];  // [wg][...]: DqFragmentOrder
     // [stage]: lse * log2(e) of the tile's rows, then their dsum (bulk copies from FlashParams::row_stats).
     alignas(16) float stats[Base::kStages][2 * Base::kBlockM];
     uint64_t kv_full;
@@ -179,6 +176,25 @@ struct BwdKernelTraitsSm90 : Base {
   static constexpr uint32_t kStatsBytes = Base::kBlockM * sizeof(float);  // one statistic of a tile's rows
   // Q and dO tiles and both statistics of their rows.
   static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T) + 2 * kStatsBytes;
+  static constexpr uint32_t kDqWgBytes = kDqRows * kDqCols * sizeof(float);  // a consumer warpgroup's dQ tile
+};
+
+// The order of a query tile's dQ in dq_accum (and in shared memory) for the BwdKernelTraitsSm90 kernel: as the
+// consumer warpgroups' wgmma accumulators hold it, [warpgroup][8-column tile j][thread][4], so that each thread
+// stages its accumulator with 16-byte stores and each warpgroup's part is one contiguous bulk reduction. Element
+// 4 j + e of a thread's accumulator is row 16 warp + g + 8 (e / 2), column 8 j + 2 t + e % 2 of its warpgroup's
+// part (lane = 4 g + t); the conversion kernel (bwd_pre_post.cuh) reads it back through offset().
+template <typename Traits>
+struct DqFragmentOrder {
+  static constexpr int kTileRows = Traits::kBlockM;
+  JF_HD static int offset(int row, int col) {
+    const int wg = Traits::kDqSplitRows ? row / Traits::kDqRows : col / Traits::kDqCols;
+    const int r = Traits::kDqSplitRows ? row % Traits::kDqRows : row;
+    const int c = Traits::kDqSplitRows ? col : col % Traits::kDqCols;
+    const int thread = (r / 16) * (kWarpgroupThreads / 4) + (r % 8) * 4 + (c % 8) / 2;
+    const int slot = (wg * (Traits::kDqCols / 8) + c / 8) * kWarpgroupThreads + thread;
+    return slot * 4 + (r % 16) / 8 * 2 + c % 2;
+  }
 };
 
 // Backward CTA at head dim 256, where one warpgroup's dK + dV for 64 keys x 256 columns would need 256 registers

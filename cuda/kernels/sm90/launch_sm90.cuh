@@ -171,16 +171,10 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
   if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
-  // The float32 dQ accumulator (dq_accum has q's layout), reduced into in boxes of kDqBoxCols x kDqRows.
-  CUtensorMap tm_dq;
-  if (cudaError_t e = encode_bthd_tensor_map(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sizeof(float), p.dq_accum,
-                                             p.batch, p.seqlen_q, p.heads_q, p.head_dim, Traits::kDqBoxCols,
-                                             Traits::kDqRows);
-      e != cudaSuccess) {
-    return e;
-  }
+  // dQ tiles are added into dq_accum as kBlockM x kD blocks (DqFragmentOrder).
+  if (p.head_dim_rounded != kD || p.seqlen_q_rounded % Traits::kBlockM != 0) return cudaErrorInvalidValue;
   const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
   return cudaGetLastError();
 }
 
@@ -211,13 +205,19 @@ cudaError_t launch_bwd_sm90_segments(const FlashParams& p, cudaStream_t stream) 
   }
 }
 
-// The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel of the head-dim class.
+// The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel of the head-dim class, with the
+// conversion reading dq_accum in the order that kernel adds into it.
 template <typename T, int kD>
 cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
-  return launch_bwd_sequence<T>(p, stream, [&]() -> cudaError_t {
+  auto launch_main = [&]() -> cudaError_t {
     return p.q_segment_ids != nullptr ? launch_bwd_sm90_segments<T, kD, true>(p, stream)
                                       : launch_bwd_sm90_segments<T, kD, false>(p, stream);
-  });
+  };
+  if constexpr (kD > 128) {
+    return launch_bwd_sequence<T, DqRowMajor>(p, stream, launch_main);
+  } else {
+    return launch_bwd_sequence<T, DqFragmentOrder<BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>>>(p, stream, launch_main);
+  }
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -83,16 +83,15 @@ __device__ __forceinline__ void bulk_load_1d(void* smem, const void* gmem, uint3
       : "memory");
 }
 
-// Adds (float32) the shared-memory tile `smem` into the box at (c0, c1, c2, c3) of a 4-d tensor map; elements
-// outside the tensor are skipped. Each element's add is atomic. Tracked by this thread's bulk async-group.
-__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2,
-                                                  int c3) {
-  asm volatile(
-      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(smem_addr(smem)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
+// Adds (float32) `bytes` (a multiple of 16; both addresses 16-byte aligned) of shared memory into global memory;
+// each element's add is atomic. Tracked by this thread's bulk async-group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   reinterpret_cast<uint64_t>(gmem)),
+               "r"(smem_addr(smem)), "r"(bytes)
+               : "memory");
 }
+
 // Stores the shared-memory tile `smem` into the box at (c0, c1, c2, c3) of a 4-d tensor map; elements outside the
 // tensor are skipped. Tracked by this thread's bulk async-group.
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2, int c3) {
