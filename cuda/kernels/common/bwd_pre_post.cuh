@@ -21,14 +21,14 @@ inline constexpr int kPreprocessThreads = 256;
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
-  const int64_t rows = int64_t(p.batch) * p.seqlen_q_rounded * p.heads_q;  // flattened [b, i, h]
+  // Flattened [b, h, i]: neighbouring warps read lse and write the statistics of neighbouring rows.
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
   const int64_t warp_id = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   if (warp_id >= rows) return;
-  const int h = int(warp_id % p.heads_q);
-  const int64_t bi = warp_id / p.heads_q;
-  const int i = int(bi % p.seqlen_q_rounded);
-  const int b = int(bi / p.seqlen_q_rounded);
+  const int i = int(warp_id % p.seqlen_q_rounded);
+  const int h = int(warp_id / p.seqlen_q_rounded % p.heads_q);
+  const int b = int(warp_id / p.seqlen_q_rounded / p.heads_q);
   float acc = 0.f;
   float lse_log2 = 0.f;
   if (i < p.seqlen_q) {
@@ -52,32 +52,47 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
   }
 }
 
-// The order in which a main kernel adds into a dq_accum slab (FlashParams::dq_accum_of), as tiles of kTileRows rows x
-// head_dim_rounded columns, one after the other; offset(row, col) is where (row, col) of a tile lies in it (col
-// even: col and col + 1 are adjacent). DqRowMajor: rows of head_dim_rounded floats (the sm_80-class and the
-// split-head-dim kernels); the sm_90a d64/d128 kernel's order is its accumulator fragments' (DqFragmentOrder).
+// The order in which a main kernel adds into a dq_accum slab (FlashParams::dq_accum_of): tiles of kTileRows rows x
+// head_dim_rounded columns one after the other, each a sequence of float4 slots; slot `slot` of a tile holds two
+// column pairs, (row[k], col[k]) and (row[k], col[k] + 1) for k = 0, 1, which pairs() gives. DqRowMajor: rows of
+// head_dim_rounded floats (the sm_80-class and the split-head-dim kernels); the sm_90a d64/d128 kernel adds in its
+// accumulator fragments' order (DqFragmentOrder).
 struct DqRowMajor {
   static constexpr int kTileRows = 1;
-  __device__ __forceinline__ static int offset(int /*row*/, int col) { return col; }
+  __device__ __forceinline__ static void pairs(int slot, int (&row)[2], int (&col)[2]) {
+    row[0] = row[1] = 0;
+    col[0] = 4 * slot;
+    col[1] = 4 * slot + 2;
+  }
 };
 
-// One thread per pair of columns of dq: dq[b, i, h, d] = scale * dq_accum (in DqOrder) of (b, h, i, d).
+// One thread per float4 of dq_accum, read in its storage order: dq[b, i, h, d] = scale * dq_accum of (b, h, i, d)
+// for both of its column pairs that lie inside dq.
 template <typename T, typename DqOrder>
 __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_convert_dq_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
-  const int64_t pairs = int64_t(p.batch) * p.seqlen_q * p.heads_q * p.head_dim / 2;
+  const int slots_per_tile = DqOrder::kTileRows * p.head_dim_rounded / 4;
+  const int tiles = p.seqlen_q_rounded / DqOrder::kTileRows;  // per (b, h) slab
+  const int64_t slots = int64_t(p.batch) * p.heads_q * tiles * slots_per_tile;
   const int64_t i = int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x;
-  if (i >= pairs) return;
-  const int pairs_per_row = p.head_dim / 2;
-  const int d = int(i % pairs_per_row) * 2;
-  const int64_t bih = i / pairs_per_row;  // flattened [b, i, h]
-  const int h = int(bih % p.heads_q);
-  const int row = int(bih / p.heads_q % p.seqlen_q);
-  const int b = int(bih / p.heads_q / p.seqlen_q);
-  const int tile_row0 = row / DqOrder::kTileRows * DqOrder::kTileRows;
-  const float* tile = p.dq_accum_of(b, h) + int64_t(tile_row0) * p.head_dim_rounded;
-  const float2 v = *reinterpret_cast<const float2*>(tile + DqOrder::offset(row - tile_row0, d));
-  reinterpret_cast<uint32_t*>(p.dq)[i] = ET::pack(v.x * p.scale, v.y * p.scale);
+  if (i >= slots) return;
+  const int64_t bh_tile = i / slots_per_tile;  // flattened [b, h, tile]
+  const int tile = int(bh_tile % tiles);
+  const int h = int(bh_tile / tiles % p.heads_q);
+  const int b = int(bh_tile / tiles / p.heads_q);
+  int row[2], col[2];
+  DqOrder::pairs(int(i % slots_per_tile), row, col);
+  const float4 v = reinterpret_cast<const float4*>(p.dq_accum)[i];
+  const float2 halves[2] = {make_float2(v.x, v.y), make_float2(v.z, v.w)};
+  T* dq = static_cast<T*>(p.dq) + b * p.q_batch_stride() + int64_t(h) * p.head_dim;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int r = tile * DqOrder::kTileRows + row[k];
+    if (r < p.seqlen_q && col[k] < p.head_dim) {
+      *reinterpret_cast<uint32_t*>(dq + r * p.q_row_stride() + col[k]) =
+          ET::pack(halves[k].x * p.scale, halves[k].y * p.scale);
+    }
+  }
 }
 
 // The backward sequence every main backward kernel shares: dq_accum = 0, the row statistics, the main kernel
@@ -106,7 +121,7 @@ cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, Launc
   }
   if (q_elems > 0) {
     flash_bwd_convert_dq_kernel<T, DqOrder>
-        <<<ceil_div(q_elems / 2, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+        <<<ceil_div(accum_elems / 4, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
   return cudaSuccess;

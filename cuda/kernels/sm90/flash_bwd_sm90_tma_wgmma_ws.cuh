@@ -62,12 +62,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return;
   }
 
-  constexpr int kConsumerWarps = Traits::kConsumerWarpgroups * 4;
+  constexpr int kConsumerThreads = Traits::kConsumerWarpgroups * kWarpgroupThreads;
   // Q and dO of query tile `it` share ring use `it` (PipelineState{it}); K and V load once (kv_full).
   using QdOState = PipelineState<kStages>;
   if (tid == 0) {
     mbar_init(&smem.kv_full, 1);
-    smem.qdo_ring.init(kConsumerWarps);
+    smem.qdo_ring.init(kConsumerThreads);  // every consumer thread releases a stage after its last read of it
     mbar_init_fence();
   }
   __syncthreads();
@@ -179,7 +179,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int wg_tid = tid % kWarpgroupThreads;
   const int warp = wg_tid / kWarpSize;
   const int lane = tid % kWarpSize;
-  const bool lane0 = lane == 0;
   const int g = lane / 4;
   const int t = lane % 4;
   const int key_row0 = cw * kWgmmaM + warp * kWarpRows;  // first of this warp's 16 keys inside the block
@@ -340,8 +339,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wgmma_wait<0>();
     fence_regs(acc_dk);
     fence_regs(a_ds);
-    __syncwarp();  // every lane's wgmma reads of the stage are done before lane 0 releases it
-    if (lane0) smem.qdo_ring.consumer_release(qdo);
+    smem.qdo_ring.consumer_release(qdo);  // its wgmma reads and statistics loads are done
   }
 
   // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, columns < head_dim.

@@ -180,20 +180,24 @@ struct BwdKernelTraitsSm90 : Base {
 };
 
 // The order of a query tile's dQ in dq_accum (and in shared memory) for the BwdKernelTraitsSm90 kernel: as the
-// consumer warpgroups' wgmma accumulators hold it, [warpgroup][8-column tile j][thread][4], so that each thread
-// stages its accumulator with 16-byte stores and each warpgroup's part is one contiguous bulk reduction. Element
-// 4 j + e of a thread's accumulator is row 16 warp + g + 8 (e / 2), column 8 j + 2 t + e % 2 of its warpgroup's
-// part (lane = 4 g + t); the conversion kernel (bwd_pre_post.cuh) reads it back through offset().
+// consumer warpgroups' wgmma accumulators hold it, float4 slots [warpgroup][8-column tile j][thread], so that each
+// thread stages its accumulator with 16-byte stores and each warpgroup's part is one contiguous bulk reduction.
+// Slot (wg, j, thread) holds the thread's accumulator elements 4 j .. 4 j + 3: rows 16 warp + g and + 8, columns
+// 8 j + 2 t and + 1 of its warpgroup's part (lane = 4 g + t); pairs() is the map the conversion kernel
+// (bwd_pre_post.cuh) reads it back with.
 template <typename Traits>
 struct DqFragmentOrder {
   static constexpr int kTileRows = Traits::kBlockM;
-  JF_HD static int offset(int row, int col) {
-    const int wg = Traits::kDqSplitRows ? row / Traits::kDqRows : col / Traits::kDqCols;
-    const int r = Traits::kDqSplitRows ? row % Traits::kDqRows : row;
-    const int c = Traits::kDqSplitRows ? col : col % Traits::kDqCols;
-    const int thread = (r / 16) * (kWarpgroupThreads / 4) + (r % 8) * 4 + (c % 8) / 2;
-    const int slot = (wg * (Traits::kDqCols / 8) + c / 8) * kWarpgroupThreads + thread;
-    return slot * 4 + (r % 16) / 8 * 2 + c % 2;
+  static constexpr int kTiles = Traits::kDqCols / 8;  // 8-column tiles of a warpgroup's part
+  JF_HD static void pairs(int slot, int (&row)[2], int (&col)[2]) {
+    const int thread = slot % kWarpgroupThreads;
+    const int j = slot / kWarpgroupThreads % kTiles;
+    const int wg = slot / (kWarpgroupThreads * kTiles);
+    const int lane = thread % 32;
+    const int r = thread / 32 * 16 + lane / 4 + (Traits::kDqSplitRows ? wg * Traits::kDqRows : 0);
+    row[0] = r;
+    row[1] = r + 8;
+    col[0] = col[1] = 8 * j + 2 * (lane % 4) + (Traits::kDqSplitRows ? 0 : wg * Traits::kDqCols);
   }
 };
 
