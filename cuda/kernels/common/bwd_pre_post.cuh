@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
   float acc = 0.f;
   float lse_log2 = 0.f;
   if (i < p.seqlen_q) {
+    lse_log2 = p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] * kLog2e;  // first: its latency hides below
     const int64_t off = (int64_t(b) * p.seqlen_q + i) * p.q_row_stride() + int64_t(h) * p.head_dim;
     const T* o = static_cast<const T*>(p.o) + off;
     const T* dout = static_cast<const T*>(p.dout) + off;
@@ -44,7 +45,6 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
     for (int lane_mask = kWarpSize / 2; lane_mask > 0; lane_mask /= 2) {
       acc += __shfl_xor_sync(0xffffffff, acc, lane_mask);
     }
-    lse_log2 = p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] * kLog2e;
   }
   if (lane == 0) {
     p.lse_log2_of(b, h)[i] = lse_log2;
@@ -66,32 +66,53 @@ struct DqRowMajor {
   }
 };
 
-// One thread per float4 of dq_accum, read in its storage order: dq[b, i, h, d] = scale * dq_accum of (b, h, i, d)
-// for both of its column pairs that lie inside dq.
+// Query rows per block of the conversion: whole tiles of DqOrder, about 32 KB of float32 dQ.
+template <typename DqOrder>
+__host__ __device__ __forceinline__ int convert_dq_rows(int head_dim_rounded) {
+  const int rows = 8192 / head_dim_rounded;
+  return rows > DqOrder::kTileRows ? rows : DqOrder::kTileRows;
+}
+inline constexpr int kConvertPad = 4;  // floats after each shared-memory row (16-byte rows stay aligned)
+
+// dq[b, i, h, d] = scale * dq_accum of (b, h, i, d), a block of convert_dq_rows rows of one (b, h) at a time: the
+// block's dq_accum floats are read in their storage order (coalesced float4 loads) into a row-major shared-memory
+// tile, then written to dq as 16-byte rows.
 template <typename T, typename DqOrder>
 __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_convert_dq_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
-  const int slots_per_tile = DqOrder::kTileRows * p.head_dim_rounded / 4;
-  const int tiles = p.seqlen_q_rounded / DqOrder::kTileRows;  // per (b, h) slab
-  const int64_t slots = int64_t(p.batch) * p.heads_q * tiles * slots_per_tile;
-  const int64_t i = int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x;
-  if (i >= slots) return;
-  const int64_t bh_tile = i / slots_per_tile;  // flattened [b, h, tile]
-  const int tile = int(bh_tile % tiles);
-  const int h = int(bh_tile / tiles % p.heads_q);
-  const int b = int(bh_tile / tiles / p.heads_q);
-  int row[2], col[2];
-  DqOrder::pairs(int(i % slots_per_tile), row, col);
-  const float4 v = reinterpret_cast<const float4*>(p.dq_accum)[i];
-  const float2 halves[2] = {make_float2(v.x, v.y), make_float2(v.z, v.w)};
+  extern __shared__ float4 convert_smem[];
+  float* tile = reinterpret_cast<float*>(convert_smem);  // [rows][head_dim_rounded + kConvertPad]
+  const int cols = p.head_dim_rounded;
+  const int ld = cols + kConvertPad;
+  const int rows = convert_dq_rows<DqOrder>(cols);
+  const int blocks_per_slab = p.seqlen_q_rounded / rows;
+  const int row0 = int(blockIdx.x % blocks_per_slab) * rows;
+  const int h = int(blockIdx.x / blocks_per_slab % p.heads_q);
+  const int b = int(blockIdx.x / blocks_per_slab / p.heads_q);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_accum_of(b, h) + int64_t(row0) * cols);
+  const int slots_per_tile = DqOrder::kTileRows * cols / 4;
+  for (int i = threadIdx.x; i < rows * cols / 4; i += kPreprocessThreads) {
+    const float4 v = src[i];
+    int row[2], col[2];
+    DqOrder::pairs(i % slots_per_tile, row, col);
+    const int tile_row0 = i / slots_per_tile * DqOrder::kTileRows;
+    *reinterpret_cast<float2*>(tile + (tile_row0 + row[0]) * ld + col[0]) = make_float2(v.x, v.y);
+    *reinterpret_cast<float2*>(tile + (tile_row0 + row[1]) * ld + col[1]) = make_float2(v.z, v.w);
+  }
+  __syncthreads();
+  constexpr int kChunk = 8;  // elements per 16-byte store; head_dim is a multiple of 8
+  const int chunks = p.head_dim / kChunk;
   T* dq = static_cast<T*>(p.dq) + b * p.q_batch_stride() + int64_t(h) * p.head_dim;
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int r = tile * DqOrder::kTileRows + row[k];
-    if (r < p.seqlen_q && col[k] < p.head_dim) {
-      *reinterpret_cast<uint32_t*>(dq + r * p.q_row_stride() + col[k]) =
-          ET::pack(halves[k].x * p.scale, halves[k].y * p.scale);
-    }
+  for (int i = threadIdx.x; i < rows * chunks; i += kPreprocessThreads) {
+    const int r = i / chunks;
+    const int c = i % chunks * kChunk;
+    if (row0 + r >= p.seqlen_q) continue;
+    const float4 lo = *reinterpret_cast<const float4*>(tile + r * ld + c);
+    const float4 hi = *reinterpret_cast<const float4*>(tile + r * ld + c + 4);
+    const float s = p.scale;
+    *reinterpret_cast<uint4*>(dq + (row0 + r) * p.q_row_stride() + c) =
+        make_uint4(ET::pack(lo.x * s, lo.y * s), ET::pack(lo.z * s, lo.w * s), ET::pack(hi.x * s, hi.y * s),
+                   ET::pack(hi.z * s, hi.w * s));
   }
 }
 
@@ -120,8 +141,11 @@ cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, Launc
     if (cudaError_t e = launch_main(); e != cudaSuccess) return e;
   }
   if (q_elems > 0) {
-    flash_bwd_convert_dq_kernel<T, DqOrder>
-        <<<ceil_div(accum_elems / 4, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+    const int rows = convert_dq_rows<DqOrder>(p.head_dim_rounded);
+    const size_t smem = size_t(rows) * (p.head_dim_rounded + kConvertPad) * sizeof(float);
+    const int64_t blocks = int64_t(p.batch) * p.heads_q * (p.seqlen_q_rounded / rows);
+    if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+    flash_bwd_convert_dq_kernel<T, DqOrder><<<unsigned(blocks), kPreprocessThreads, smem, stream>>>(p);
     return cudaGetLastError();
   }
   return cudaSuccess;
