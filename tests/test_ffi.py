@@ -91,6 +91,31 @@ def test_backward_shapes():
     assert dq.dtype == dk.dtype == dv.dtype == jnp.bfloat16
 
 
+def test_backward_workspaces_are_padded_and_checked():
+    """The backward's workspaces: row statistics [..., Hq, 2, Sq rounded up to 128] and the dQ accumulator [..., Hq,
+    Sq rounded up to 128, head-dim class]; the handler names a workspace of the wrong shape."""
+    assert _ffi._row_stats_workspace_shape((2, 9, 4, 16)) == (2, 4, 2, 128)
+    assert _ffi._row_stats_workspace_shape((3, 2, 256, 4, 64)) == (3, 2, 4, 2, 256)
+    assert _ffi._dq_accum_workspace_shape((2, 130, 4, 72)) == (2, 4, 256, 128)
+    assert _ffi._dq_accum_workspace_shape((130, 4, 200)) == (4, 256, 256)
+    assert _ffi._dq_accum_workspace_shape((1, 128, 1, 64)) == (1, 1, 128, 64)
+    q, k, v = inputs()
+    lens = jnp.array([9, 9], jnp.int32), jnp.array([12, 12], jnp.int32)
+    o, lse = _ffi.flash_fwd(q, k, v, *lens, **ATTRS)
+    call = jax.ffi.ffi_call(
+        _ffi.BWD_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(v.shape, v.dtype),
+         jax.ShapeDtypeStruct(q.shape, jnp.float32),  # the unpadded [..., Sq, Hq, D]: wrong
+         jax.ShapeDtypeStruct(_ffi._row_stats_workspace_shape(q.shape), jnp.float32),
+         jax.ShapeDtypeStruct(_ffi._row_stats_shape(q.shape), jnp.int32)))
+    operands = (q, k, v, o, lse, jnp.ones_like(o), *lens, jnp.zeros_like(lens[0]), jnp.zeros_like(lens[1]),
+                *_ffi._segment_operands(q, k, None, None))
+    attrs = _ffi._attrs(ATTRS["scale"], False, -1, -1, None, False)
+    with pytest.raises(Exception, match=r"dq_accum has shape \(2, 9, 4, 16\), expected \(2, 4, 128, 64\)"):
+        jax.block_until_ready(call(*operands, deterministic=False, **attrs))
+
+
 def test_leading_dims_fold_into_batch():
     """Extra leading dims (as vmap's broadcast_all adds) are folded into the batch by the handlers."""
     q, k, v = inputs(batch=(3, 2))
