@@ -16,37 +16,48 @@ namespace jax_flash::cuda {
 
 inline constexpr int kPreprocessThreads = 256;
 
-// One warp per (row, head) of the padded rows (seqlen_q_rounded): the row statistics of (b, h, i), lse * log2(e)
-// and dsum = sum_d dO[b, i, h, d] * O[b, i, h, d]; both 0 in the padding rows i >= seqlen_q.
+// Threads per row of the preprocess: 16-byte loads of 8 elements, 128 columns per pass (two rows per warp).
+inline constexpr int kPreprocessLanesPerRow = 16;
+
+// The row statistics of (b, h, i) for every padded row (seqlen_q_rounded), kPreprocessLanesPerRow threads a row:
+// lse * log2(e) and dsum = sum_d dO[b, i, h, d] * O[b, i, h, d]; both 0 in the padding rows i >= seqlen_q.
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
-  // Flattened [b, h, i]: neighbouring warps read lse and write the statistics of neighbouring rows.
+  constexpr int kLanes = kPreprocessLanesPerRow;
+  constexpr int kElems = 8;  // per 16-byte load; head_dim is a multiple of 8
+  // Flattened [b, h, i]: neighbouring rows read lse and write their statistics next to each other.
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
-  const int64_t warp_id = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  if (warp_id >= rows) return;
-  const int i = int(warp_id % p.seqlen_q_rounded);
-  const int h = int(warp_id / p.seqlen_q_rounded % p.heads_q);
-  const int b = int(warp_id / p.seqlen_q_rounded / p.heads_q);
+  const int64_t row = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kLanes;
+  const int sub = threadIdx.x % kLanes;
+  const bool valid = row < rows;  // every thread reaches the shuffles below
+  const int i = int(row % p.seqlen_q_rounded);
+  const int h = int(row / p.seqlen_q_rounded % p.heads_q);
+  const int b = int(row / p.seqlen_q_rounded / p.heads_q);
   float acc = 0.f;
   float lse_log2 = 0.f;
-  if (i < p.seqlen_q) {
+  if (valid && i < p.seqlen_q) {
     lse_log2 = p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] * kLog2e;  // first: its latency hides below
     const int64_t off = (int64_t(b) * p.seqlen_q + i) * p.q_row_stride() + int64_t(h) * p.head_dim;
     const T* o = static_cast<const T*>(p.o) + off;
     const T* dout = static_cast<const T*>(p.dout) + off;
-    for (int d = 2 * lane; d < p.head_dim; d += 2 * kWarpSize) {
-      const float2 a = ET::unpack(*reinterpret_cast<const uint32_t*>(o + d));
-      const float2 c = ET::unpack(*reinterpret_cast<const uint32_t*>(dout + d));
-      acc += a.x * c.x + a.y * c.y;
-    }
+    for (int d = sub * kElems; d < p.head_dim; d += kLanes * kElems) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + d);
+      const uint4 dv = *reinterpret_cast<const uint4*>(dout + d);
+      const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
-    for (int lane_mask = kWarpSize / 2; lane_mask > 0; lane_mask /= 2) {
-      acc += __shfl_xor_sync(0xffffffff, acc, lane_mask);
+      for (int w = 0; w < 4; ++w) {
+        const float2 a = ET::unpack(ow[w]);
+        const float2 c = ET::unpack(dw[w]);
+        acc += a.x * c.x + a.y * c.y;
+      }
     }
   }
-  if (lane == 0) {
+#pragma unroll
+  for (int lane_mask = kLanes / 2; lane_mask > 0; lane_mask /= 2) {
+    acc += __shfl_xor_sync(0xffffffff, acc, lane_mask);
+  }
+  if (valid && sub == 0) {
     p.lse_log2_of(b, h)[i] = lse_log2;
     p.dsum_of(b, h)[i] = acc;
   }
@@ -134,7 +145,8 @@ cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, Launc
   }
   if (q_elems > 0) {
     const int64_t rows = int64_t(p.batch) * p.seqlen_q_rounded * p.heads_q;
-    flash_bwd_preprocess_kernel<T><<<ceil_div(rows * kWarpSize, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+    flash_bwd_preprocess_kernel<T>
+        <<<ceil_div(rows * kPreprocessLanesPerRow, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (p.seqlen_k > 0) {
