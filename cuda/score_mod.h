@@ -35,13 +35,6 @@ struct SoftCap {
     const float t = pre * capped;
     return 1.f - t * t;
   }
-  // d capped / d s from the probability P = exp2(capped * scale_log2 - lse_log2) of the pair (the capped score
-  // recovered through log2): for backward kernels whose score registers already hold P. 0 where P is 0 (a masked
-  // or underflowed pair, whose dS is 0 anyway); nan P stays nan through dS = P (dP - dsum) dtanh.
-  JF_HD float dtanh_from_prob(float prob, float lse_log2, float inv_scale_log2) const {
-    const float t = pre * (log2f(prob) + lse_log2) * inv_scale_log2;
-    return fmaxf(1.f - t * t, 0.f);  // log2(0) = -inf: 1 - inf = -inf -> 0
-  }
 };
 
 }  // namespace jax_flash

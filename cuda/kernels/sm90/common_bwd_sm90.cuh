@@ -54,15 +54,25 @@ __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], con
 }
 
 // P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place (S^T soft-capped first, with a cap), zero where the mask
-// hides the pair (query0, key0 as for zero_hidden_pairs). Returns whether the tile needed masking
-// (dscores_from_probs then zeroes the hidden pairs' dS^T too).
-template <int kSTiles>
-__device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], const float2 (&lse_log2)[kSTiles],
-                                                  float scale_log2, const SoftCap& cap, const AttentionMask& mask,
-                                                  int query0, int key0, int seqlen_q, int g, int t) {
-  if (cap.enabled()) {
+// hides the pair (query0, key0 as for zero_hidden_pairs). With a cap, dcap receives each pair's d capped / d s =
+// 1 - tanh^2 as float16 pairs (elements 2 i, 2 i + 1 in dcap[i]; within [0, 1], float16's 2^-11 rounding is below
+// tanh.approx's error), for dscores_from_probs: no second transcendental to recover it from P^T. Returns whether
+// the tile needed masking (dscores_from_probs then zeroes the hidden pairs' dS^T too). kCap: the call has a soft
+// cap (compiled out otherwise: dcap would be live registers across the dP^T wait in every call).
+template <int kSTiles, bool kCap>
+__device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], uint32_t (&dcap)[kSTiles * 2],
+                                                  const float2 (&lse_log2)[kSTiles], float scale_log2,
+                                                  const SoftCap& cap, const AttentionMask& mask, int query0, int key0,
+                                                  int seqlen_q, int g, int t) {
+  if constexpr (kCap) {
 #pragma unroll
-    for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = cap.apply(acc_s[i]);
+    for (int i = 0; i < kSTiles * 2; ++i) {
+      const float t0 = tanh_fast(cap.pre * acc_s[2 * i]);
+      const float t1 = tanh_fast(cap.pre * acc_s[2 * i + 1]);
+      acc_s[2 * i] = cap.post * t0;
+      acc_s[2 * i + 1] = cap.post * t1;
+      dcap[i] = ElemTraits<__half>::pack(1.f - t0 * t0, 1.f - t1 * t1);
+    }
   }
 #pragma unroll
   for (int j = 0; j < kSTiles; ++j) {
@@ -76,13 +86,14 @@ __device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], c
   return masked;
 }
 
-// dS^T = P^T * (dP^T - dsum) in place of dP^T; in a masked tile (probs_from_scores' result; the same query0,
-// key0) exactly 0 where the mask hides the pair, as jax.nn's gradient of its masking select is, even where dP^T or
-// dsum is not finite (a row whose output is nan).
-template <int kSTiles>
+// dS^T = P^T * (dP^T - dsum) in place of dP^T, times probs_from_scores' dcap with a cap; in a masked tile
+// (probs_from_scores' result; the same query0, key0) exactly 0 where the mask hides the pair, as jax.nn's gradient
+// of its masking select is, even where dP^T, dsum or the score is not finite (a row whose output is nan).
+template <int kSTiles, bool kCap>
 __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4], const float (&acc_s)[kSTiles * 4],
-                                                   const float2 (&dsum)[kSTiles], bool masked,
-                                                   const AttentionMask& mask, int query0, int key0, int g, int t) {
+                                                   const float2 (&dsum)[kSTiles], const uint32_t (&dcap)[kSTiles * 2],
+                                                   bool masked, const AttentionMask& mask, int query0, int key0, int g,
+                                                   int t) {
 #pragma unroll
   for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -90,23 +101,15 @@ __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4],
       acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
     }
   }
-  if (masked) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t);
-}
-
-// With a soft cap: dS^T *= 1 - tanh^2 of each pair's capped score, recovered from P^T and the row's lse * log2(e)
-// (SoftCap::dtanh_from_prob; the score registers already hold P^T). Pairs with P^T = 0 keep dS^T = 0.
-template <int kSTiles>
-__device__ __forceinline__ void softcap_dscores(float (&acc_dp)[kSTiles * 4], const float (&acc_s)[kSTiles * 4],
-                                                const float2 (&lse_log2)[kSTiles], const SoftCap& cap,
-                                                float scale_log2) {
-  const float inv = 1.f / scale_log2;
+  if constexpr (kCap) {
 #pragma unroll
-  for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc_dp[4 * j + e] *= cap.dtanh_from_prob(acc_s[4 * j + e], (e & 1) ? lse_log2[j].y : lse_log2[j].x, inv);
+    for (int i = 0; i < kSTiles * 2; ++i) {
+      const float2 d = ElemTraits<__half>::unpack(dcap[i]);
+      acc_dp[2 * i] *= d.x;
+      acc_dp[2 * i + 1] *= d.y;
     }
   }
+  if (masked) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t);
 }
 
 // Epilogue: dK = scale * acc_dk, dV = acc_dv for this thread's keys row0 + g (+8) below `keys`, columns

@@ -24,7 +24,8 @@ inline constexpr int kDqWriterWarp = 1;  // producer warp that issues the dQ red
 
 // kDeterministic: the key blocks add into each dQ tile in ascending order (FlashParams::deterministic).
 // kSegments: the call has segment ids (false: their tests are compiled out, see mask_for_batch).
-template <typename T, typename Traits, bool kDeterministic, bool kSegments>
+// kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0).
+template <typename T, typename Traits, bool kDeterministic, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -259,20 +260,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // query 8 j + 2 t + e % 2.
     wgmma_wait<1>();
     fence_regs(acc_s);
-    const bool masked = probs_from_scores<kSTiles>(acc_s, lse_log2, p.scale_log2, cap, mask, m0, n0 + key_row0,
-                                                   p.seqlen_q, g, t);
-    // dS^T = P^T * (dP^T - dsum).
+    uint32_t dcap[kSTiles * 2];  // with a soft cap: 1 - tanh^2 of the pairs (float16)
+    const bool masked = probs_from_scores<kSTiles, kSoftCap>(acc_s, dcap, lse_log2, p.scale_log2, cap, mask, m0,
+                                                             n0 + key_row0, p.seqlen_q, g, t);
+    // dS^T = P^T * (dP^T - dsum) (times 1 - tanh^2 with a cap).
     float2 dsum[kSTiles];
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kBM + 8 * j + 2 * t) * sizeof(float));
     wgmma_wait<0>();
     fence_regs(acc_dp);
-    dscores_from_probs<kSTiles>(acc_dp, acc_s, dsum, masked, mask, m0, n0 + key_row0, g, t);
-    if (cap.enabled()) {  // lse * log2(e) again from shared memory (not kept live in registers)
-#pragma unroll
-      for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
-      softcap_dscores<kSTiles>(acc_dp, acc_s, lse_log2, cap, p.scale_log2);
-    }
+    dscores_from_probs<kSTiles, kSoftCap>(acc_dp, acc_s, dsum, dcap, masked, mask, m0, n0 + key_row0, g, t);
     // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
     uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
 #pragma unroll

@@ -164,10 +164,10 @@ cudaError_t make_bwd_tensor_maps(const FlashParams& p, CUtensorMap* tm_q, CUtens
 }
 
 // The sm_90a main backward kernel, with or without ordered (deterministic) dQ additions.
-template <typename T, int kD, bool kDeterministic, bool kSegments>
+template <typename T, int kD, bool kDeterministic, bool kSegments, bool kSoftCap>
 cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>;
-  constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kDeterministic, kSegments>;
+  constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kDeterministic, kSegments, kSoftCap>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
   if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
@@ -180,10 +180,10 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
 
 // The head-dim-256 main backward kernel (head dim split between the consumer warpgroups; clusters of two key
 // blocks share their dQ reductions, in no fixed order: BackwardUnsupportedReason rejects deterministic=True there).
-template <typename T, int kD, bool kSegments>
+template <typename T, int kD, bool kSegments, bool kSoftCap>
 cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdSplitDKernelTraitsSm90<T, BwdSplitDTraitsSm90<kD>>;
-  constexpr auto kernel = flash_bwd_sm90_splitd_kernel<T, Traits, kSegments>;
+  constexpr auto kernel = flash_bwd_sm90_splitd_kernel<T, Traits, kSegments, kSoftCap>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
   if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
@@ -194,15 +194,21 @@ cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t strea
   return cudaGetLastError();
 }
 
-// The main kernel of the head-dim class, with segment-id tests compiled in or out.
+// The main kernel of the head-dim class, with segment-id tests and the soft cap compiled in or out.
+template <typename T, int kD, bool kSegments, bool kSoftCap>
+cudaError_t launch_bwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
+  if constexpr (kD > 128) {
+    return launch_bwd_sm90_splitd_main<T, kD, kSegments, kSoftCap>(p, stream);
+  } else {
+    return p.deterministic ? launch_bwd_sm90_main<T, kD, true, kSegments, kSoftCap>(p, stream)
+                           : launch_bwd_sm90_main<T, kD, false, kSegments, kSoftCap>(p, stream);
+  }
+}
+
 template <typename T, int kD, bool kSegments>
 cudaError_t launch_bwd_sm90_segments(const FlashParams& p, cudaStream_t stream) {
-  if constexpr (kD > 128) {
-    return launch_bwd_sm90_splitd_main<T, kD, kSegments>(p, stream);
-  } else {
-    return p.deterministic ? launch_bwd_sm90_main<T, kD, true, kSegments>(p, stream)
-                           : launch_bwd_sm90_main<T, kD, false, kSegments>(p, stream);
-  }
+  return SoftCap(p).enabled() ? launch_bwd_sm90_variant<T, kD, kSegments, true>(p, stream)
+                              : launch_bwd_sm90_variant<T, kD, kSegments, false>(p, stream);
 }
 
 // The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel of the head-dim class, with the
