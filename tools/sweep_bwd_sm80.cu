@@ -80,7 +80,7 @@ template <typename Traits, auto kKernel, auto kLaunchMain, int kSmemBytes, int k
 struct SweepVariant {
   // The backward sequence of launch_bwd_sm80 with this variant; main_begin/main_end bracket the main kernel.
   static void launch(const FlashParams& p, cudaStream_t s, cudaEvent_t main_begin, cudaEvent_t main_end) {
-    CUDA_CHECK(launch_bwd_sequence<Elem>(p, s, [&]() -> cudaError_t {
+    CUDA_CHECK(launch_bwd_sequence<Elem, DqRowMajor>(p, s, [&]() -> cudaError_t {
       if (cudaError_t e = cudaEventRecord(main_begin, s); e != cudaSuccess) return e;
       if (cudaError_t e = kLaunchMain(p, s); e != cudaSuccess) return e;
       return cudaEventRecord(main_end, s);
@@ -291,9 +291,12 @@ int main(int argc, char** argv) {
   Elem* grads = device_alloc<Elem>(3 * q_elems);      // dq, dk, dv
   Elem* ref_grads = device_alloc<Elem>(3 * q_elems);  // production launcher's dq, dk, dv
   float* lse = device_alloc<float>(stat_elems);
-  const int seq_rounded = (opt.seq + jax_flash::kRowStatsAlign - 1) / jax_flash::kRowStatsAlign * jax_flash::kRowStatsAlign;
+  // The backward's workspaces: rows padded to whole 128-row tiles, dq_accum columns to the head-dim class.
+  constexpr int kAlign = jax_flash::kRowStatsAlign;
+  const int seq_rounded = (opt.seq + kAlign - 1) / kAlign * kAlign;
+  const int head_dim_rounded = jax_flash::head_dim_class(kD);
   float* row_stats = device_alloc<float>(int64_t(opt.batch) * opt.heads * 2 * seq_rounded);
-  float* dq_accum = device_alloc<float>(q_elems);
+  float* dq_accum = device_alloc<float>(int64_t(opt.batch) * opt.heads * seq_rounded * head_dim_rounded);
   int32_t* q_lens = device_alloc<int32_t>(opt.batch);
   int32_t* kv_lens = device_alloc<int32_t>(opt.batch);
   int32_t* offsets = device_alloc<int32_t>(opt.batch);  // whole sequences: global position 0
@@ -336,6 +339,7 @@ int main(int argc, char** argv) {
   p.dq_accum = dq_accum;
   p.row_stats = row_stats;
   p.seqlen_q_rounded = seq_rounded;
+  p.head_dim_rounded = head_dim_rounded;
 
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -835,7 +835,7 @@ template <typename T, bool kFusedDq>
 void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdScratch& w) {
   const int D = p.head_dim, ldd = w.ldd, ldk = w.ldk;
   const int G = p.group_size();
-  const int64_t kv_rs = p.kv_row_stride(), q_rs = p.q_row_stride();
+  const int64_t kv_rs = p.kv_row_stride();
   const int nk_block = std::min(w.bk, p.seqlen_k - k0);
   const int64_t kv_off = b * p.kv_batch_stride() + int64_t(k0) * kv_rs + int64_t(kvh) * D;
   T* dk = static_cast<T*>(p.dk) + kv_off;

@@ -11,7 +11,7 @@ namespace jax_flash::cuda {
 // Writes p.o and p.lse. Needs compute capability >= 8.0 and bf16/fp16 inputs.
 cudaError_t RunFlashForward(const FlashParams& p, KernelChoice choice, cudaStream_t stream);
 
-// Writes p.dq, p.dk, p.dv, using p.dq_accum and p.dsum as workspace.
+// Writes p.dq, p.dk, p.dv, using p.dq_accum and p.row_stats as workspace.
 cudaError_t RunFlashBackward(const FlashParams& p, KernelChoice choice, cudaStream_t stream);
 
 // Decode (few query rows against a dense or paged cache, split-KV): writes p.o and p.lse, using p.o_partial and

@@ -1,9 +1,10 @@
 // Backward FlashAttention-2 kernels for sm_80 and newer.
-//   1. flash_bwd_preprocess_kernel: dsum = rowsum(dO * O) (float32, [batch, heads_q, seqlen_q]).
+//   1. flash_bwd_preprocess_kernel: the row statistics lse * log2(e) and dsum = rowsum(dO * O) (float32,
+//      FlashParams::row_stats).
 //   2. flash_bwd_sm80_kernel: key/value stationary. A CTA keeps kBlockN keys of one kv head in shared memory and
 //      loops over every query head of the group and every query block that can see them, recomputing
 //      P^T = exp(S^T - lse) from K Q^T. dK and dV stay in registers for the whole loop (no head-expanded
-//      temporaries for GQA); dQ partials go to a float32 accumulator with atomics.
+//      temporaries for GQA); dQ partials go to a float32 accumulator with atomics (rows of DqRowMajor).
 //   3. flash_bwd_convert_dq_kernel: dq = scale * dq_accum in the input dtype.
 // Working with S^T (keys as rows) puts P^T and dS^T in the A-operand layout of dV += P^T dO and dK += dS^T Q,
 // so both are fed from registers; dS^T also goes to shared memory for dQ = dS K.

@@ -1,5 +1,6 @@
 // Backward FlashAttention kernel for sm_90a, key/value stationary (see BwdKernelTraitsSm90 for the CTA's roles).
-// The dsum preprocess and the dQ conversion around it are shared with every backward (common/bwd_pre_post.cuh). Per thread of a consumer warpgroup (warp w, lane = 4 g + t): keys 16 w + g and
+// The row-statistics preprocess and the dQ conversion around it are shared with every backward
+// (common/bwd_pre_post.cuh). Per thread of a consumer warpgroup (warp w, lane = 4 g + t): keys 16 w + g and
 // 16 w + g + 8 of the warpgroup's 64, queries 8 j + 2 t (+1) of every 8-wide column tile j of S^T and dP^T.
 #pragma once
 
@@ -111,7 +112,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
           __syncwarp();
         }
-        // The query tile's dQ in dq_accum (DqFragmentOrder: warpgroup wg's part is kDqWgBytes from wg's).
+        // The query tile's dQ in dq_accum (DqFragmentOrder: warpgroup wg's part starts wg * kDqWgBytes in).
         float* dq_tile = p.dq_accum_of(b, pos.head) + int64_t(pos.row0) * kD;
 #pragma unroll
         for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {

@@ -1,6 +1,7 @@
 // Backward FlashAttention kernel for sm_90a at head dim 256: key/value stationary, the two consumer warpgroups
-// splitting the queries of S^T/dP^T and the head-dim columns of dV/dK/dQ (see BwdSplitDKernelTraitsSm90). The dsum
-// preprocess and the dQ conversion around it are shared with every backward (common/bwd_pre_post.cuh).
+// splitting the queries of S^T/dP^T and the head-dim columns of dV/dK/dQ (see BwdSplitDKernelTraitsSm90). The
+// row-statistics preprocess and the dQ conversion (DqRowMajor) around it are shared with every backward
+// (common/bwd_pre_post.cuh).
 // Per thread of a consumer warpgroup cw (warp w, lane = 4 g + t):
 //   S^T, dP^T : keys 16 w + g (+8), queries 32 cw + 8 j + 2 t (+1), j < 4
 //   dK, dV    : keys 16 w + g (+8), columns 128 cw + 8 j + 2 t (+1), j < 16

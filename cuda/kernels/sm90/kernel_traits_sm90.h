@@ -114,8 +114,9 @@ struct FwdKernelTraitsSm90 : Base {
 };
 
 // Backward CTA (key/value stationary): one producer warpgroup and two consumer warpgroups of 64 keys each.
-// Producer: one thread issues the TMA loads (K, V once; a ring of Q/dO tiles), one warp (the dQ writer) adds each
-// consumer warpgroup's dQ tile from shared memory into the float32 accumulator with TMA reductions.
+// Producer: one thread issues the TMA loads (K, V once; a ring of Q/dO tiles with their rows' statistics), one warp
+// (the dQ writer) adds each consumer warpgroup's dQ tile from shared memory into the float32 accumulator with one
+// 1-D bulk reduce-add (DqFragmentOrder).
 // Per query tile of kBlockM rows a consumer warpgroup computes S^T and dP^T (64 keys x kBlockM, wgmma from shared
 // memory), P^T (under the dP^T GEMM) and dS^T in registers, issues dV += P^T dO (A from registers), writes dS^T to
 // shared memory, and after a barrier between the two warpgroups issues dQ = dS K over all 128 keys (its half of the
