@@ -16,6 +16,8 @@
 // - operands: the elements a wgmma reads through such descriptors (CUTLASS's canonical K-major and MN-major 128-byte
 //   swizzled layouts) are the elements TMA wrote there, for every k-step, row / column block and stage of the tiles
 //   of every sm_90a traits struct;
+// - dQ staging order: DqFragmentOrder::pairs (kernel_traits_sm90.h) gives back, for every float4 slot the d64/d128
+//   backward stages, the (row, column) pairs the f32 accumulator layout puts in it, and covers the tile once;
 // - the constants equal the model's.
 // Mutation check: the same checks run on deliberately broken copies of each function (defined below); each must be
 // detected. Prints "ok <cases>" (then which checks caught each mutant) only if the real functions pass and every
@@ -118,6 +120,10 @@ struct Real {
   static uint32_t pair_offset(uint32_t lane_off, int pair) { return sm90::stmatrix_x4_pair_offset(lane_off, pair); }
   static uint64_t make_desc(uint32_t addr, uint32_t lead) { return sm90::make_desc_sw128(addr, lead); }
   static uint64_t advance(uint64_t desc, uint32_t bytes) { return sm90::desc_advance(desc, bytes); }
+  template <class Traits>
+  static void dq_pairs(int slot, int (&row)[2], int (&col)[2]) {
+    sm90::DqFragmentOrder<Traits>::pairs(slot, row, col);
+  }
 };
 
 // Each mutant breaks one function (the others are the real ones).
@@ -170,6 +176,25 @@ struct DescStart16Bit : Real {  // start address masked to 64 KB
   static uint64_t make_desc(uint32_t addr, uint32_t lead) {
     return uint64_t((addr & 0xFFFF) >> 4) | uint64_t((lead >> 4) & 0x3FFF) << 16 | uint64_t(1024 >> 4) << 32 |
            uint64_t(1) << 62;
+  }
+};
+struct DqPairsHalvesSwapped : Real {  // the float4's two pairs in the other order (rows + 8 first)
+  template <class Traits>
+  static void dq_pairs(int slot, int (&row)[2], int (&col)[2]) {
+    sm90::DqFragmentOrder<Traits>::pairs(slot, row, col);
+    const int r0 = row[0];
+    row[0] = row[1];
+    row[1] = r0;
+  }
+};
+struct DqPairsWarpgroupOnColumns : Real {  // the warpgroups' parts always split by columns
+  template <class Traits>
+  static void dq_pairs(int slot, int (&row)[2], int (&col)[2]) {
+    const int thread = slot % 128, j = slot / 128 % (Traits::kDqCols / 8), wg = slot / (128 * (Traits::kDqCols / 8));
+    const int lane = thread % 32, r = thread / 32 * 16 + lane / 4;
+    row[0] = r;
+    row[1] = r + 8;
+    col[0] = col[1] = 8 * j + 2 * (lane % 4) + wg * Traits::kDqCols;
   }
 };
 struct AdvanceUnscaled : Real {  // bytes added to the 16-byte-unit field
@@ -489,6 +514,51 @@ void check_operands(Report& rep) {
   }
 }
 
+// ---- dQ staging order -----------------------------------------------------------------------------------------------
+// The sm_90a d64/d128 backward stages dQ as float4 slot (wg * tiles + j) * 128 + wg_tid of the query tile: thread
+// wg_tid's accumulator elements 4 j .. 4 j + 3 (the f32 accumulator layout: lane 4 g + t of warp w holds rows
+// 16 w + g and + 8, columns 2 t, 2 t + 1 of each 8-column tile j), of its warpgroup's part: rows [64 wg, + 64) when
+// the tile has two wgmma M of rows (d64), else columns [wg kDqCols, + kDqCols). DqFragmentOrder::pairs must give
+// back, for every slot, (row, col) of elements 0 and 2; and so cover each column pair of the tile once.
+template <class Impl, class Bwd>
+void check_dq_order_of(Report& rep, const char* name) {
+  using Tr = sm90::BwdKernelTraitsSm90<u16, Bwd>;
+  constexpr int kTiles = Tr::kDqCols / 8;
+  std::vector<int> seen(Tr::kBlockM * Tr::kHeadDim / 2, 0);
+  rep.begin();
+  for (int wg = 0; wg < Tr::kConsumerWarpgroups && !rep.stop(); ++wg) {
+    for (int j = 0; j < kTiles; ++j) {
+      for (int thread = 0; thread < 128; ++thread) {
+        const int w = thread / 32, g = thread % 32 / 4, t = thread % 4;
+        const int row0 = Tr::kDqSplitRows ? 64 * wg : 0, col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
+        const int slot = (wg * kTiles + j) * 128 + thread;
+        int row[2], col[2];
+        Impl::template dq_pairs<Tr>(slot, row, col);
+        for (int k = 0; k < 2; ++k) {
+          ++rep.cases;
+          const int want_row = row0 + 16 * w + g + 8 * k, want_col = col0 + 8 * j + 2 * t;
+          if (row[k] != want_row || col[k] != want_col) {
+            rep.fail("dq order", "%s slot %d pair %d: (%d, %d), accumulator (%d, %d)", name, slot, k, row[k], col[k],
+                     want_row, want_col);
+          }
+          if (row[k] >= 0 && row[k] < Tr::kBlockM && col[k] >= 0 && col[k] < Tr::kHeadDim && col[k] % 2 == 0) {
+            ++seen[row[k] * (Tr::kHeadDim / 2) + col[k] / 2];
+          }
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < seen.size(); ++i) {
+    ++rep.cases;
+    if (seen[i] != 1) rep.fail("dq order", "%s column pair %zu covered %d times", name, i, seen[i]);
+  }
+}
+template <class Impl>
+void check_dq_order(Report& rep) {
+  check_dq_order_of<Impl, sm90::BwdTraitsSm90<64>>(rep, "d64");
+  check_dq_order_of<Impl, sm90::BwdTraitsSm90<128>>(rep, "d128");
+}
+
 // ---- constants ------------------------------------------------------------------------------------------------------
 void check_constants(Report& rep) {
   auto expect = [&](const char* name, long got, long want) {
@@ -513,6 +583,7 @@ Report check_all(bool verbose) {
   check_stmatrix_needs_alignment<Impl>(rep);
   check_descriptors<Impl>(rep, leads, offsets);
   check_operands<Impl>(rep);
+  check_dq_order<Impl>(rep);
   return rep;
 }
 
@@ -541,6 +612,8 @@ int main() {
       run_mutant<DescSwizzle64B>("make_desc_sw128 64-byte swizzle mode"),
       run_mutant<DescStart16Bit>("make_desc_sw128 start masked to 64 KB"),
       run_mutant<AdvanceUnscaled>("desc_advance bytes unscaled"),
+      run_mutant<DqPairsHalvesSwapped>("DqFragmentOrder::pairs halves swapped"),
+      run_mutant<DqPairsWarpgroupOnColumns>("DqFragmentOrder::pairs warpgroups always on columns"),
       run_mutant<AdvanceLeadField>("desc_advance into the leading field"),
   };
   long undetected = 0;
