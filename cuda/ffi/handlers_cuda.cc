@@ -135,7 +135,7 @@ NB_MODULE(_jax_flash_cuda, m) {
   m.def("decode_launch_shape", [](int head_dim, int packed_rows) {
     namespace decode = jax_flash::cuda::decode;
     const int tiles = decode::RowTiles(packed_rows);
-    const int kd = decode::HeadDimClass(head_dim);
+    const int kd = jax_flash::head_dim_class(head_dim);
     return tiles == 0 ? nb::make_tuple(0, 0) : nb::make_tuple(decode::SmemBytes(kd, tiles), decode::Threads(kd, tiles));
   });
   m.def("device_count", []() {

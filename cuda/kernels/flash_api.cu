@@ -48,9 +48,14 @@ template <int kD>
 using HeadDim = std::integral_constant<int, kD>;
 template <typename Launch>
 cudaError_t for_head_dim_class(int head_dim, Launch&& launch) {
-  if (head_dim <= 64) return launch(HeadDim<64>{});
-  if (head_dim <= 128) return launch(HeadDim<128>{});
-  return launch(HeadDim<256>{});
+  switch (head_dim_class(head_dim)) {
+    case 64:
+      return launch(HeadDim<64>{});
+    case 128:
+      return launch(HeadDim<128>{});
+    default:
+      return launch(HeadDim<256>{});
+  }
 }
 
 // The sm_90a kernels run on compute capability 9.0 exactly (sm_90a code runs nowhere else) unless the call asks
@@ -124,7 +129,7 @@ const char* DecodeUnsupportedReason(const FlashParams& p) {
   if (const char* why = UnsupportedReason(p); why[0] != '\0') return why;
   const int row_tiles = decode::RowTiles(p.group_size() * p.seqlen_q);
   if (row_tiles == 0) return "decode packs at most 128 query rows (query heads per kv head x query rows) per kv head";
-  const int kd = p.head_dim <= 64 ? 64 : p.head_dim <= 128 ? 128 : 256;
+  const int kd = head_dim_class(p.head_dim);
   int smem = 0;
   if (cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem) != cudaSuccess) {
     return "could not query the CUDA device's shared memory";

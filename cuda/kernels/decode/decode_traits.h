@@ -52,8 +52,6 @@ constexpr int SmemBytes(int kd, int row_tiles) {
 }
 // Threads of the split kernel for head-dim class kd and `row_tiles` row tiles.
 constexpr int Threads(int kd, int row_tiles) { return Warps(kd, row_tiles) * 32; }
-// Head-dim class (64, 128, 256) of a head dim.
-constexpr int HeadDimClass(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 static_assert(SmemBytes(256, 8) == DecodeTraits<256, 8>::kSmemBytes &&
               SmemBytes(64, 1) == DecodeTraits<64, 1>::kSmemBytes);
 
