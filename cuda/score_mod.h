@@ -28,8 +28,9 @@ struct SoftCap {
   float post;
   JF_HD explicit SoftCap(const FlashParams& p) : pre(p.softcap_pre), post(p.softcap_post) {}
   JF_HD bool enabled() const { return pre != 0.f; }
-  // The capped score of raw score s.
-  JF_HD float apply(float s) const { return post * tanh_fast(pre * s); }
+  // The capped score of raw score s, and the tanh it is post times.
+  JF_HD float apply(float s) const { return post * tanh_of(s); }
+  JF_HD float tanh_of(float s) const { return tanh_fast(pre * s); }
   // d capped / d s from the capped score.
   JF_HD float dtanh(float capped) const {
     const float t = pre * capped;

@@ -273,6 +273,22 @@ def check_nan_padding(case, dtype, seed):
     return q, k, v, do
 
 
+# Where the CUDA kernels can run (a GPU and jax_flash's CUDA build), modules that use each_platform run twice.
+PLATFORMS = ["cpu"] + (["gpu"] if jax_flash.cuda_available() else [])
+
+
+@pytest.fixture(params=PLATFORMS)
+def each_platform(request, monkeypatch):
+    """For test modules marked ``gpu`` that use it (``pytest.mark.usefixtures("each_platform")``): every test runs
+    on the CPU and, where the CUDA kernels can run, on the GPU, with the default device set and each of the module's
+    ``PLATFORM_VALUES`` (global name -> (CPU value, GPU value): dtype, tolerances) set as its global."""
+    gpu = request.param == "gpu"
+    for name, (cpu_value, gpu_value) in getattr(request.module, "PLATFORM_VALUES", {}).items():
+        monkeypatch.setattr(request.module, name, gpu_value if gpu else cpu_value)
+    with jax.default_device(jax.devices(request.param)[0]):
+        yield request.param
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_gpu(request):
     """Tests not marked ``gpu`` exercise the CPU kernels, also on a machine with a GPU."""

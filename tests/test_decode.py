@@ -4,7 +4,6 @@ num_splits, combine over parts of a cache; validation; forward only. float32 on 
 visible, bfloat16 on it (the CUDA decode kernels)."""
 
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,24 +13,13 @@ import pytest
 import jax_flash
 from jax_flash.reference import numpy_attention_fwd_bwd
 
-# Every test runs on the CPU (float32) and, where the CUDA kernels can run, on the GPU (bfloat16): the fixture
-# below sets the default device and these module values for each.
-PLATFORMS = ["cpu"] + (["gpu"] if jax_flash.cuda_available() else [])
-pytestmark = pytest.mark.gpu  # devices are chosen by the fixture, not conftest's CPU default
+# Every test runs on the CPU (float32) and, where the CUDA kernels can run, on the GPU (bfloat16): conftest's
+# each_platform sets the default device and these module values for each.
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("each_platform")]
+PLATFORM_VALUES = {"ON_GPU": (False, True), "DTYPE": (jnp.float32, jnp.bfloat16), "TOL": (2e-5, 3e-2)}
 ON_GPU = False
 DTYPE = jnp.float32
 TOL = 2e-5
-
-
-@pytest.fixture(autouse=True, params=PLATFORMS)
-def platform(request, monkeypatch):
-    gpu = request.param == "gpu"
-    module = sys.modules[__name__]
-    monkeypatch.setattr(module, "ON_GPU", gpu)
-    monkeypatch.setattr(module, "DTYPE", jnp.bfloat16 if gpu else jnp.float32)
-    monkeypatch.setattr(module, "TOL", 3e-2 if gpu else 2e-5)
-    with jax.default_device(jax.devices(request.param)[0]):
-        yield request.param
 
 
 def _reference(q, k, v, lengths, *, is_causal=True, window=None, sinks=None, softcap=None):

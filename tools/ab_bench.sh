@@ -5,7 +5,8 @@
 # median over rounds of each build's forward (and backward) time, its ratio to the first build, and per build the
 # geometric mean of those ratios (also in $OUT/ab_summary.txt; the per-run tables in $OUT/ab.tgz).
 #   bash tools/ab_bench.sh "nameA nameB ..." SHAPES [ROUNDS=2] [extra bench_attention.py flags]
-# SHAPES as bench_attention.py --shapes takes them (BxSxHq[/Hkv]xD[c], comma-separated). One build's run longer than
+# SHAPES as bench_attention.py --shapes takes them (BxSxHq[/Hkv]xD[c], comma-separated); with
+# --impls jax_flash,jax_flash+softcap (say) each variant is a row of its own. One build's run longer than
 # RUN_LIMIT seconds (default 200: an experimental kernel that hangs) is stopped and the rest go on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +41,8 @@ for path in sorted(glob.glob(f"{d}/*-r*.json")):
     for r in json.load(open(path))["rows"]:
         if r["error"]:
             continue
-        key = (r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"])
+        variant = r["impl"][len("jax_flash"):] if r["impl"].startswith("jax_flash+") else ""  # e.g. +softcap
+        key = (r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"], variant)
         who = "cudnn" if r["impl"] == "cudnn" else build
         t.setdefault(key, {}).setdefault(who, []).append((r["fwd_ms"], r["bwd_ms"], r["rel_err"]))
 cols = names + ["cudnn"]
@@ -50,8 +52,8 @@ print(f"{'shape':<20}" + "".join(f"{c:>{w}}" for c in cols))
 med = statistics.median
 ratios = {n: ([], []) for n in cols}  # build -> (fwd ratios, bwd ratios) over shapes
 for key, by in t.items():
-    b, s, hq, hkv, dd, c = key
-    label = f"{b}x{s}x{hq}{'' if hq == hkv else '/' + str(hkv)}x{dd}{'c' if c else ''}"
+    b, s, hq, hkv, dd, c, variant = key
+    label = f"{b}x{s}x{hq}{'' if hq == hkv else '/' + str(hkv)}x{dd}{'c' if c else ''}{variant}"
     base = by.get(names[0])
     base_f = med(x[0] for x in base) if base else float("nan")
     base_b = [x[1] for x in base if x[1] is not None] if base else []

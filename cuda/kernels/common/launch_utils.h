@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 namespace jax_flash::cuda {
 
@@ -41,6 +42,21 @@ cudaError_t ensure_smem_limit(int bytes) {
         return cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
       },
       &done);
+}
+
+// Calls f(std::bool_constant<flag>{}...) with each runtime flag turned into a compile-time constant, so one call
+// site picks among the 2^n instantiations of a kernel whose features are compiled in or out (segment ids, a soft
+// cap, ordered dQ additions): f(segments, soft_cap) reads them as decltype(segments)::value.
+template <typename F>
+decltype(auto) with_static_flags(F&& f) {
+  return f();
+}
+template <typename F, typename... Flags>
+decltype(auto) with_static_flags(F&& f, bool flag, Flags... rest) {
+  auto bind = [&](auto value) {
+    return with_static_flags([&](auto... more) { return f(value, more...); }, rest...);
+  };
+  return flag ? bind(std::true_type{}) : bind(std::false_type{});
 }
 
 }  // namespace jax_flash::cuda

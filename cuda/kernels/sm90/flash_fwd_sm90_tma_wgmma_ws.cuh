@@ -25,13 +25,14 @@
 namespace jax_flash::cuda::sm90 {
 
 // kSegments: the call has segment ids (false: their tests are compiled out of the consumers, see mask_for_batch).
-template <typename T, typename Traits, bool kSegments>
+// kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0).
+template <typename T, typename Traits, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                           const __grid_constant__ CUtensorMap tm_o) {
 #if defined(JAX_FLASH_SM90A)
-  using Mainloop = FwdMainloop<T, Traits>;
+  using Mainloop = FwdMainloop<T, Traits, kSoftCap>;
   using Epilogue = FwdEpilogue<T, Traits>;
   using Storage = typename Traits::SharedStorage;
 

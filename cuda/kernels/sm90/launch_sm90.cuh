@@ -97,10 +97,10 @@ cudaError_t resident_ctas(int threads, int smem_bytes, int* ctas) {
       ctas);
 }
 
-template <typename T, typename TileTraits, bool kSegments>
+template <typename T, typename TileTraits, bool kSegments, bool kSoftCap>
 cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, TileTraits>;
-  constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits, kSegments>;
+  constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits, kSegments, kSoftCap>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v;
   CUtensorMap tm_o{};  // O in boxes of one warpgroup's rows; read only by the shared-memory (TMA store) epilogue
@@ -135,22 +135,25 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
 
 // The forward of head-dim class kD: its wide-tile variant (FwdWideTraitsSm90) where one exists for attention
 // without a window mask, either unmasked or causal over at least kCausalMinRows query rows; else its default tiles.
-// Each with segment-id tests compiled in only for calls that have segment ids.
-template <typename T, int kD, bool kSegments>
-cudaError_t launch_fwd_sm90_segments(const FlashParams& p, cudaStream_t stream) {
+// Segment-id tests and the soft cap are compiled in only for calls that have them.
+template <typename T, int kD, bool kSegments, bool kSoftCap>
+cudaError_t launch_fwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
   if constexpr (FwdWideTraitsSm90<kD>::kAvailable) {
     const bool long_causal = p.causal && p.seqlen_q >= FwdWideTraitsSm90<kD>::kCausalMinRows;
     if ((!p.causal || long_causal) && p.window_left < 0 && p.window_right < 0) {
-      return launch_fwd_sm90_tiles<T, FwdWideTraitsSm90<kD>, kSegments>(p, stream);
+      return launch_fwd_sm90_tiles<T, FwdWideTraitsSm90<kD>, kSegments, kSoftCap>(p, stream);
     }
   }
-  return launch_fwd_sm90_tiles<T, FwdTraitsSm90<kD>, kSegments>(p, stream);
+  return launch_fwd_sm90_tiles<T, FwdTraitsSm90<kD>, kSegments, kSoftCap>(p, stream);
 }
 
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
-  return p.q_segment_ids != nullptr ? launch_fwd_sm90_segments<T, kD, true>(p, stream)
-                                    : launch_fwd_sm90_segments<T, kD, false>(p, stream);
+  return with_static_flags(
+      [&](auto segments, auto soft_cap) {
+        return launch_fwd_sm90_variant<T, kD, decltype(segments)::value, decltype(soft_cap)::value>(p, stream);
+      },
+      p.q_segment_ids != nullptr, SoftCap(p).enabled());
 }
 
 // Q and dO in tiles of kBlockM rows, K and V in tiles of kBlockN: the loads of every sm_90a backward kernel.
@@ -194,35 +197,31 @@ cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t strea
   return cudaGetLastError();
 }
 
-// The main kernel of the head-dim class, with segment-id tests and the soft cap compiled in or out.
-template <typename T, int kD, bool kSegments, bool kSoftCap>
-cudaError_t launch_bwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
-  if constexpr (kD > 128) {
-    return launch_bwd_sm90_splitd_main<T, kD, kSegments, kSoftCap>(p, stream);
-  } else {
-    return p.deterministic ? launch_bwd_sm90_main<T, kD, true, kSegments, kSoftCap>(p, stream)
-                           : launch_bwd_sm90_main<T, kD, false, kSegments, kSoftCap>(p, stream);
-  }
-}
-
-template <typename T, int kD, bool kSegments>
-cudaError_t launch_bwd_sm90_segments(const FlashParams& p, cudaStream_t stream) {
-  return SoftCap(p).enabled() ? launch_bwd_sm90_variant<T, kD, kSegments, true>(p, stream)
-                              : launch_bwd_sm90_variant<T, kD, kSegments, false>(p, stream);
-}
-
 // The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel of the head-dim class, with the
-// conversion reading dq_accum in the order that kernel adds into it.
+// conversion reading dq_accum in the order that kernel adds into it. Segment-id tests and the soft cap are compiled
+// in only for calls that have them, ordered dQ additions only for deterministic calls.
 template <typename T, int kD>
 cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
-  auto launch_main = [&]() -> cudaError_t {
-    return p.q_segment_ids != nullptr ? launch_bwd_sm90_segments<T, kD, true>(p, stream)
-                                      : launch_bwd_sm90_segments<T, kD, false>(p, stream);
-  };
+  const bool segments = p.q_segment_ids != nullptr;
+  const bool soft_cap = SoftCap(p).enabled();
   if constexpr (kD > 128) {
-    return launch_bwd_sequence<T, DqRowMajor>(p, stream, launch_main);
+    return launch_bwd_sequence<T, DqRowMajor>(p, stream, [&] {
+      return with_static_flags(
+          [&](auto seg, auto cap) {
+            return launch_bwd_sm90_splitd_main<T, kD, decltype(seg)::value, decltype(cap)::value>(p, stream);
+          },
+          segments, soft_cap);
+    });
   } else {
-    return launch_bwd_sequence<T, DqFragmentOrder<BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>>>(p, stream, launch_main);
+    using DqOrder = DqFragmentOrder<BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>>;
+    return launch_bwd_sequence<T, DqOrder>(p, stream, [&] {
+      return with_static_flags(
+          [&](auto det, auto seg, auto cap) {
+            return launch_bwd_sm90_main<T, kD, decltype(det)::value, decltype(seg)::value, decltype(cap)::value>(
+                p, stream);
+          },
+          p.deterministic, segments, soft_cap);
+    });
   }
 }
 

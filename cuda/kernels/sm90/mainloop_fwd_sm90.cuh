@@ -63,7 +63,8 @@ struct PingPong {
   }
 };
 
-template <typename T, typename Traits>
+// kSoftCap: the call has a logit soft cap (its tanh per score compiled in only then).
+template <typename T, typename Traits, bool kSoftCap>
 struct FwdMainloop {
   static constexpr int kD = Traits::kHeadDim;
   static constexpr int kBM = Traits::kBlockM;
@@ -186,15 +187,17 @@ struct FwdMainloop {
       wgmma_commit();
     };
 
-    // Soft-caps S (with a cap), masks it (only warps whose 16 rows, from row0, do not see the whole key tile from
-    // n0), then the online-softmax update: S becomes exp2 values, the running max and sum move on; returns the
-    // factors that rescale O for rows g and g + 8.
+    // Soft-caps S (with a cap: S becomes tanh(pre * S), the logits' scale folds post in), masks it (only warps whose
+    // 16 rows, from row0, do not see the whole key tile from n0), then the online-softmax update: S becomes exp2
+    // values, the running max and sum move on; returns the factors that rescale O for rows g and g + 8. The running
+    // max is kept in the units of S (tanh values with a cap; finish() turns it back into raw logits).
     const SoftCap cap(p);
+    const float score_log2 = kSoftCap ? cap.post * p.scale_log2 : p.scale_log2;
     const SegmentPolicy& seg = mask.segments;
     auto softmax = [&](auto masked, int row0, int n0, float (&correction)[2]) {
-      if (cap.enabled()) {
+      if constexpr (kSoftCap) {
 #pragma unroll
-        for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = cap.apply(acc_s[i]);
+        for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = cap.tanh_of(acc_s[i]);
       }
       if (masked && !mask.tile_fully_visible(row0, row0 + kWarpRows, n0, n0 + kBN, p.seqlen_q)) {
         int lo[2], hi[2];
@@ -243,15 +246,15 @@ struct FwdMainloop {
 #pragma unroll
         for (int j = 0; j < kSTiles; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
         mx = quad_max(mx);
-        const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-        correction[r] = exp2f(acc.row_max[r] * p.scale_log2 - max_scaled);
+        const float max_scaled = mx == -INFINITY ? 0.f : mx * score_log2;
+        correction[r] = exp2f(acc.row_max[r] * score_log2 - max_scaled);
         acc.row_max[r] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float pe = exp2f(acc_s[4 * j + 2 * r + e] * p.scale_log2 - max_scaled);
+            const float pe = exp2f(acc_s[4 * j + 2 * r + e] * score_log2 - max_scaled);
             acc_s[4 * j + 2 * r + e] = pe;
             sum += pe;
           }
@@ -340,6 +343,10 @@ struct FwdMainloop {
     fence_regs(acc.o);
     fence_regs(a_p);
     if (lane0) smem.v_ring.consumer_release(last);
+    if constexpr (kSoftCap) {  // the running max back in raw logits (-inf and nan stay)
+      acc.row_max[0] *= cap.post;
+      acc.row_max[1] *= cap.post;
+    }
   }
 };
 
