@@ -30,7 +30,8 @@ template <typename T, typename Traits, bool kDeterministic, bool kSegments, bool
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                          const __grid_constant__ CUtensorMap tm_do) {
+                          const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dk,
+                          const __grid_constant__ CUtensorMap tm_dv) {
 #if defined(JAX_FLASH_SM90A)
   constexpr int kD = Traits::kHeadDim;
   constexpr int kBM = Traits::kBlockM;
@@ -340,9 +341,44 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     smem.qdo_ring.consumer_release(qdo);  // its wgmma reads and statistics loads are done
   }
 
-  // Epilogue: dK = scale * dS^T Q, dV = P^T dO for keys < seqlen_k, columns < head_dim.
-  store_kv_grads<T, kDTiles>(gdK, gdV, kv_stride, acc_dk, acc_dv, p.scale, key_row0, keys_valid, 0, p.head_dim, g,
-                             t);
+  // Epilogue: dK = scale * dS^T Q and dV = P^T dO leave through shared memory. Once both warpgroups' last products
+  // are done (dQ reads every key's K), each warpgroup writes its 64 keys into the K and V tiles with stmatrix (the
+  // 128-byte-swizzled TMA layout they were loaded in) and one of its threads stores them with TMA (rows past
+  // seqlen_k and columns past head_dim are clipped by the tensor maps).
+  // (Indices re-read from threadIdx / blockIdx here: keeping them live through the loop costs registers.)
+  named_barrier_sync(kDsBarrier, kConsumerThreads);
+  const int e_cw = warp_uniform(int(threadIdx.x) / kWarpgroupThreads - 1);
+  const int e_warp = (threadIdx.x / kWarpSize) % 4;
+  const uint32_t kv_lane_offset =
+      e_cw * kWgmmaM * kSwizzleBytes + stmatrix_x4_lane_offset(e_warp * kWarpRows, threadIdx.x % kWarpSize);
+  auto stage_grad = [&](T* tile, const float (&acc)[kDTiles * 4], float factor) {
+    constexpr uint32_t kColBlockBytes = kBN * kSwizzleBytes;  // one 64-column block of the K or V tile
+    constexpr int kPairsPerColBlock = kColBlock / 16;
+    const uint32_t lane_addr = smem_addr(tile) + kv_lane_offset;
+#pragma unroll
+    for (int j2 = 0; j2 < kDTiles / 2; ++j2) {
+      const uint32_t addr =
+          stmatrix_x4_pair_offset(lane_addr, j2 % kPairsPerColBlock) + (j2 / kPairsPerColBlock) * kColBlockBytes;
+      const float* a8 = acc + 8 * j2;  // column tiles 2 j2, 2 j2 + 1 of rows g, g + 8
+      stmatrix_x4(addr, ET::pack(a8[0] * factor, a8[1] * factor), ET::pack(a8[2] * factor, a8[3] * factor),
+                  ET::pack(a8[4] * factor, a8[5] * factor), ET::pack(a8[6] * factor, a8[7] * factor));
+    }
+  };
+  stage_grad(smem.k, acc_dk, p.scale);
+  stage_grad(smem.v, acc_dv, 1.f);
+  fence_proxy_async_smem();
+  named_barrier_sync(kKvStoreBarrier + e_cw, kWarpgroupThreads);
+  if (threadIdx.x % kWarpgroupThreads == 0) {
+    const int row0 = blockIdx.x * kBN + e_cw * kWgmmaM;
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      const int tile_off = cb * kBN * kColBlock + e_cw * kWgmmaM * kColBlock;
+      tma_store_4d(&tm_dk, smem.k + tile_off, cb * kColBlock, row0, blockIdx.y, blockIdx.z);
+      tma_store_4d(&tm_dv, smem.v + tile_off, cb * kColBlock, row0, blockIdx.y, blockIdx.z);
+    }
+    bulk_commit_group();
+    bulk_wait_group<0>();  // shared memory outlives the stores
+  }
 #else
   __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0
 #endif

@@ -172,12 +172,18 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>;
   constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kDeterministic, kSegments, kSoftCap>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  CUtensorMap tm_q, tm_k, tm_v, tm_do;
+  CUtensorMap tm_q, tm_k, tm_v, tm_do, tm_dk, tm_dv;
   if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
+  // dK and dV leave in boxes of one consumer warpgroup's keys (the TMA-store epilogue).
+  if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_dk, p.dk, p.seqlen_k, p.heads_kv, kWgmmaM},
+                                                   {&tm_dv, p.dv, p.seqlen_k, p.heads_kv, kWgmmaM}});
+      e != cudaSuccess) {
+    return e;
+  }
   // dQ tiles are added into dq_accum as kBlockM x kD blocks (DqFragmentOrder).
   if (p.head_dim_rounded != kD || p.seqlen_q_rounded % Traits::kBlockM != 0) return cudaErrorInvalidValue;
   const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dk, tm_dv);
   return cudaGetLastError();
 }
 

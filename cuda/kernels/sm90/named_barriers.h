@@ -19,7 +19,8 @@ enum NamedBarrier : int {
   kStatsBarrier = 2,    // 2..3: a consumer warpgroup staged its row statistics (128 threads; split-head-dim only)
   kDqFullBarrier = 4,   // 4..5: a consumer warpgroup's dQ tile is in shared memory (128 + the dQ writer warp)
   kDqEmptyBarrier = 6,  // 6..7: the writer has read that tile (128 + the dQ writer warp)
-  kBwdBarrierEnd = 8,
+  kKvStoreBarrier = 8,  // 8..9: a consumer warpgroup's dK and dV are in shared memory (128 threads)
+  kBwdBarrierEnd = 10,
 };
 static_assert(kFwdBarrierEnd <= 16 && kBwdBarrierEnd <= 16, "16 named barriers per CTA");
 
