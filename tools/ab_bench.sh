@@ -39,8 +39,8 @@ t = {}  # shape -> build (or "cudnn") -> [(fwd_ms, bwd_ms, rel_err) per round]
 for path in sorted(glob.glob(f"{d}/*-r*.json")):
     build = path.split("/")[-1].rsplit("-r", 1)[0]
     for r in json.load(open(path))["rows"]:
-        if r["error"]:
-            continue
+        if r["error"] or not (r["impl"] == "cudnn" or r["impl"].startswith("jax_flash")):
+            continue  # other peers (--impls ...) are not builds
         variant = r["impl"][len("jax_flash"):] if r["impl"].startswith("jax_flash+") else ""  # e.g. +softcap
         key = (r["B"], r["Sq"], r["Hq"], r["Hkv"], r["D"], r["causal"], variant)
         who = "cudnn" if r["impl"] == "cudnn" else build
@@ -48,7 +48,7 @@ for path in sorted(glob.glob(f"{d}/*-r*.json")):
 cols = names + ["cudnn"]
 w = 38
 print("median ms over rounds: fwd[/bwd], then first build's time / this one's (fwd[/bwd]); err = fwd rel. error")
-print(f"{'shape':<20}" + "".join(f"{c:>{w}}" for c in cols))
+print(f"{'shape':<28}" + "".join(f"{c:>{w}}" for c in cols))
 med = statistics.median
 ratios = {n: ([], []) for n in cols}  # build -> (fwd ratios, bwd ratios) over shapes
 for key, by in t.items():
@@ -69,9 +69,9 @@ for key, by in t.items():
             txt += f"/{med(base_b) / med(bw):.3f}"
             ratios[n][1].append(med(base_b) / med(bw))
         cells.append(f"{txt + f' e{by[n][0][2]:.0e}':>{w}}")
-    print(f"{label:<20}" + "".join(cells))
+    print(f"{label:<28}" + "".join(cells))
 geo = lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")
-print(f"{'geomean':<20}" + "".join(
+print(f"{'geomean':<28}" + "".join(
     f"{'x%.3f' % geo(ratios[n][0]) + ('/%.3f' % geo(ratios[n][1]) if ratios[n][1] else ''):>{w}}" for n in cols))
 PY
 (cd "$OUT" && tar czf ab.tgz ab && rm -rf ab)  # one file back instead of three per build and round

@@ -81,7 +81,8 @@ struct FwdMainloop {
   using PingPongT = PingPong<kGroups, Traits::kPingPong && kGroups >= 2>;
 
   // A consumer thread's results for one tile: O (64 rows x kD per warpgroup, accumulator layout) and the online
-  // softmax's running max (raw logits) and per-lane partial sums of rows g and g + 8.
+  // softmax's running max (raw logits when mma() returns; tanh values during a capped call's loop) and per-lane
+  // partial sums of rows g and g + 8.
   struct Accumulators {
     float o[kOTiles * 4];
     float row_max[2];
@@ -190,7 +191,7 @@ struct FwdMainloop {
     // Soft-caps S (with a cap: S becomes tanh(pre * S), the logits' scale folds post in), masks it (only warps whose
     // 16 rows, from row0, do not see the whole key tile from n0), then the online-softmax update: S becomes exp2
     // values, the running max and sum move on; returns the factors that rescale O for rows g and g + 8. The running
-    // max is kept in the units of S (tanh values with a cap; finish() turns it back into raw logits).
+    // max is kept in the units of S (tanh values with a cap; the end of mma() turns it back into raw logits).
     const SoftCap cap(p);
     const float score_log2 = kSoftCap ? cap.post * p.scale_log2 : p.scale_log2;
     const SegmentPolicy& seg = mask.segments;
