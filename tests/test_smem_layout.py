@@ -8,7 +8,8 @@ make_desc_sw128 decodes to the start address, leading offset, stride 1024, base 
 every shared address below 227 KB; desc_advance by the kernels' offsets equals the advanced address; the elements
 wgmma reads through them (K-major and MN-major canonical layouts) are the ones TMA wrote, for every tile of the sm_90a
 traits. dQ order: DqFragmentOrder (the backward's dQ staging and dq_accum order, read back by the conversion kernel)
-maps every staged float4 to the accumulator elements it holds, covering the tile once. Mutated copies of each function, run through the same checks, must each fail."""
+maps every staged float4 to the accumulator elements it holds, covering the tile once. Mutated copies of each
+function, run through the same checks, must each fail."""
 
 
 def test_smem_layout_matches_hardware_model(run_cpp_check):

@@ -68,8 +68,8 @@ __device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], u
   if constexpr (kCap) {
 #pragma unroll
     for (int i = 0; i < kSTiles * 2; ++i) {
-      const float t0 = tanh_fast(cap.pre * acc_s[2 * i]);
-      const float t1 = tanh_fast(cap.pre * acc_s[2 * i + 1]);
+      const float t0 = cap.tanh_of(acc_s[2 * i]);
+      const float t1 = cap.tanh_of(acc_s[2 * i + 1]);
       acc_s[2 * i] = cap.post * t0;
       acc_s[2 * i + 1] = cap.post * t1;
       dcap[i] = ElemTraits<__half>::pack(1.f - t0 * t0, 1.f - t1 * t1);

@@ -61,18 +61,8 @@ struct FwdEpilogue {
       const int barrier = kEpilogueBarrier + cw;
       if (wg_tid == 0) bulk_wait_group_read<0>();  // the previous tile's store has read the buffer
       named_barrier_sync(barrier, kWarpgroupThreads);
-      // Column pair j2 is pair j2 % 4 of box j2 / 4 (o_base is 1024-byte aligned, so one lane address serves all).
-      const uint32_t lane_addr = o_base + stmatrix_x4_lane_offset(warp * kWarpRows, lane);
-      constexpr int kPairsPerBox = kColBlock / 16;
-#pragma unroll
-      for (int j2 = 0; j2 < kOTiles / 2; ++j2) {
-        const uint32_t addr = stmatrix_x4_pair_offset(lane_addr, j2 % kPairsPerBox) + (j2 / kPairsPerBox) * kBoxBytes;
-        const float* o8 = acc.o + 8 * j2;  // column tiles 2 j2, 2 j2 + 1
-        stmatrix_x4(addr, ET::pack(fin[0].scaled(o8[0]), fin[0].scaled(o8[1])),
-                    ET::pack(fin[1].scaled(o8[2]), fin[1].scaled(o8[3])),
-                    ET::pack(fin[0].scaled(o8[4]), fin[0].scaled(o8[5])),
-                    ET::pack(fin[1].scaled(o8[6]), fin[1].scaled(o8[7])));
-      }
+      stmatrix_acc_to_boxes<ET, kOTiles>(o_base + stmatrix_x4_lane_offset(warp * kWarpRows, lane), kBoxBytes, acc.o,
+                                         [&](float x, int r) { return fin[r].scaled(x); });
       fence_proxy_async_smem();
       named_barrier_sync(barrier, kWarpgroupThreads);
       if (wg_tid == 0) {

@@ -351,21 +351,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int e_warp = (threadIdx.x / kWarpSize) % 4;
   const uint32_t kv_lane_offset =
       e_cw * kWgmmaM * kSwizzleBytes + stmatrix_x4_lane_offset(e_warp * kWarpRows, threadIdx.x % kWarpSize);
-  auto stage_grad = [&](T* tile, const float (&acc)[kDTiles * 4], float factor) {
-    constexpr uint32_t kColBlockBytes = kBN * kSwizzleBytes;  // one 64-column block of the K or V tile
-    constexpr int kPairsPerColBlock = kColBlock / 16;
-    const uint32_t lane_addr = smem_addr(tile) + kv_lane_offset;
-#pragma unroll
-    for (int j2 = 0; j2 < kDTiles / 2; ++j2) {
-      const uint32_t addr =
-          stmatrix_x4_pair_offset(lane_addr, j2 % kPairsPerColBlock) + (j2 / kPairsPerColBlock) * kColBlockBytes;
-      const float* a8 = acc + 8 * j2;  // column tiles 2 j2, 2 j2 + 1 of rows g, g + 8
-      stmatrix_x4(addr, ET::pack(a8[0] * factor, a8[1] * factor), ET::pack(a8[2] * factor, a8[3] * factor),
-                  ET::pack(a8[4] * factor, a8[5] * factor), ET::pack(a8[6] * factor, a8[7] * factor));
-    }
-  };
-  stage_grad(smem.k, acc_dk, p.scale);
-  stage_grad(smem.v, acc_dv, 1.f);
+  constexpr uint32_t kColBlockBytes = kBN * kSwizzleBytes;  // one 64-column block of the K or V tile
+  const float scale = p.scale;
+  stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(smem.k) + kv_lane_offset, kColBlockBytes, acc_dk,
+                                     [scale](float x, int) { return x * scale; });
+  stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(smem.v) + kv_lane_offset, kColBlockBytes, acc_dv,
+                                     [](float x, int) { return x; });
   fence_proxy_async_smem();
   named_barrier_sync(kKvStoreBarrier + e_cw, kWarpgroupThreads);
   if (threadIdx.x % kWarpgroupThreads == 0) {

@@ -176,6 +176,23 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                : "memory");
 }
 
+// A warp's piece of a wgmma accumulator (16 rows, kTiles 8-column tiles; lane = 4 g + t holds rows g and g + 8) as
+// 16-bit values (ET::pack) into 128-byte-swizzled TMA boxes of 64 columns, box_bytes apart, with stmatrix:
+// value(x, r) is what accumulator element x of row g + 8 r stores. lane_addr: the boxes' 1024-byte-aligned base
+// plus the warp's stmatrix_x4_lane_offset. The forward's O and the backward's dK/dV epilogues.
+template <typename ET, int kTiles, typename Value>
+__device__ __forceinline__ void stmatrix_acc_to_boxes(uint32_t lane_addr, uint32_t box_bytes, const float* acc,
+                                                      Value&& value) {
+  constexpr int kPairsPerBox = kSwizzleBytes / (16 * 2);  // pairs of 8-column tiles in a 128-byte row
+#pragma unroll
+  for (int j2 = 0; j2 < kTiles / 2; ++j2) {
+    const uint32_t addr = stmatrix_x4_pair_offset(lane_addr, j2 % kPairsPerBox) + (j2 / kPairsPerBox) * box_bytes;
+    const float* a8 = acc + 8 * j2;  // column tiles 2 j2, 2 j2 + 1 of rows g, g + 8
+    stmatrix_x4(addr, ET::pack(value(a8[0], 0), value(a8[1], 0)), ET::pack(value(a8[2], 1), value(a8[3], 1)),
+                ET::pack(value(a8[4], 0), value(a8[5], 0)), ET::pack(value(a8[6], 1), value(a8[7], 1)));
+  }
+}
+
 // ---- wgmma ----------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
