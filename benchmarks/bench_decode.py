@@ -14,6 +14,9 @@ tiny CPU-sized run (the default without a GPU: not performance numbers).
 
 Implementations (those that apply to a row; a failure is recorded with its error):
   jax_flash     jax_flash.decode_attention (bottom-right causal), num_splits chosen by jax_flash
+  jax_flash_sm80  the same with the sm_80-class (mma.sync) decode kernel forced (jax_flash.force_kernel): on an
+                H100/H200 the comparison with the sm_90a kernel jax_flash picks for many packed rows (not run
+                unless named in --impls)
   cudnn         jax.nn.dot_product_attention(implementation="cudnn"): dense, Tq = 1, key_value_seq_lengths
   xla           jax.nn.dot_product_attention(implementation="xla"): dense, key_value_seq_lengths (at Tq > 1 not
                 causal: jax.nn has no bottom-right causal mask; the same bytes)
@@ -45,7 +48,9 @@ from jax_flash import _ffi
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SMOKE_OUT = os.path.join(tempfile.gettempdir(), "jax_flash_bench")
-ALL_IMPLS = ("jax_flash", "cudnn", "xla", "fa3_jax", "tokamax")
+ALL_IMPLS = ("jax_flash", "jax_flash_sm80", "cudnn", "xla", "fa3_jax", "tokamax")
+PEERS = ("cudnn", "xla", "fa3_jax", "tokamax")
+DEFAULT_IMPLS = ("jax_flash",) + PEERS
 HEADS = ((32, 8, 128), (64, 8, 128), (8, 1, 128), (16, 8, 256))
 #: HBM peak in GB/s by device kind (substring match).
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
@@ -103,6 +108,14 @@ def implementations(impl, tq, layout, num_splits, platform="gpu"):
     if impl == "jax_flash":
         def f(q, k, v, n, table):
             return jax_flash.decode_attention(q, k, v, n, page_table=table)
+        return f, None
+    if impl == "jax_flash_sm80":
+        if platform != "gpu":
+            return None, "GPU only"
+
+        def f(q, k, v, n, table):  # the kernel choice is made while jit traces this
+            with jax_flash.force_kernel("sm80"):
+                return jax_flash.decode_attention(q, k, v, n, page_table=table)
         return f, None
     if impl in ("cudnn", "xla"):
         if paged:
@@ -183,7 +196,7 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
                 rows.append(row)
                 shown = (f"{row['us']:9.1f} us {row['gbps']:8.1f} GB/s" if row["error"] is None
                          else f"error: {row['error'][:80]}")
-                progress(f"B={b} Tq={tq} S={s} {hq}/{hkv}x{d} {lengths_kind:6s} {layout:7s} {impl:9s} {shown}")
+                progress(f"B={b} Tq={tq} S={s} {hq}/{hkv}x{d} {lengths_kind:6s} {layout:7s} {impl:14s} {shown}")
             del kc, vc, table
     return rows
 
@@ -227,7 +240,7 @@ def markdown(rows, meta):
             misses.append(f"Hq/Hkv {hq}/{hkv} D {d} Tq {tq} B {b} S {s} {'ragged' if ragged else 'equal'} "
                           f"{f'paged {ps}' if paged else 'dense'}: {ours['pct_peak']:.0f}% of peak (< 80%)")
         for i, r in group.items():
-            if i != "jax_flash" and r["error"] is None and r["us"] < ours["us"]:
+            if i in PEERS and r["error"] is None and r["us"] < ours["us"]:
                 misses.append(f"Hq/Hkv {hq}/{hkv} D {d} Tq {tq} B {b} S {s} {'ragged' if ragged else 'equal'} "
                               f"{f'paged {ps}' if paged else 'dense'}: {i} faster ({r['us']:.1f} vs "
                               f"{ours['us']:.1f} µs)")
@@ -281,7 +294,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="matrix (default: full on a GPU, smoke without one)")
-    parser.add_argument("--impls", default=",".join(ALL_IMPLS))
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"from {','.join(ALL_IMPLS)}")
     parser.add_argument("--heads", default=None, help="subset of Hq/Hkv/D, e.g. 32/8/128,8/1/128")
     parser.add_argument("--tq", default=None, help="subset of Tq, e.g. 1,16")
     parser.add_argument("--layouts", default=None, help="dense,paged16,paged64")

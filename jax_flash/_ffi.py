@@ -325,14 +325,15 @@ _SMEM_PER_SM = 228 * 1024
 
 def decode_splits(q_shape, heads_kv, capacity):
     """Parts of the key range for the decode kernel of q [B, Tq, Hq, D] over caches of `capacity` keys per
-    sequence: as many blocks (batch x kv heads x splits) as the GPU holds at once (from the kernel's shared memory
-    and threads, cuda/kernels/decode/decode_traits.h), so that one wave streams the cache with no tail; at least two
-    key tiles (64 keys) per split, and the splits' float32 partial results (written and read back: 8 bytes per
-    packed row and dim per split) at most about an eighth of the K/V bytes they stand for."""
+    sequence: as many blocks (batch x kv heads x splits) as the GPU holds at once (from the shared memory and threads
+    of the split kernel the call will run, cuda/kernels/decode/decode_traits.h; the runtime keeps 1 KB of shared
+    memory per block), so that one wave streams the cache with no tail; at least two key tiles (64 keys) per split,
+    and the splits' float32 partial results (written and read back: 8 bytes per packed row and dim per split) at most
+    about an eighth of the K/V bytes they stand for."""
     batch, rows, heads_q, head_dim = q_shape
     packed = heads_q // heads_kv * rows
-    smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed)
-    per_sm = max(1, min(_SMEM_PER_SM // (smem + 2048), 2048 // max(threads, 1)))
+    smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed, int(_kernel_choice()))
+    per_sm = max(1, min(_SMEM_PER_SM // (smem + 1024), 2048 // max(threads, 1)))
     base = max(1, batch * heads_kv)
     want = max(1, per_sm * _sm_count() // base)
     return max(1, min(want, capacity // 128, capacity // (16 * packed), 256))
@@ -371,5 +372,6 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
     inputs = (q, k_cache, v_cache, kv_lens, table, sinks)
     o, lse, _, _ = call(*inputs, scale=np.float32(scale), is_causal=bool(is_causal),
                         window_left=np.int64(window_left), window_right=np.int64(window_right),
-                        softcap=np.float32(0.0 if softcap is None else softcap), paged=paged, has_sinks=has_sinks)
+                        softcap=np.float32(0.0 if softcap is None else softcap), paged=paged, has_sinks=has_sinks,
+                        kernel=_kernel_choice())
     return _varying_like((o, lse), inputs)

@@ -115,10 +115,16 @@ def _run(case, num_splits=None, seed=0):
     return np.asarray(out, np.float64), np.asarray(lse, np.float64), ref
 
 
-# Shapes for the decode kernel's variants on a GPU (1, 2, 4 and 8 row tiles; padded head dims; many splits), and one
-# past its 128 packed rows (the attention kernel runs, with a warning).
+# Shapes for the decode kernels' variants on a GPU (the mma.sync kernel's 1, 2, 4 and 8 row tiles; on compute
+# capability 9.0 the wgmma kernel past 16 packed rows at head dims up to 128, one and two warpgroups; padded head
+# dims; many splits), and one past 128 packed rows (the attention kernel runs, with a warning).
 KERNEL_CASES = {
     "rows32_ragged": dict(batch=2, rows=4, hq=16, hkv=2, d=128, capacity=1000, lengths=(1000, 333)),
+    "rows24_noncausal": dict(batch=3, rows=3, hq=8, hkv=1, d=128, capacity=1000, lengths=(1000, 640, 64),
+                             is_causal=False),
+    "rows64_d64_softcap_sinks": dict(batch=2, rows=8, hq=16, hkv=2, d=64, capacity=500, lengths=(500, 77),
+                                     softcap=10.0, sinks=True),
+    "rows96_d80_paged16": dict(batch=2, rows=12, hq=8, hkv=1, d=80, capacity=320, lengths=(320, 1), page_size=16),
     "rows64_d256": dict(batch=1, rows=8, hq=8, hkv=1, d=256, capacity=300, lengths=(300,), is_causal=False),
     "rows128_paged64_window": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=704, lengths=(700, 64),
                                    page_size=64, window=(100, 0)),
@@ -143,6 +149,40 @@ def test_matches_float64_reference(name, fresh_warnings):
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
     assert (lse[~finite] == -np.inf).all()
+
+
+MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_d64_softcap_sinks",
+             "rows96_d80_paged16", "rows128_paged64_window"]
+
+
+@pytest.mark.parametrize("name", MANY_ROWS)
+def test_sm80_class_decode_kernel(name):
+    """The calls of more than 16 packed rows that an H100/H200 runs on the wgmma kernel, forced onto the mma.sync
+    kernel (which other GPUs run): the same reference."""
+    if not ON_GPU:
+        pytest.skip("a GPU kernel choice")
+    with jax_flash.force_kernel("sm80"):
+        out, lse, (ref_o, ref_lse) = _run(_case(name))
+    np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
+
+
+def test_decode_launch_shape_follows_the_kernel_choice():
+    """The split count is sized from the kernel a call runs: on compute capability 9.0 a call of 64 packed rows at
+    head dim 128 runs the wgmma kernel (one warpgroup), forced to the sm_80 class the mma.sync one (eight warps)."""
+    if not ON_GPU:
+        pytest.skip("needs the CUDA module and a GPU")
+    from jax_flash import _ffi
+    shape = _ffi._jax_flash_cuda.decode_launch_shape
+    assert shape(128, 64, _ffi.KERNELS["sm80"]) == ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
+    assert shape(128, 16, _ffi.KERNELS["auto"]) == ((16 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 128)
+    assert shape(64, 300, _ffi.KERNELS["auto"]) == (0, 0)
+    if getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0":
+        assert shape(128, 64, _ffi.KERNELS["auto"]) == ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 128)
+        assert shape(128, 128, _ffi.KERNELS["auto"]) == ((128 * 128 + 2 * 4 * 64 * 128) * 2 + 4 * 64 * 4, 256)
+    # head dim 256 stays on the mma.sync kernel everywhere (two row tiles of 32-key slices: four warps)
+    assert shape(256, 32, _ffi.KERNELS["auto"]) == ((32 * 256 + 2 * 3 * 32 * 256) * 2 + 3 * 32 * 4, 128)
 
 
 def test_rows_before_the_sequence_see_nothing():
@@ -312,7 +352,7 @@ def test_split_count_fills_one_wave(monkeypatch):
 
     class FakeCudaModule:  # the CUDA module's answer for a d128 single-row-tile kernel: ~100 KB, 128 threads
         @staticmethod
-        def decode_launch_shape(head_dim, packed_rows):
+        def decode_launch_shape(head_dim, packed_rows, kernel):
             return (102 * 1024, 128)
 
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)

@@ -1,7 +1,7 @@
 """Small forward+backward calls for compute-sanitizer (memcheck, racecheck): every head-dim class, odd lengths,
 Sq != Sk, GQA, each mask, segment ids (packed and in any order), sinks and soft-capping, on the default kernels and
 the sm_80-class ones; then decode calls (dense and paged, ragged, every row-tile count, out-of-range page ids and
-lengths under jit, many splits). Run as `compute-sanitizer --tool memcheck python tools/sanitize_small.py`."""
+lengths under jit, many splits) on both decode kernels. Run as `compute-sanitizer --tool memcheck python tools/sanitize_small.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -66,10 +66,19 @@ DECODE_CASES = [
     (2, 4, 16, 2, 128, 333, 16, 5, dict(local_window_size=(50, 0))),
     (1, 8, 8, 1, 256, 130, None, 3, dict(is_causal=False, sinks=True, logits_soft_cap=10.0)),
     (2, 16, 8, 1, 96, 256, 64, 64, dict()),
+    (2, 8, 16, 2, 64, 300, None, None, dict(logits_soft_cap=10.0)),
 ]
 
 
 def decode():
+    """Each case on the default decode kernels and forced onto the sm_80-class (mma.sync) one, which an H100/H200
+    runs only below 17 packed rows by default."""
+    for kernel in ("auto", "sm80"):
+        with jax_flash.force_kernel(kernel):
+            decode_cases(kernel)
+
+
+def decode_cases(kernel):
     rng = np.random.default_rng(1)
     for b, tq, hq, hkv, d, cap, page_size, splits, kw in DECODE_CASES:
         kw = dict(kw)
@@ -91,7 +100,7 @@ def decode():
         bad_n = lengths.at[-1].set(10**6)
         bad_t = None if table is None else table.at[0, 0].set(-5).at[-1, -1].set(10**6)
         out_bad = f(q, k, v, bad_n, bad_t)
-        print(f"decode B={b} Tq={tq} Hq={hq} Hkv={hkv} D={d} cap={cap} pages={page_size} splits={splits}: "
+        print(f"decode ({kernel}) B={b} Tq={tq} Hq={hq} Hkv={hkv} D={d} cap={cap} pages={page_size} splits={splits}: "
               f"finite={bool(jnp.isfinite(out.astype(jnp.float32)).all())} "
               f"clamped_ok={bool(jnp.isfinite(out_bad.astype(jnp.float32)).all())}", flush=True)
 

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "ffi/validation.h"
-#include "kernels/decode/decode_traits.h"
 #include "kernels/flash_api.h"
 
 namespace nb = nanobind;
@@ -90,17 +89,22 @@ ffi::Error FlashDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                                ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> sinks, float scale,
                                bool is_causal, int64_t window_left, int64_t window_right, float softcap, bool paged,
-                               bool has_sinks, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                               bool has_sinks, int32_t kernel, ffi::Result<ffi::AnyBuffer> o,
+                               ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                ffi::Result<ffi::Buffer<ffi::F32>> o_partial,
                                ffi::Result<ffi::Buffer<ffi::F32>> lse_partial) {
+  KernelChoice choice;
+  if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
   if (auto e = FillDecodeParams(q, k_cache, v_cache, kv_lens, page_table, sinks, scale, is_causal, window_left,
                                 window_right, softcap, paged, has_sinks, o, lse, o_partial, lse_partial, &p);
       e.failure()) {
     return e;
   }
-  if (const char* why = cuda::DecodeUnsupportedReason(p); why[0] != '\0') return Invalid(why);
-  if (cudaError_t err = cuda::RunFlashDecode(p, stream); err != cudaSuccess) return CudaError(err, "decode kernels");
+  if (const char* why = cuda::DecodeUnsupportedReason(p, choice); why[0] != '\0') return Invalid(why);
+  if (cudaError_t err = cuda::RunFlashDecode(p, choice, stream); err != cudaSuccess) {
+    return CudaError(err, "decode kernels");
+  }
   return ffi::Error::Success();
 }
 
@@ -130,13 +134,14 @@ NB_MODULE(_jax_flash_cuda, m) {
     d["jax_flash_decode"] = nb::capsule(reinterpret_cast<void*>(JaxFlashDecodeCuda));
     return d;
   });
-  // The decode split kernel's dynamic shared memory (bytes) and threads per block for a head dim and a number of
-  // packed query rows (jax_flash._ffi.decode_splits sizes the grid from them); (0, 0) past 128 rows.
-  m.def("decode_launch_shape", [](int head_dim, int packed_rows) {
-    namespace decode = jax_flash::cuda::decode;
-    const int tiles = decode::RowTiles(packed_rows);
-    const int kd = jax_flash::head_dim_class(head_dim);
-    return tiles == 0 ? nb::make_tuple(0, 0) : nb::make_tuple(decode::SmemBytes(kd, tiles), decode::Threads(kd, tiles));
+  // The decode split kernel's dynamic shared memory (bytes) and threads per block for a head dim, a number of
+  // packed query rows and a KernelChoice on the current device (jax_flash._ffi.decode_splits sizes the grid from
+  // them); (0, 0) past 128 rows.
+  m.def("decode_launch_shape", [](int head_dim, int packed_rows, int kernel) {
+    jax_flash::KernelChoice choice;
+    if (jax_flash::ToKernelChoice(kernel, &choice).failure()) throw nb::value_error("unknown kernel choice");
+    const auto shape = jax_flash::cuda::GetDecodeLaunchShape(head_dim, packed_rows, choice);
+    return nb::make_tuple(shape.smem_bytes, shape.threads);
   });
   m.def("device_count", []() {
     int n = 0;

@@ -462,6 +462,7 @@ auto BindDecode(Binding b) {
       .template Attr<float>("softcap")                 // logit soft cap c > 0; 0 none
       .template Attr<bool>("paged")                    // the caches are pages addressed through page_table
       .template Attr<bool>("has_sinks")                // the sinks operand holds sinks (else a placeholder)
+      .template Attr<int32_t>("kernel")                // KernelChoice: 0 auto, 1 / 2 the sm_80-class kernel
       .template Ret<ffi::AnyBuffer>()                  // o [B, Tq, Hq, D]
       .template Ret<ffi::Buffer<ffi::F32>>()           // lse [B, Hq, Tq]
       .template Ret<ffi::Buffer<ffi::F32>>()           // o_partial [splits, B, Tq, Hq, D]: workspace

@@ -125,26 +125,63 @@ cudaError_t RunFlashForward(const FlashParams& p, KernelChoice choice, cudaStrea
   return p.dtype == DType::kBF16 ? forward<__nv_bfloat16>(p, choice, stream) : forward<__half>(p, choice, stream);
 }
 
-const char* DecodeUnsupportedReason(const FlashParams& p) {
+namespace {
+
+// The wgmma decode kernel runs on compute capability 9.0 (sm_90a built, no forced sm_80-class kernel) for more than
+// 16 packed rows at head dims up to 128; the mma.sync kernel everywhere else.
+bool use_decode_wgmma(int head_dim, int packed_rows, KernelChoice choice) {
+#if defined(JAX_FLASH_HAVE_SM90A)
+  return choice == KernelChoice::kAuto && head_dim_class(head_dim) <= 128 && packed_rows > 16 &&
+         packed_rows <= kMaxDecodeRows && current_cc() == 90;
+#else
+  (void)head_dim;
+  (void)packed_rows;
+  (void)choice;
+  return false;
+#endif
+}
+
+}  // namespace
+
+DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice) {
+  const int kd = head_dim_class(head_dim);
+  if (use_decode_wgmma(head_dim, packed_rows, choice)) {
+    const int groups = decode::WgmmaWarpgroups(packed_rows);
+    return {decode::WgmmaSmemBytes(kd, groups), decode::WgmmaThreads(groups)};
+  }
+  const int row_tiles = decode::RowTiles(packed_rows);
+  if (packed_rows < 1 || row_tiles == 0) return {0, 0};
+  return {decode::SmemBytes(kd, row_tiles), decode::Threads(kd, row_tiles)};
+}
+
+const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice) {
   if (const char* why = UnsupportedReason(p); why[0] != '\0') return why;
-  const int row_tiles = decode::RowTiles(p.group_size() * p.seqlen_q);
-  if (row_tiles == 0) return "decode packs at most 128 query rows (query heads per kv head x query rows) per kv head";
-  const int kd = head_dim_class(p.head_dim);
+  const int rows = p.group_size() * p.seqlen_q;
+  if (rows > kMaxDecodeRows) {
+    return "decode packs at most 128 query rows (query heads per kv head x query rows) per kv head";
+  }
   int smem = 0;
   if (cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem) != cudaSuccess) {
     return "could not query the CUDA device's shared memory";
   }
-  if (decode::SmemBytes(kd, row_tiles) > smem) {
+  if (GetDecodeLaunchShape(p.head_dim, rows, choice).smem_bytes > smem) {
     return "decode with head_dim > 128 and more than 64 packed query rows (query heads per kv head x query rows) "
            "needs 128 KB of shared memory per block, more than this GPU has";
   }
   return "";
 }
 
-cudaError_t RunFlashDecode(const FlashParams& p, cudaStream_t stream) {
+cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return cudaSuccess;
-  auto run = [&](auto t) {
+  [[maybe_unused]] const bool wgmma = use_decode_wgmma(p.head_dim, p.group_size() * p.seqlen_q, choice);
+  auto run = [&](auto t) -> cudaError_t {
     using T = decltype(t);
+#if defined(JAX_FLASH_HAVE_SM90A)
+    if (wgmma) {
+      if (head_dim_class(p.head_dim) == 64) return sm90::launch_decode_wgmma<T, 64>(p, stream);
+      return sm90::launch_decode_wgmma<T, 128>(p, stream);
+    }
+#endif
     return for_head_dim_class(p.head_dim, [&](auto d) { return launch_decode<T, decltype(d)::value>(p, stream); });
   };
   return p.dtype == DType::kBF16 ? run(__nv_bfloat16{}) : run(__half{});

@@ -1,5 +1,5 @@
-// Tile choices of the decode kernels (flash_decode.cuh), in one place and host-visible: the launcher and the
-// handler's support check (shared memory) read them.
+// Tile choices of the decode kernels (flash_decode.cuh, sm90/flash_decode_wgmma_sm90.cuh), in one place and
+// host-visible: the launchers, the handler's support check and the split count (shared memory, threads) read them.
 #pragma once
 
 namespace jax_flash::cuda::decode {
@@ -25,34 +25,23 @@ constexpr int Slices(int kd, int row_tiles) {
   return by_warps < by_keys ? by_warps : by_keys;
 }
 
-template <int kHeadDim, int kRowTiles>
-struct DecodeTraits {
-  static constexpr int kD = kHeadDim;
-  static constexpr int kBlockN = BlockN(kHeadDim);          // keys per K/V tile
-  static constexpr int kStages = decode::kStages;           // K/V tiles in flight (cp.async groups)
-  static constexpr int kRows = kRowTiles * 16;              // packed query rows per CTA
-  static constexpr int kWarps = Warps(kHeadDim, kRowTiles);
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr int kSlices = Slices(kHeadDim, kRowTiles);  // key slices per row tile (one warp each)
-  static constexpr int kSliceN = kBlockN / kSlices;             // keys per slice
-  static constexpr int kSmemElems = kRows * kD + 2 * kStages * kBlockN * kD;  // Q, then K and V x stages
-  // ... then the page ids of the stages' keys (int32). Dynamic shared memory only: the tiles' swizzled addressing
-  // needs the base aligned to a row's bytes, which static shared memory placed before it would break.
-  static constexpr int kSmemBytes = kSmemElems * 2 + kStages * kBlockN * 4;
-  static_assert(kSliceN % 16 == 0 && kRowTiles * kSlices <= kWarps);
-  // Slices 1.. of each row tile leave their float32 partial O and (max, sum) in shared memory for slice 0 to merge,
-  // reusing the K/V stages.
-  static constexpr int kMergeSlots = kRowTiles * (kSlices - 1);
-  static_assert(kMergeSlots * 32 * (kD / 8 * 4 + 4) * 4 <= 2 * kStages * kBlockN * kD * 2);
-};
-
 // Shared memory of the split kernel for head-dim class kd (64, 128, 256) and `row_tiles` row tiles.
 constexpr int SmemBytes(int kd, int row_tiles) {
   return (row_tiles * 16 * kd + 2 * kStages * BlockN(kd) * kd) * 2 + kStages * BlockN(kd) * 4;
 }
 // Threads of the split kernel for head-dim class kd and `row_tiles` row tiles.
 constexpr int Threads(int kd, int row_tiles) { return Warps(kd, row_tiles) * 32; }
-static_assert(SmemBytes(256, 8) == DecodeTraits<256, 8>::kSmemBytes &&
-              SmemBytes(64, 1) == DecodeTraits<64, 1>::kSmemBytes);
+
+// The sm_90a wgmma split kernel (kernels/sm90/flash_decode_wgmma_sm90.cuh), for more than 16 packed rows at head dims
+// up to 128, where mma.sync's issue rate paces the stream: one consumer warpgroup per 64 packed rows (1 or 2), K/V
+// tiles of 64 keys, a ring of 3 stages (two blocks an SM at head dim 128 with one warpgroup) or 4.
+inline constexpr int kWgmmaBlockN = 64;
+constexpr int WgmmaWarpgroups(int rows) { return rows <= 64 ? 1 : 2; }
+constexpr int WgmmaStages(int kd, int warpgroups) { return kd <= 64 || warpgroups == 2 ? 4 : 3; }
+constexpr int WgmmaSmemBytes(int kd, int warpgroups) {
+  return (warpgroups * 64 * kd + 2 * WgmmaStages(kd, warpgroups) * kWgmmaBlockN * kd) * 2 +
+         WgmmaStages(kd, warpgroups) * kWgmmaBlockN * 4;
+}
+constexpr int WgmmaThreads(int warpgroups) { return warpgroups * 128; }
 
 }  // namespace jax_flash::cuda::decode

@@ -1,5 +1,7 @@
 // Decode: a few query rows (Tq <= 16) of each sequence against its long key/value cache, dense or paged, at the
-// memory-bandwidth limit. Bandwidth-bound, so one design serves sm_80 and sm_90 (mma.sync + cp.async):
+// memory-bandwidth limit. This file's split kernel (mma.sync + cp.async) runs on every GPU; on sm_90a calls of more
+// than 16 packed rows at head dims up to 128 run sm90/flash_decode_wgmma_sm90.cuh's instead (same design, wgmma for
+// the products). The design (the shared parts in split_mainloop.cuh):
 //
 //   * split-KV: CTA (split, kv head, batch) walks its share of the sequence's keys, so B x Hkv x splits CTAs keep
 //     every SM streaming even at batch 1; a combine kernel merges the splits through their log-sum-exps;
@@ -24,89 +26,46 @@
 #include "kernels/common/element_traits.cuh"
 #include "kernels/common/warp_reduce.cuh"
 #include "kernels/decode/decode_traits.h"
-#include "kernels/sm90/pipeline.h"  // PipelineState: plain ring counting, no sm_90 instructions
+#include "kernels/decode/split_mainloop.cuh"
 #include "kernels/sm80/utils_sm80.cuh"
 
 namespace jax_flash::cuda::decode {
 
-inline constexpr int kElems = 8;  // 16-bit elements per 16-byte chunk
-
-// The rows and key range of one decode call for batch element b (shared by the split kernel and the launcher's
-// reasoning): positions of step t are base + t, base = kv_len - Tq; keys [lo, hi) are the ones any row may see.
-struct DecodeRange {
-  int kv_len;
-  int base;
-  int lo;
-  int hi;
+// Tiles of the mma.sync split kernel (decode_traits.h has the host-visible choices): row tiles of 16 packed rows,
+// a tile's keys sliced across warps, the sm_80-class swizzle (swz) for every operand.
+template <int kHeadDim, int kRowTiles>
+struct DecodeTraits {
+  static constexpr int kD = kHeadDim;
+  static constexpr int kBlockN = BlockN(kHeadDim);          // keys per K/V tile
+  static constexpr int kStages = decode::kStages;           // K/V tiles in flight (cp.async groups)
+  static constexpr int kRows = kRowTiles * 16;              // packed query rows per CTA
+  static constexpr int kWarps = Warps(kHeadDim, kRowTiles);
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kSlices = Slices(kHeadDim, kRowTiles);  // key slices per row tile (one warp each)
+  static constexpr int kSliceN = kBlockN / kSlices;             // keys per slice
+  static_assert(kSliceN % 16 == 0 && kRowTiles * kSlices <= kWarps);
+  // Slices 1.. of each row tile leave their float32 partial O and (max, sum) in shared memory for slice 0 to merge,
+  // reusing the K/V stages.
+  static constexpr int kMergeSlots = kRowTiles * (kSlices - 1);
+  static_assert(kMergeSlots * 32 * (kD / 8 * 4 + 4) * 4 <= 2 * kStages * kBlockN * kD * 2);
+  __device__ __forceinline__ static int q_offset(int r, int col) { return swz<kD>(r, col); }
+  __device__ __forceinline__ static int kv_offset(int key, int col) { return swz<kD>(key, col); }
+  __device__ __forceinline__ static void tile_landed() {}
 };
-__device__ __forceinline__ DecodeRange decode_range(const FlashParams& p, int b) {
-  DecodeRange r;
-  r.kv_len = min(max(p.kv_lens[b], 0), p.seqlen_k);
-  r.base = r.kv_len - p.seqlen_q;
-  const int last = r.base + p.seqlen_q - 1;  // the last row's position
-  r.lo = p.window_left >= 0 ? max(r.base - p.window_left, 0) : 0;
-  r.hi = r.kv_len;
-  if (p.causal) r.hi = min(r.hi, last + 1);
-  if (p.window_right >= 0) r.hi = min(r.hi, last + p.window_right + 1);
-  return r;
-}
-
-// The page id of a tile's key i (thread i < kBlockN fetches it): the raw page-table entry, 0 past `hi`.
-__device__ __forceinline__ int fetch_page(const FlashParams& p, int b, int key, int hi) {
-  if (key >= hi) return 0;
-  const int index = p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
-  return p.page_table[int64_t(b) * p.max_pages + index];
-}
-
-// Issues one thread's cp.async copies of K and V for the tile starting at key0 into stage buffers sK, sV: the tile's
-// kBlockN x kD elements in 16-byte chunks, chunk c = tid + j kThreads holding key c / (kD / 8). Keys at or past `hi`
-// are zero-filled. For a paged cache `pages` (shared memory) holds the page id of each of the tile's keys, clamped
-// here into the pool: nothing outside the cache is read, whatever the table holds.
-template <typename T, typename Traits>
-__device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const int* pages, const FlashParams& p, int b, int hk,
-                                             int key0, int hi, int tid) {
-  constexpr int kChunksPerRow = Traits::kD / kElems;
-  constexpr int kPerThread = Traits::kBlockN * kChunksPerRow / Traits::kThreads;
-  static_assert(Traits::kBlockN * kChunksPerRow % Traits::kThreads == 0);
-  const int64_t row_stride = int64_t(p.heads_kv) * p.head_dim;
-  const T* gK = static_cast<const T*>(p.k) + int64_t(hk) * p.head_dim;
-  const T* gV = static_cast<const T*>(p.v) + int64_t(hk) * p.head_dim;
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const int c = tid + j * Traits::kThreads;
-    const int i = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * kElems;
-    const int key = key0 + i;
-    const bool pred = key < hi && col < p.head_dim;
-    int64_t row;
-    if (p.page_table != nullptr) {
-      const int in_page = p.page_shift >= 0 ? key & (p.page_size - 1) : key % p.page_size;
-      row = int64_t(min(max(pages[i], 0), p.num_pages - 1)) * p.page_size + in_page;
-    } else {
-      row = int64_t(b) * p.seqlen_k + key;
-    }
-    const int64_t off = pred ? row * row_stride + col : 0;
-    const uint32_t dst = swz<Traits::kD>(i, col);
-    cp_async_16(smem_addr(sK + dst), gK + off, pred);
-    cp_async_16(smem_addr(sV + dst), gV + off, pred);
-  }
-}
+static_assert(SmemBytes(256, 8) == SplitSmem<__half, DecodeTraits<256, 8>>::kBytes &&
+              SmemBytes(64, 1) == SplitSmem<__half, DecodeTraits<64, 1>>::kBytes);
 
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(const FlashParams p) {
   constexpr int kD = Traits::kD;
-  constexpr int kBN = Traits::kBlockN;
   constexpr int kSN = Traits::kSliceN;
   constexpr int kNTiles = kSN / 8;
   constexpr int kDTiles = kD / 8;
   constexpr int kRB = kRowBytes<kD>;
-  constexpr int kStages = Traits::kStages;
   using ET = ElemTraits<T>;
 
-  extern __shared__ __align__(1024) unsigned char smem_raw[];  // no static shared memory before it (traits)
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // [kRows][kD]
-  T* sK = sQ + Traits::kRows * kD;        // [kStages][kBN][kD]
-  T* sV = sK + kStages * kBN * kD;        // [kStages][kBN][kD]
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // no static shared memory before it (SplitSmem)
+  const SplitSmem<T, Traits> smem(smem_raw);
 
   const int split = blockIdx.x;
   const int hk = blockIdx.y;
@@ -122,62 +81,11 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
   const int slice = warp % Traits::kSlices;
 
   const DecodeRange range = decode_range(p, b);
-  const int tiles = range.hi > range.lo ? (range.hi - range.lo + kBN - 1) / kBN : 0;
-  const int per_split = (tiles + p.num_splits - 1) / p.num_splits;
-  const int tile_begin = split * per_split;
-  const int tile_end = min(tiles, tile_begin + per_split);
-
-  // Partial outputs of this split: O [split][b][t][h][d] float32, lse [split][b][h][t].
-  const int64_t split_rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
-  auto o_part = [&](int r) {
-    const int step = r / group, h = hk * group + r % group;
-    return p.o_partial + ((split * split_rows) + (int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim;
-  };
-  auto lse_part = [&](int r) {
-    const int step = r / group, h = hk * group + r % group;
-    return p.lse_partial + split * split_rows + (int64_t(b) * p.heads_q + h) * p.seqlen_q + step;
-  };
-  if (tile_end <= tile_begin) {  // nothing for this split: weight 0 in the combine
-    for (int r = tid; r < rows; r += Traits::kThreads) *lse_part(r) = -INFINITY;
+  const SplitTiles tiles = split_tiles<Traits::kBlockN>(p, range, split);
+  if (tiles.end <= tiles.begin) {
+    mark_split_empty(p, split, b, hk, rows, tid, Traits::kThreads);
     return;
   }
-
-  // Q rows: row r is step r / G of query head hk G + r % G; rows past `rows` zero-filled. (In the first tile's
-  // cp.async group: the first wait below covers it.)
-  {
-    constexpr int kChunksPerRow = kD / kElems;
-    const T* q = static_cast<const T*>(p.q);
-    for (int c = tid; c < Traits::kRows * kChunksPerRow; c += Traits::kThreads) {
-      const int r = c / kChunksPerRow;
-      const int col = (c % kChunksPerRow) * kElems;
-      const bool pred = r < rows && col < p.head_dim;
-      const int step = r / group, h = hk * group + r % group;
-      const T* src = pred ? q + ((int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim + col : q;
-      cp_async_16(smem_addr(sQ + swz<kD>(r, col)), src, pred);
-    }
-  }
-  // Paged caches: the page ids of a tile's keys sit in sPage[its stage] (thread i < kBlockN fetches key i's). The
-  // first kStages tiles' are read now; each later tile's are fetched into a register before the compute of the tile
-  // kStages - 1 before it and stored after it, so the table's latency hides behind that compute.
-  int(*sPage)[kBN] = reinterpret_cast<int(*)[kBN]>(sV + kStages * kBN * kD);  // [kStages][kBN]
-  const bool paged = p.page_table != nullptr;
-  auto tile_key0 = [&](int tile) { return range.lo + tile * kBN; };
-  if (paged && tid < kBN) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) sPage[s][tid] = fetch_page(p, b, tile_key0(tile_begin + s) + tid, range.hi);
-  }
-  __syncthreads();
-  // Prologue: the first kStages - 1 tiles in flight (one cp.async group each, empty past the split's end).
-  sm90::PipelineState<kStages> read_state;  // the stage of the tile computed next
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (tile_begin + s < tile_end) {
-      load_kv_tile<T, Traits>(sK + s * kBN * kD, sV + s * kBN * kD, sPage[s], p, b, hk, tile_key0(tile_begin + s),
-                              range.hi, tid);
-    }
-    cp_async_commit();
-  }
-  sm90::PipelineState<kStages> write_state = read_state.ahead(kStages - 1);
 
   const bool computes = row_tile * 16 < rows && warp < Traits::kRows / 16 * Traits::kSlices;
   const int row0 = row_tile * 16;
@@ -186,118 +94,62 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
   float row_sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < kDTiles; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
-  // This thread's two rows: their visible key intervals.
-  int lo_r[2], hi_r[2];
+  int lo_r[2], hi_r[2];  // this thread's two rows' visible keys
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int r = row0 + g + 8 * rr;
-    const int pos = range.base + r / group;
-    lo_r[rr] = p.window_left >= 0 ? pos - p.window_left : 0;
-    hi_r[rr] = range.kv_len;
-    if (p.causal) hi_r[rr] = min(hi_r[rr], pos + 1);
-    if (p.window_right >= 0) hi_r[rr] = min(hi_r[rr], pos + p.window_right + 1);
-    if (r >= rows) hi_r[rr] = lo_r[rr];  // padding row
-  }
+  for (int rr = 0; rr < 2; ++rr) row_keys(p, range, row0 + g + 8 * rr, group, rows, &lo_r[rr], &hi_r[rr]);
   const SoftCap cap(p);
 
-  const uint32_t q_addr = swz_addr<kD>(smem_addr(sQ), row0 + lane % 16, lane / 16);
-  const uint32_t k_addr = swz_addr<kD>(smem_addr(sK), (lane % 8) + (lane / 16) * 8, (lane / 8) % 2) +
+  const uint32_t q_addr = swz_addr<kD>(smem_addr(smem.q), row0 + lane % 16, lane / 16);
+  const uint32_t k_addr = swz_addr<kD>(smem_addr(smem.k), (lane % 8) + (lane / 16) * 8, (lane / 8) % 2) +
                           slice * kSN * kRB;
-  const uint32_t v_addr = swz_addr<kD>(smem_addr(sV), (lane % 8) + ((lane / 8) % 2) * 8, lane / 16) +
+  const uint32_t v_addr = swz_addr<kD>(smem_addr(smem.v), (lane % 8) + ((lane / 8) % 2) * 8, lane / 16) +
                           slice * kSN * kRB;
-  constexpr uint32_t kStageBytes = kBN * kD * 2;
+  constexpr uint32_t kStageBytes = Traits::kBlockN * kD * 2;
 
-  for (int tile = tile_begin; tile < tile_end; ++tile) {
-    cp_async_wait<kStages - 2>();  // this tile's group (and Q) landed
-    __syncthreads();               // ... for every thread; and every warp is done with the stage written next
-    const int ahead = tile + kStages - 1;
-    if (ahead < tile_end) {
-      const int w = write_state.slot();
-      load_kv_tile<T, Traits>(sK + w * kBN * kD, sV + w * kBN * kD, sPage[w], p, b, hk, tile_key0(ahead), range.hi,
-                              tid);
+  stream_split<T, Traits>(p, range, tiles, b, hk, rows, smem, tid, [&](int stage, int tile_key0) {
+    if (!computes) return;
+    const int key0 = tile_key0 + slice * kSN;  // this warp's slice of the tile
+    float acc_s[kNTiles][4];
+#pragma unroll
+    for (int i = 0; i < kNTiles; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0.f;
+    const uint32_t k_stage = k_addr + stage * kStageBytes;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a_reg[4];
+      ldmatrix_x4(a_reg, q_addr ^ (kk * 32));
+#pragma unroll
+      for (int nn = 0; nn < kSN / 16; ++nn) {
+        uint32_t b_reg[4];
+        ldmatrix_x4(b_reg, (k_stage ^ (kk * 32)) + nn * 16 * kRB);
+        mma_16x8x16<T>(acc_s[2 * nn], a_reg, b_reg[0], b_reg[1]);
+        mma_16x8x16<T>(acc_s[2 * nn + 1], a_reg, b_reg[2], b_reg[3]);
+      }
     }
-    cp_async_commit();
-    write_state.advance();
-    const int stage = read_state.slot();
-    read_state.advance();
-    // The page ids of tile `ahead + 1`, for the stage this tile frees (stored after the compute below).
-    const bool stash = paged && tid < kBN && ahead + 1 < tile_end;
-    const int next_page = stash ? fetch_page(p, b, tile_key0(ahead + 1) + tid, range.hi) : 0;
-    if (computes) {
-      const int key0 = tile_key0(tile) + slice * kSN;  // this warp's slice of the tile
-      float acc_s[kNTiles][4];
+    float correction[2];
+    softmax_step<kNTiles>(&acc_s[0][0], key0, t, lo_r, hi_r, cap, p.scale_log2, row_max, row_sum, correction);
 #pragma unroll
-      for (int i = 0; i < kNTiles; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0.f;
-      const uint32_t k_stage = k_addr + stage * kStageBytes;
+    for (int dt = 0; dt < kDTiles; ++dt) {
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t a_reg[4];
-        ldmatrix_x4(a_reg, q_addr ^ (kk * 32));
+      for (int e = 0; e < 4; ++e) acc_o[dt][e] *= correction[e / 2];
+    }
+    // O += P V over this warp's slice of keys.
+    const uint32_t v_stage = v_addr + stage * kStageBytes;
 #pragma unroll
-        for (int nn = 0; nn < kSN / 16; ++nn) {
-          uint32_t b_reg[4];
-          ldmatrix_x4(b_reg, (k_stage ^ (kk * 32)) + nn * 16 * kRB);
-          mma_16x8x16<T>(acc_s[2 * nn], a_reg, b_reg[0], b_reg[1]);
-          mma_16x8x16<T>(acc_s[2 * nn + 1], a_reg, b_reg[2], b_reg[3]);
-        }
+    for (int kk = 0; kk < kSN / 16; ++kk) {
+      uint32_t a_reg[4];
+      a_reg[0] = ET::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+      a_reg[1] = ET::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+      a_reg[2] = ET::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+      a_reg[3] = ET::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dd = 0; dd < kD / 16; ++dd) {
+        uint32_t b_reg[4];
+        ldmatrix_x4_trans(b_reg, (v_stage ^ (dd * 32)) + kk * 16 * kRB);
+        mma_16x8x16<T>(acc_o[2 * dd], a_reg, b_reg[0], b_reg[1]);
+        mma_16x8x16<T>(acc_o[2 * dd + 1], a_reg, b_reg[2], b_reg[3]);
       }
-      // Soft cap, mask, online softmax (as the forward kernels).
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        float mx = row_max[rr];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float s = acc_s[nt][2 * rr + e];
-            if (cap.enabled()) s = cap.apply(s);
-            const int key = key0 + nt * 8 + 2 * t + e;
-            s = key >= lo_r[rr] && key < hi_r[rr] ? s : -INFINITY;
-            acc_s[nt][2 * rr + e] = s;
-            mx = fmaxf(mx, s);
-          }
-        }
-        mx = quad_max(mx);
-        const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-        const float correction = exp2f(row_max[rr] * p.scale_log2 - max_scaled);
-        row_max[rr] = mx;
-        row_sum[rr] *= correction;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          acc_o[dt][2 * rr] *= correction;
-          acc_o[dt][2 * rr + 1] *= correction;
-        }
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = exp2f(acc_s[nt][2 * rr + e] * p.scale_log2 - max_scaled);
-            acc_s[nt][2 * rr + e] = pe;
-            row_sum[rr] += pe;
-          }
-        }
-      }
-      // O += P V over this warp's slice of keys.
-      const uint32_t v_stage = v_addr + stage * kStageBytes;
-#pragma unroll
-      for (int kk = 0; kk < kSN / 16; ++kk) {
-        uint32_t a_reg[4];
-        a_reg[0] = ET::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-        a_reg[1] = ET::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-        a_reg[2] = ET::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-        a_reg[3] = ET::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-#pragma unroll
-        for (int dd = 0; dd < kD / 16; ++dd) {
-          uint32_t b_reg[4];
-          ldmatrix_x4_trans(b_reg, (v_stage ^ (dd * 32)) + kk * 16 * kRB);
-          mma_16x8x16<T>(acc_o[2 * dd], a_reg, b_reg[0], b_reg[1]);
-          mma_16x8x16<T>(acc_o[2 * dd + 1], a_reg, b_reg[2], b_reg[3]);
-        }
-      }
-    }  // computes
-    if (stash) sPage[stage][tid] = next_page;  // published by the next iteration's barrier
-  }
-  cp_async_wait<0>();
+    }
+  });
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) row_sum[rr] = quad_sum(row_sum[rr]);
 
@@ -306,7 +158,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
   if constexpr (Traits::kSlices > 1) {
     __syncthreads();  // every warp is done with the K/V stages
     // Slot of (row tile, slice >= 1): row_tile * (kSlices - 1) + slice - 1.
-    float* sO = reinterpret_cast<float*>(sK);                         // [slot][kDTiles][32 lanes][4]
+    float* sO = reinterpret_cast<float*>(smem.k);                    // [slot][kDTiles][32 lanes][4]
     float* sStat = sO + Traits::kMergeSlots * kDTiles * kWarpSize * 4;  // [slot][32 lanes][max0, max1, sum0, sum1]
     const int slot0 = row_tile * (Traits::kSlices - 1) - 1;           // + slice
     if (computes && slice != 0) {
@@ -350,25 +202,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
     }
   }
   if (!computes) return;
-
-  // This split's rows: O / sum (float32) and lse; -inf for a row that saw no key here (weight 0 in the combine).
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int r = row0 + g + 8 * rr;
-    const float sum = row_sum[rr];
-    if (r >= rows) continue;
-    const bool some = sum > 0.f || sum != sum;  // nan (a nan or +inf logit) stays nan
-    const float inv = some ? 1.f / sum : 0.f;
-    float* o = o_part(r);
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      const int col = dt * 8 + 2 * t;
-      if (col < p.head_dim) {
-        *reinterpret_cast<float2*>(o + col) = make_float2(acc_o[dt][2 * rr] * inv, acc_o[dt][2 * rr + 1] * inv);
-      }
-    }
-    if (t == 0) *lse_part(r) = some ? row_max[rr] * p.scale + logf(sum) : -INFINITY;
-  }
+  store_split_rows<kDTiles>(p, split, b, hk, rows, row0, g, t, &acc_o[0][0], row_max, row_sum);
 }
 
 // One CTA per (batch, step, query head) row: O = sum_s w_s O_s with w_s = exp(lse_s - lse) and lse = log(sum_s

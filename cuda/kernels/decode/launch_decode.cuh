@@ -12,18 +12,25 @@
 
 namespace jax_flash::cuda {
 
+// The combine kernel that merges the split kernel's partial results: one block per (batch, step, query head) row.
+template <typename T>
+cudaError_t launch_decode_combine(const FlashParams& p, cudaStream_t stream) {
+  decode::flash_decode_combine_kernel<T>
+      <<<unsigned(int64_t(p.batch) * p.seqlen_q * p.heads_q), decode::kCombineThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T, int kD>
 cudaError_t launch_decode(const FlashParams& p, cudaStream_t stream) {
   const int rows = p.group_size() * p.seqlen_q;
   auto run = [&](auto row_tiles) -> cudaError_t {
     using Traits = decode::DecodeTraits<kD, decltype(row_tiles)::value>;
     constexpr auto kernel = decode::flash_decode_split_kernel<T, Traits>;
-    if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-    kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+    constexpr int kSmemBytes = decode::SplitSmem<T, Traits>::kBytes;
+    if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
+    kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    decode::flash_decode_combine_kernel<T>
-        <<<unsigned(int64_t(p.batch) * p.seqlen_q * p.heads_q), decode::kCombineThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_decode_combine<T>(p, stream);
   };
   switch (decode::RowTiles(rows)) {
     case 1: return run(std::integral_constant<int, 1>{});

@@ -1,0 +1,290 @@
+// What the decode split kernels share (the mma.sync one in flash_decode.cuh, the sm_90a wgmma one in
+// kernels/sm90/flash_decode_wgmma_sm90.cuh): a split's key range, the cp.async loads of Q rows and of K/V tiles
+// (dense or paged), the ring that streams a split's key tiles, each packed row's visible keys, the online-softmax
+// step over m16n8 accumulator tiles and the split's partial results.
+//
+// A kernel's Traits give: kD, kBlockN, kStages, kThreads, kRows (packed query rows of the CTA); q_offset(r, col) and
+// kv_offset(key, col), the element offsets of a 16-byte chunk in its Q and K/V tiles (each kernel's operand layout);
+// tile_landed(), run by every thread after its copies of a tile landed and before the CTA barrier that publishes
+// them (the wgmma kernel orders them before its async-proxy reads there).
+#pragma once
+
+#include <cmath>
+
+#include "flash_params.h"
+#include "score_mod.h"
+#include "kernels/common/warp_reduce.cuh"
+#include "kernels/sm80/utils_sm80.cuh"
+#include "kernels/sm90/pipeline.h"  // PipelineState: plain ring counting, no sm_90 instructions
+
+namespace jax_flash::cuda::decode {
+
+inline constexpr int kElems = 8;  // 16-bit elements per 16-byte chunk
+
+// The rows and key range of one decode call for batch element b: positions of step t are base + t, base = kv_len -
+// Tq; keys [lo, hi) are the ones any row may see.
+struct DecodeRange {
+  int kv_len;
+  int base;
+  int lo;
+  int hi;
+};
+__device__ __forceinline__ DecodeRange decode_range(const FlashParams& p, int b) {
+  DecodeRange r;
+  r.kv_len = min(max(p.kv_lens[b], 0), p.seqlen_k);
+  r.base = r.kv_len - p.seqlen_q;
+  const int last = r.base + p.seqlen_q - 1;  // the last row's position
+  r.lo = p.window_left >= 0 ? max(r.base - p.window_left, 0) : 0;
+  r.hi = r.kv_len;
+  if (p.causal) r.hi = min(r.hi, last + 1);
+  if (p.window_right >= 0) r.hi = min(r.hi, last + p.window_right + 1);
+  return r;
+}
+
+// The keys [*lo, *hi) packed row r (step r / group) sees; an empty interval for a padding row (r >= rows).
+__device__ __forceinline__ void row_keys(const FlashParams& p, const DecodeRange& range, int r, int group, int rows,
+                                         int* lo, int* hi) {
+  const int pos = range.base + r / group;
+  *lo = p.window_left >= 0 ? pos - p.window_left : 0;
+  *hi = range.kv_len;
+  if (p.causal) *hi = min(*hi, pos + 1);
+  if (p.window_right >= 0) *hi = min(*hi, pos + p.window_right + 1);
+  if (r >= rows) *hi = *lo;
+}
+
+// The key tiles [begin, end) of split `split`: the range's tiles of kBlockN keys in equal shares.
+struct SplitTiles {
+  int begin;
+  int end;
+};
+template <int kBlockN>
+__device__ __forceinline__ SplitTiles split_tiles(const FlashParams& p, const DecodeRange& range, int split) {
+  const int tiles = range.hi > range.lo ? (range.hi - range.lo + kBlockN - 1) / kBlockN : 0;
+  const int per_split = (tiles + p.num_splits - 1) / p.num_splits;
+  const int begin = split * per_split;
+  return {begin, min(tiles, begin + per_split)};
+}
+
+// Partial outputs of split `split` for packed row r of kv head hk: O [split][b][t][h][d] float32, lse
+// [split][b][h][t].
+__device__ __forceinline__ float* split_o(const FlashParams& p, int split, int b, int hk, int r) {
+  const int group = p.group_size();
+  const int step = r / group, h = hk * group + r % group;
+  const int64_t split_rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
+  return p.o_partial + ((split * split_rows) + (int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim;
+}
+__device__ __forceinline__ float* split_lse(const FlashParams& p, int split, int b, int hk, int r) {
+  const int group = p.group_size();
+  const int step = r / group, h = hk * group + r % group;
+  const int64_t split_rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
+  return p.lse_partial + split * split_rows + (int64_t(b) * p.heads_q + h) * p.seqlen_q + step;
+}
+
+// A split with no key tile: weight 0 for each of its rows in the combine.
+__device__ __forceinline__ void mark_split_empty(const FlashParams& p, int split, int b, int hk, int rows, int tid,
+                                                 int threads) {
+  for (int r = tid; r < rows; r += threads) *split_lse(p, split, b, hk, r) = -INFINITY;
+}
+
+// The page id of a tile's key i (thread i < kBlockN fetches it): the raw page-table entry, 0 past `hi`.
+__device__ __forceinline__ int fetch_page(const FlashParams& p, int b, int key, int hi) {
+  if (key >= hi) return 0;
+  const int index = p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
+  return p.page_table[int64_t(b) * p.max_pages + index];
+}
+
+// The split kernels' dynamic shared memory: Q [kRows x kD], K and V [kStages][kBlockN x kD] (each in the kernel's
+// operand layout), then the page ids of the stages' keys [kStages][kBlockN] (int32). Dynamic shared memory only:
+// the tiles' swizzled addressing needs the base aligned (1024 bytes), which static shared memory placed before it
+// would break.
+template <typename T, typename Traits>
+struct SplitSmem {
+  static constexpr int kBytes = (Traits::kRows * Traits::kD + 2 * Traits::kStages * Traits::kBlockN * Traits::kD) *
+                                    int(sizeof(T)) + Traits::kStages * Traits::kBlockN * 4;
+  T* q;
+  T* k;
+  T* v;
+  int (*page)[Traits::kBlockN];
+  __device__ __forceinline__ explicit SplitSmem(unsigned char* raw)
+      : q(reinterpret_cast<T*>(raw)),
+        k(q + Traits::kRows * Traits::kD),
+        v(k + Traits::kStages * Traits::kBlockN * Traits::kD),
+        page(reinterpret_cast<int(*)[Traits::kBlockN]>(v + Traits::kStages * Traits::kBlockN * Traits::kD)) {}
+  __device__ __forceinline__ T* k_stage(int s) const { return k + s * Traits::kBlockN * Traits::kD; }
+  __device__ __forceinline__ T* v_stage(int s) const { return v + s * Traits::kBlockN * Traits::kD; }
+};
+
+// One thread's cp.async copies of the Q rows: row r is step r / G of query head hk G + r % G; rows past `rows` and
+// columns past head_dim zero-filled.
+template <typename T, typename Traits>
+__device__ __forceinline__ void load_q_rows(T* sQ, const FlashParams& p, int b, int hk, int rows, int tid) {
+  constexpr int kChunksPerRow = Traits::kD / kElems;
+  const int group = p.group_size();
+  const T* q = static_cast<const T*>(p.q);
+  for (int c = tid; c < Traits::kRows * kChunksPerRow; c += Traits::kThreads) {
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * kElems;
+    const bool pred = r < rows && col < p.head_dim;
+    const int step = r / group, h = hk * group + r % group;
+    const T* src = pred ? q + ((int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim + col : q;
+    cp_async_16(smem_addr(sQ + Traits::q_offset(r, col)), src, pred);
+  }
+}
+
+// One thread's cp.async copies of K and V for the tile starting at key0 into stage buffers sK, sV: the tile's
+// kBlockN x kD elements in 16-byte chunks, chunk c = tid + j kThreads holding key c / (kD / 8). Keys at or past `hi`
+// are zero-filled. For a paged cache `pages` (shared memory) holds the page id of each of the tile's keys, clamped
+// here into the pool: nothing outside the cache is read, whatever the table holds.
+template <typename T, typename Traits>
+__device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const int* pages, const FlashParams& p, int b, int hk,
+                                             int key0, int hi, int tid) {
+  constexpr int kChunksPerRow = Traits::kD / kElems;
+  constexpr int kPerThread = Traits::kBlockN * kChunksPerRow / Traits::kThreads;
+  static_assert(Traits::kBlockN * kChunksPerRow % Traits::kThreads == 0);
+  const int64_t row_stride = int64_t(p.heads_kv) * p.head_dim;
+  const T* gK = static_cast<const T*>(p.k) + int64_t(hk) * p.head_dim;
+  const T* gV = static_cast<const T*>(p.v) + int64_t(hk) * p.head_dim;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int c = tid + j * Traits::kThreads;
+    const int i = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * kElems;
+    const int key = key0 + i;
+    const bool pred = key < hi && col < p.head_dim;
+    int64_t row;
+    if (p.page_table != nullptr) {
+      const int in_page = p.page_shift >= 0 ? key & (p.page_size - 1) : key % p.page_size;
+      row = int64_t(min(max(pages[i], 0), p.num_pages - 1)) * p.page_size + in_page;
+    } else {
+      row = int64_t(b) * p.seqlen_k + key;
+    }
+    const int64_t off = pred ? row * row_stride + col : 0;
+    const int dst = Traits::kv_offset(i, col);
+    cp_async_16(smem_addr(sK + dst), gK + off, pred);
+    cp_async_16(smem_addr(sV + dst), gV + off, pred);
+  }
+}
+
+// Streams split tiles [tiles.begin, tiles.end) of batch element b, kv head hk through a kStages-deep cp.async ring:
+// the Q rows ride in the first tile's copy group; compute(stage, key0) runs on every thread once the tile starting at
+// key0 sits in stage `stage` (K in smem.k_stage(stage), V in smem.v_stage(stage)), and must be done reading that
+// stage when it returns. Paged caches: the page ids of a tile's keys sit in smem.page[its stage] (thread i <
+// kBlockN fetches key i's); the first kStages tiles' are read up front, each later tile's fetched into a register
+// before the compute of the tile kStages - 1 before it and stored after it, so the table's latency hides behind that
+// compute.
+template <typename T, typename Traits, typename Compute>
+__device__ __forceinline__ void stream_split(const FlashParams& p, const DecodeRange& range, const SplitTiles& tiles,
+                                             int b, int hk, int rows, const SplitSmem<T, Traits>& smem, int tid,
+                                             Compute&& compute) {
+  constexpr int kBN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  load_q_rows<T, Traits>(smem.q, p, b, hk, rows, tid);  // in the first tile's cp.async group
+  const bool paged = p.page_table != nullptr;
+  auto tile_key0 = [&](int tile) { return range.lo + tile * kBN; };
+  if (paged && tid < kBN) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) smem.page[s][tid] = fetch_page(p, b, tile_key0(tiles.begin + s) + tid, range.hi);
+  }
+  __syncthreads();
+  // Prologue: the first kStages - 1 tiles in flight (one cp.async group each, empty past the split's end).
+  sm90::PipelineState<kStages> read_state;  // the stage of the tile computed next
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (tiles.begin + s < tiles.end) {
+      load_kv_tile<T, Traits>(smem.k_stage(s), smem.v_stage(s), smem.page[s], p, b, hk, tile_key0(tiles.begin + s),
+                              range.hi, tid);
+    }
+    cp_async_commit();
+  }
+  sm90::PipelineState<kStages> write_state = read_state.ahead(kStages - 1);
+  for (int tile = tiles.begin; tile < tiles.end; ++tile) {
+    cp_async_wait<kStages - 2>();  // this tile's group (and Q) landed
+    Traits::tile_landed();
+    __syncthreads();  // ... for every thread; and every thread is done with the stage written next
+    const int ahead = tile + kStages - 1;
+    if (ahead < tiles.end) {
+      const int w = write_state.slot();
+      load_kv_tile<T, Traits>(smem.k_stage(w), smem.v_stage(w), smem.page[w], p, b, hk, tile_key0(ahead), range.hi,
+                              tid);
+    }
+    cp_async_commit();
+    write_state.advance();
+    const int stage = read_state.slot();
+    read_state.advance();
+    // The page ids of tile `ahead + 1`, for the stage this tile frees (stored after the compute below).
+    const bool stash = paged && tid < kBN && ahead + 1 < tiles.end;
+    const int next_page = stash ? fetch_page(p, b, tile_key0(ahead + 1) + tid, range.hi) : 0;
+    compute(stage, tile_key0(tile));
+    if (stash) smem.page[stage][tid] = next_page;  // published by the next iteration's barrier
+  }
+  cp_async_wait<0>();
+}
+
+// One warp's online-softmax step over kNTiles m16n8 accumulator tiles of scores, s[4 nt + 2 rr + e] for row g + 8 rr
+// of the warp's 16 and key key0 + 8 nt + 2 t + e (lane = 4 g + t): soft cap, the rows' visible keys [lo[rr],
+// hi[rr]), the running max (raw logits) and this lane's partial sum move on; s becomes exp2 values. Returns the
+// factors that rescale O's rows.
+template <int kNTiles>
+__device__ __forceinline__ void softmax_step(float* s, int key0, int t, const int (&lo)[2], const int (&hi)[2],
+                                             const SoftCap& cap, float scale_log2, float (&row_max)[2],
+                                             float (&row_sum)[2], float (&correction)[2]) {
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float mx = row_max[rr];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = s[4 * nt + 2 * rr + e];
+        if (cap.enabled()) x = cap.apply(x);
+        const int key = key0 + nt * 8 + 2 * t + e;
+        x = key >= lo[rr] && key < hi[rr] ? x : -INFINITY;
+        s[4 * nt + 2 * rr + e] = x;
+        mx = fmaxf(mx, x);
+      }
+    }
+    mx = quad_max(mx);
+    const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+    correction[rr] = exp2f(row_max[rr] * scale_log2 - max_scaled);
+    row_max[rr] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2f(s[4 * nt + 2 * rr + e] * scale_log2 - max_scaled);
+        s[4 * nt + 2 * rr + e] = pe;
+        sum += pe;
+      }
+    }
+    row_sum[rr] = row_sum[rr] * correction[rr] + sum;
+  }
+}
+
+// A warp's rows of the split's result, from O accumulator tiles o[4 dt + 2 rr + e] (row row0 + g + 8 rr, column
+// 8 dt + 2 t + e) and the rows' max and (quad-summed) sum: O / sum (float32) and lse; -inf for a row that saw no
+// key here (weight 0 in the combine).
+template <int kDTiles>
+__device__ __forceinline__ void store_split_rows(const FlashParams& p, int split, int b, int hk, int rows, int row0,
+                                                 int g, int t, const float* o, const float (&row_max)[2],
+                                                 const float (&row_sum)[2]) {
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int r = row0 + g + 8 * rr;
+    const float sum = row_sum[rr];
+    if (r >= rows) continue;
+    const bool some = sum > 0.f || sum != sum;  // nan (a nan or +inf logit) stays nan
+    const float inv = some ? 1.f / sum : 0.f;
+    float* out = split_o(p, split, b, hk, r);
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (col < p.head_dim) {
+        *reinterpret_cast<float2*>(out + col) = make_float2(o[4 * dt + 2 * rr] * inv, o[4 * dt + 2 * rr + 1] * inv);
+      }
+    }
+    if (t == 0) *split_lse(p, split, b, hk, r) = some ? row_max[rr] * p.scale + logf(sum) : -INFINITY;
+  }
+}
+
+}  // namespace jax_flash::cuda::decode

@@ -1,0 +1,149 @@
+// The sm_90a decode split kernel for many packed rows (more than 16 query heads per kv head x Tq, head dims up to
+// 128): the mma.sync kernel (decode/flash_decode.cuh) issues 16 x 8 products one warp at a time, and at 32-128 rows a
+// K/V byte carries 64-128 FLOP, so its issue rate, not memory, paces the stream there (H200: 1-2.2 TB/s at Tq 16).
+// Here each consumer warpgroup owns 64 packed rows and computes S = Q K^T (both from shared memory) and O += P V
+// (P from registers) with wgmma over the whole 64-key tile.
+//
+// Everything else is the mma.sync kernel's (decode/split_mainloop.cuh): CTA (split, kv head, batch), the split's
+// key tiles streamed through a cp.async ring (dense or paged, ids clamped), bottom-right causal rows and windows,
+// float32 partial results that flash_decode_combine_kernel merges. The tiles sit in TMA's SWIZZLE_128B layout
+// (64-column blocks of 128-byte rows; sm90/smem_layout.h), which wgmma's descriptors read; cp.async writes them in
+// the generic proxy, so each thread fences its landed copies to the async proxy before the CTA barrier that
+// publishes a tile.
+// Consumer thread layout (as the forward's): warpgroup cw owns packed rows [64 cw, 64 cw + 64); warp w of it, lane =
+// 4 g + t, holds rows 16 w + g and 16 w + g + 8, columns 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
+#pragma once
+
+#include <cmath>
+
+#include "flash_params.h"
+#include "score_mod.h"
+#include "kernels/common/element_traits.cuh"
+#include "kernels/common/warp_reduce.cuh"
+#include "kernels/decode/decode_traits.h"
+#include "kernels/decode/split_mainloop.cuh"
+#include "kernels/sm90/kernel_traits_sm90.h"
+#include "kernels/sm90/smem_layout.h"
+#include "kernels/sm90/utils_sm90.cuh"
+#include "kernels/sm90/wgmma_sm90.cuh"
+
+namespace jax_flash::cuda::sm90 {
+
+template <int kHeadDim, int kWarpgroups>
+struct DecodeWgmmaTraits {
+  static constexpr int kD = kHeadDim;
+  static constexpr int kBlockN = decode::kWgmmaBlockN;
+  static constexpr int kStages = decode::WgmmaStages(kHeadDim, kWarpgroups);
+  static constexpr int kRows = kWarpgroups * kWgmmaM;
+  static constexpr int kThreads = decode::WgmmaThreads(kWarpgroups);
+  static_assert(kD % kColBlock == 0 && kThreads == kWarpgroups * kWarpgroupThreads);
+  // Tiles of kTileRows rows: 64-column blocks of rows x 128 bytes, 16-byte chunks swizzled inside each row.
+  template <int kTileRows>
+  __device__ __forceinline__ static int offset(int r, int col) {
+    return (col / kColBlock) * kTileRows * kColBlock +
+           int(swizzled_chunk_offset(r, (col % kColBlock) / decode::kElems)) / 2 + col % decode::kElems;
+  }
+  __device__ __forceinline__ static int q_offset(int r, int col) { return offset<kRows>(r, col); }
+  __device__ __forceinline__ static int kv_offset(int key, int col) { return offset<kBlockN>(key, col); }
+  // This thread's landed cp.async copies (generic proxy) become visible to wgmma's operand reads (async proxy).
+  __device__ __forceinline__ static void tile_landed() { fence_proxy_async_smem(); }
+};
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(const FlashParams p) {
+  constexpr int kD = Traits::kD;
+  constexpr int kBN = Traits::kBlockN;
+  constexpr int kSTiles = kBN / 8;  // 8-wide column tiles of S
+  constexpr int kOTiles = kD / 8;   // 8-wide column tiles of O
+  using ET = ElemTraits<T>;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // no static shared memory before it (SplitSmem)
+  const decode::SplitSmem<T, Traits> smem(smem_raw);
+
+  const int split = blockIdx.x;
+  const int hk = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int cw = warp_uniform(warp / 4);  // consumer warpgroup
+  const int group = p.group_size();
+  const int rows = group * p.seqlen_q;  // packed rows of this kv head
+  const int row0 = cw * kWgmmaM + (warp % 4) * kWarpRows;  // this warp's first packed row
+
+  const decode::DecodeRange range = decode::decode_range(p, b);
+  const decode::SplitTiles tiles = decode::split_tiles<kBN>(p, range, split);
+  if (tiles.end <= tiles.begin) {
+    decode::mark_split_empty(p, split, b, hk, rows, tid, Traits::kThreads);
+    return;
+  }
+
+  float acc_o[kOTiles * 4];
+#pragma unroll
+  for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+  int lo_r[2], hi_r[2];  // this thread's two rows' visible keys
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) decode::row_keys(p, range, row0 + g + 8 * rr, group, rows, &lo_r[rr], &hi_r[rr]);
+  const SoftCap cap(p);
+
+  // Q slice of this warpgroup: column block cb starts at q + cb * kRows * 64, its rows at 128-byte pitch.
+  const uint32_t q_base = smem_addr(smem.q) + cw * kWgmmaM * kSwizzleBytes;
+  constexpr uint32_t kQColBlockBytes = Traits::kRows * kSwizzleBytes;
+  constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
+  constexpr uint32_t kStageBytes = kBN * kD * sizeof(T);
+  constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;  // 16-element K slices per 128-byte row
+  const uint32_t k_base0 = smem_addr(smem.k);
+  const uint32_t v_base0 = smem_addr(smem.v);
+
+  decode::stream_split<T, Traits>(p, range, tiles, b, hk, rows, smem, tid, [&](int stage, int key0) {
+    // S = Q K^T (64 x kBN per warpgroup).
+    float acc_s[kSTiles * 4];
+    const uint32_t k_base = k_base0 + stage * kStageBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
+      const uint32_t k_off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));  // inside the 128-byte row
+      const uint64_t desc_q =
+          make_desc_sw128(q_base + (kk / kKStepsPerColBlock) * kQColBlockBytes + k_off, kKMajorLeadingBytes);
+      const uint64_t desc_k =
+          make_desc_sw128(k_base + (kk / kKStepsPerColBlock) * kKVColBlockBytes + k_off, kKMajorLeadingBytes);
+      Wgmma<kBN, T, 0>::ss(acc_s, desc_q, desc_k, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_s);
+
+    float correction[2];
+    decode::softmax_step<kSTiles>(acc_s, key0, t, lo_r, hi_r, cap, p.scale_log2, row_max, row_sum, correction);
+#pragma unroll
+    for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] *= correction[(i / 2) % 2];
+    uint32_t a_p[kBN / kWgmmaK][4];  // P as wgmma A fragments, 16 keys per step = S column tiles 2 kk, 2 kk + 1
+#pragma unroll
+    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+#pragma unroll
+      for (int q4 = 0; q4 < 4; ++q4) a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
+    }
+
+    // O += P V: V read N-major, 64-dim column blocks kKVColBlockBytes apart.
+    const uint32_t v_base = v_base0 + stage * kStageBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+      const uint64_t desc_v = make_desc_sw128(v_base + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes);
+      Wgmma<kD, T, 1>::rs(acc_o, a_p[kk], desc_v, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // the stage is read and P's registers are free when compute returns
+    fence_regs(acc_o);
+    fence_regs(a_p);
+  });
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) row_sum[rr] = quad_sum(row_sum[rr]);
+  decode::store_split_rows<kOTiles>(p, split, b, hk, rows, row0, g, t, acc_o, row_max, row_sum);
+}
+
+}  // namespace jax_flash::cuda::sm90
