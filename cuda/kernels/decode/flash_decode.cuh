@@ -15,7 +15,9 @@
 //   * masks at positions: row r sits at kv_length - Tq + t (bottom-right causal), windows from there.
 //
 // Partial results (float32 O normalised by its own sum, and its lse: -inf where the split sees no key of the row) go
-// to p.o_partial / p.lse_partial; flash_decode_combine_kernel writes O and lse (with the sink). A row whose visible
+// to p.o_partial / p.lse_partial; flash_decode_combine_kernel writes O and lse (with the sink). With one split the
+// split kernel writes O and lse itself and no combine runs (many sequences: the combine's block per row and the
+// partials' float32 traffic cost more than the attention there). A row whose visible
 // logits are all -inf (infinite inputs) counts as seeing no key here (0, where jax.nn gives nan).
 #pragma once
 
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
   const DecodeRange range = decode_range(p, b);
   const SplitTiles tiles = split_tiles<Traits::kBlockN>(p, range, split);
   if (tiles.end <= tiles.begin) {
-    mark_split_empty(p, split, b, hk, rows, tid, Traits::kThreads);
+    mark_split_empty<T>(p, split, b, hk, rows, tid, Traits::kThreads);
     return;
   }
 
@@ -202,7 +204,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
     }
   }
   if (!computes) return;
-  store_split_rows<kDTiles>(p, split, b, hk, rows, row0, g, t, &acc_o[0][0], row_max, row_sum);
+  store_split_rows<T, kDTiles>(p, split, b, hk, rows, row0, g, t, &acc_o[0][0], row_max, row_sum);
 }
 
 // One CTA per (batch, step, query head) row: O = sum_s w_s O_s with w_s = exp(lse_s - lse) and lse = log(sum_s

@@ -1,6 +1,6 @@
 // Launcher of the decode kernels (flash_decode.cuh), instantiated per (dtype, head-dim class) in
 // flash_decode_hdim*.cu: the split-KV kernel with as many 16-row tiles as the packed query rows need, then the
-// combine kernel.
+// combine kernel when the key range is split (one split writes O and lse itself).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,7 +30,7 @@ cudaError_t launch_decode(const FlashParams& p, cudaStream_t stream) {
     if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
     kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    return launch_decode_combine<T>(p, stream);
+    return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;
   };
   switch (decode::RowTiles(rows)) {
     case 1: return run(std::integral_constant<int, 1>{});

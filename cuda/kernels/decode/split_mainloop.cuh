@@ -13,6 +13,7 @@
 
 #include "flash_params.h"
 #include "score_mod.h"
+#include "kernels/common/element_traits.cuh"
 #include "kernels/common/warp_reduce.cuh"
 #include "kernels/sm80/utils_sm80.cuh"
 #include "kernels/sm90/pipeline.h"  // PipelineState: plain ring counting, no sm_90 instructions
@@ -80,10 +81,21 @@ __device__ __forceinline__ float* split_lse(const FlashParams& p, int split, int
   return p.lse_partial + split * split_rows + (int64_t(b) * p.heads_q + h) * p.seqlen_q + step;
 }
 
-// A split with no key tile: weight 0 for each of its rows in the combine.
+// A split with no key tile: weight 0 for each of its rows in the combine; with one split (no combine) the rows'
+// final result: O = 0, lse = +inf (a row that sees no key, as flash_decode_combine_kernel writes it).
+template <typename T>
 __device__ __forceinline__ void mark_split_empty(const FlashParams& p, int split, int b, int hk, int rows, int tid,
                                                  int threads) {
-  for (int r = tid; r < rows; r += threads) *split_lse(p, split, b, hk, r) = -INFINITY;
+  if (p.num_splits > 1) {
+    for (int r = tid; r < rows; r += threads) *split_lse(p, split, b, hk, r) = -INFINITY;
+    return;
+  }
+  const int group = p.group_size();
+  for (int i = tid; i < rows * p.head_dim; i += threads) {
+    const int r = i / p.head_dim, step = r / group, h = hk * group + r % group;
+    static_cast<T*>(p.o)[((int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim + i % p.head_dim] = T(0.f);
+    if (i % p.head_dim == 0) p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + step] = INFINITY;
+  }
 }
 
 // The page id of a tile's key i (thread i < kBlockN fetches it): the raw page-table entry, 0 past `hi`.
@@ -262,12 +274,15 @@ __device__ __forceinline__ void softmax_step(float* s, int key0, int t, const in
 }
 
 // A warp's rows of the split's result, from O accumulator tiles o[4 dt + 2 rr + e] (row row0 + g + 8 rr, column
-// 8 dt + 2 t + e) and the rows' max and (quad-summed) sum: O / sum (float32) and lse; -inf for a row that saw no
-// key here (weight 0 in the combine).
-template <int kDTiles>
+// 8 dt + 2 t + e) and the rows' max and (quad-summed) sum. Several splits: O / sum (float32) and lse into the partial
+// results, lse -inf for a row that saw no key here (weight 0 in the combine). One split: the final O (in T) and lse
+// with the sink, as flash_decode_combine_kernel computes them from one split (no combine runs).
+template <typename T, int kDTiles>
 __device__ __forceinline__ void store_split_rows(const FlashParams& p, int split, int b, int hk, int rows, int row0,
                                                  int g, int t, const float* o, const float (&row_max)[2],
                                                  const float (&row_sum)[2]) {
+  const bool final = p.num_splits == 1;
+  const int group = p.group_size();
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int r = row0 + g + 8 * rr;
@@ -275,15 +290,40 @@ __device__ __forceinline__ void store_split_rows(const FlashParams& p, int split
     if (r >= rows) continue;
     const bool some = sum > 0.f || sum != sum;  // nan (a nan or +inf logit) stays nan
     const float inv = some ? 1.f / sum : 0.f;
-    float* out = split_o(p, split, b, hk, r);
+    const float lse = some ? row_max[rr] * p.scale + logf(sum) : -INFINITY;
+    if (!final) {
+      float* out = split_o(p, split, b, hk, r);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int col = dt * 8 + 2 * t;
+        if (col < p.head_dim) {
+          *reinterpret_cast<float2*>(out + col) = make_float2(o[4 * dt + 2 * rr] * inv, o[4 * dt + 2 * rr + 1] * inv);
+        }
+      }
+      if (t == 0) *split_lse(p, split, b, hk, r) = lse;
+      continue;
+    }
+    const int step = r / group, h = hk * group + r % group;
+    const float sink = p.sinks != nullptr ? p.sinks[int64_t(b) * p.heads_q + h] : -INFINITY;
+    float scale = 0.f, lse_out = INFINITY;  // a row that sees no key: O = 0, lse = +inf
+    if (lse != -INFINITY) {
+      const float m = fmaxf(lse, sink);
+      const float w = expf(lse - m);
+      float total = w + (sink == -INFINITY ? 0.f : expf(sink - m));
+      if (lse != lse) total = NAN;
+      scale = inv * w / total;
+      lse_out = m + logf(total);
+    }
+    T* out = static_cast<T*>(p.o) + ((int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim;
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt) {
       const int col = dt * 8 + 2 * t;
       if (col < p.head_dim) {
-        *reinterpret_cast<float2*>(out + col) = make_float2(o[4 * dt + 2 * rr] * inv, o[4 * dt + 2 * rr + 1] * inv);
+        *reinterpret_cast<uint32_t*>(out + col) =
+            ElemTraits<T>::pack(o[4 * dt + 2 * rr] * scale, o[4 * dt + 2 * rr + 1] * scale);
       }
     }
-    if (t == 0) *split_lse(p, split, b, hk, r) = some ? row_max[rr] * p.scale + logf(sum) : -INFINITY;
+    if (t == 0) p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + step] = lse_out;
   }
 }
 

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   const decode::DecodeRange range = decode::decode_range(p, b);
   const decode::SplitTiles tiles = decode::split_tiles<kBN>(p, range, split);
   if (tiles.end <= tiles.begin) {
-    decode::mark_split_empty(p, split, b, hk, rows, tid, Traits::kThreads);
+    decode::mark_split_empty<T>(p, split, b, hk, rows, tid, Traits::kThreads);
     return;
   }
 
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   });
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) row_sum[rr] = quad_sum(row_sum[rr]);
-  decode::store_split_rows<kOTiles>(p, split, b, hk, rows, row0, g, t, acc_o, row_max, row_sum);
+  decode::store_split_rows<T, kOTiles>(p, split, b, hk, rows, row0, g, t, acc_o, row_max, row_sum);
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -26,7 +26,7 @@ cudaError_t launch_decode_wgmma(const FlashParams& p, cudaStream_t stream) {
     if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
     kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    return launch_decode_combine<T>(p, stream);
+    return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
   };
   if (decode::WgmmaWarpgroups(p.group_size() * p.seqlen_q) == 1) return run(std::integral_constant<int, 1>{});
   return run(std::integral_constant<int, 2>{});
