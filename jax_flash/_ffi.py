@@ -325,16 +325,16 @@ _SMEM_PER_SM = 228 * 1024
 
 def decode_splits(q_shape, heads_kv, capacity):
     """Parts of the key range for the decode kernel of q [B, Tq, Hq, D] over caches of `capacity` keys per
-    sequence: as many blocks (batch x kv heads x splits) as the GPU holds at once (from the shared memory and threads
+    sequence: as many blocks (batch x kv heads x splits x blocks per split) as the GPU holds at once (from the shared memory and threads
     of the split kernel the call will run, cuda/kernels/decode/decode_traits.h; the runtime keeps 1 KB of shared
     memory per block), so that one wave streams the cache with no tail; at least two key tiles (64 keys) per split,
     and the splits' float32 partial results (written and read back: 8 bytes per packed row and dim per split) at most
     about an eighth of the K/V bytes they stand for."""
     batch, rows, heads_q, head_dim = q_shape
     packed = heads_q // heads_kv * rows
-    smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed, int(_kernel_choice()))
+    smem, threads, blocks_per_split = _jax_flash_cuda.decode_launch_shape(head_dim, packed, int(_kernel_choice()))
     per_sm = max(1, min(_SMEM_PER_SM // (smem + 1024), 2048 // max(threads, 1)))
-    base = max(1, batch * heads_kv)
+    base = max(1, batch * heads_kv * blocks_per_split)
     want = max(1, per_sm * _sm_count() // base)
     return max(1, min(want, capacity // 128, capacity // (16 * packed), 256))
 

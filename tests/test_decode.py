@@ -116,8 +116,8 @@ def _run(case, num_splits=None, seed=0):
 
 
 # Shapes for the decode kernels' variants on a GPU (the mma.sync kernel's 1, 2, 4 and 8 row tiles; on compute
-# capability 9.0 the wgmma kernel past 16 packed rows at head dims up to 128, one and two warpgroups; padded head
-# dims; many splits), and one past 128 packed rows (the attention kernel runs, with a warning).
+# capability 9.0 the wgmma kernel past 32 packed rows at head dims up to 128, one and two blocks of 64 rows; padded
+# head dims; many splits), and one past 128 packed rows (the attention kernel runs, with a warning).
 KERNEL_CASES = {
     "rows32_ragged": dict(batch=2, rows=4, hq=16, hkv=2, d=128, capacity=1000, lengths=(1000, 333)),
     "rows24_noncausal": dict(batch=3, rows=3, hq=8, hkv=1, d=128, capacity=1000, lengths=(1000, 640, 64),
@@ -157,8 +157,8 @@ MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_
 
 @pytest.mark.parametrize("name", MANY_ROWS)
 def test_sm80_class_decode_kernel(name):
-    """The calls of more than 16 packed rows that an H100/H200 runs on the wgmma kernel, forced onto the mma.sync
-    kernel (which other GPUs run): the same reference."""
+    """Calls of more than 16 packed rows (an H100/H200 runs those past 32 on the wgmma kernel) forced onto the
+    mma.sync kernel, which other GPUs run: the same reference."""
     if not ON_GPU:
         pytest.skip("a GPU kernel choice")
     with jax_flash.force_kernel("sm80"):
@@ -170,19 +170,25 @@ def test_sm80_class_decode_kernel(name):
 
 def test_decode_launch_shape_follows_the_kernel_choice():
     """The split count is sized from the kernel a call runs: on compute capability 9.0 a call of 64 packed rows at
-    head dim 128 runs the wgmma kernel (one warpgroup), forced to the sm_80 class the mma.sync one (eight warps)."""
+    head dim 128 runs the wgmma kernel (one warpgroup), 128 rows two of its blocks per split, forced to the sm_80
+    class the mma.sync kernel (eight warps)."""
     if not ON_GPU:
         pytest.skip("needs the CUDA module and a GPU")
     from jax_flash import _ffi
     shape = _ffi._jax_flash_cuda.decode_launch_shape
-    assert shape(128, 64, _ffi.KERNELS["sm80"]) == ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
-    assert shape(128, 16, _ffi.KERNELS["auto"]) == ((16 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 128)
-    assert shape(64, 300, _ffi.KERNELS["auto"]) == (0, 0)
-    if getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0":
-        assert shape(128, 64, _ffi.KERNELS["auto"]) == ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 128)
-        assert shape(128, 128, _ffi.KERNELS["auto"]) == ((128 * 128 + 2 * 4 * 64 * 128) * 2 + 4 * 64 * 4, 256)
+    mma_sync_64 = ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256, 1)
+    assert shape(128, 64, _ffi.KERNELS["sm80"]) == mma_sync_64
+    assert shape(128, 32, _ffi.KERNELS["auto"]) == ((32 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256, 1)
+    assert shape(64, 300, _ffi.KERNELS["auto"]) == (0, 0, 0)
     # head dim 256 stays on the mma.sync kernel everywhere (two row tiles of 32-key slices: four warps)
-    assert shape(256, 32, _ffi.KERNELS["auto"]) == ((32 * 256 + 2 * 3 * 32 * 256) * 2 + 3 * 32 * 4, 128)
+    assert shape(256, 32, _ffi.KERNELS["auto"]) == ((32 * 256 + 2 * 3 * 32 * 256) * 2 + 3 * 32 * 4, 128, 1)
+    if getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0":
+        wgmma = (64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4
+        assert shape(128, 64, _ffi.KERNELS["auto"]) == (wgmma, 128, 1)
+        assert shape(128, 128, _ffi.KERNELS["auto"]) == (wgmma, 128, 2)
+        assert shape(64, 33, _ffi.KERNELS["auto"]) == ((64 * 64 + 2 * 4 * 64 * 64) * 2 + 4 * 64 * 4, 128, 1)
+    else:
+        assert shape(128, 64, _ffi.KERNELS["auto"]) == mma_sync_64
 
 
 def test_rows_before_the_sequence_see_nothing():
@@ -353,7 +359,7 @@ def test_split_count_fills_one_wave(monkeypatch):
     class FakeCudaModule:  # the CUDA module's answer for a d128 single-row-tile kernel: ~100 KB, 128 threads
         @staticmethod
         def decode_launch_shape(head_dim, packed_rows, kernel):
-            return (102 * 1024, 128)
+            return (102 * 1024, 128, 2 if packed_rows > 64 else 1)
 
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
     monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)
@@ -363,3 +369,5 @@ def test_split_count_fills_one_wave(monkeypatch):
     # short caches: at least two 64-key tiles per split; many packed rows: the partials' traffic bound
     assert _ffi.decode_splits((1, 1, 32, 128), 8, 512) == 4
     assert _ffi.decode_splits((1, 16, 32, 128), 8, 4096) == 4096 // (16 * 64)
+    # two blocks of rows per split (128 packed rows): half the splits
+    assert _ffi.decode_splits((1, 16, 64, 128), 8, 131072) == 16

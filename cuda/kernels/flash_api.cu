@@ -128,10 +128,11 @@ cudaError_t RunFlashForward(const FlashParams& p, KernelChoice choice, cudaStrea
 namespace {
 
 // The wgmma decode kernel runs on compute capability 9.0 (sm_90a built, no forced sm_80-class kernel) for more than
-// 16 packed rows at head dims up to 128; the mma.sync kernel everywhere else.
+// 32 packed rows at head dims up to 128 (at 17-32 rows the mma.sync kernel measured level or faster); the mma.sync
+// kernel everywhere else.
 bool use_decode_wgmma(int head_dim, int packed_rows, KernelChoice choice) {
 #if defined(JAX_FLASH_HAVE_SM90A)
-  return choice == KernelChoice::kAuto && head_dim_class(head_dim) <= 128 && packed_rows > 16 &&
+  return choice == KernelChoice::kAuto && head_dim_class(head_dim) <= 128 && packed_rows >= decode::kWgmmaMinRows &&
          packed_rows <= kMaxDecodeRows && current_cc() == 90;
 #else
   (void)head_dim;
@@ -146,12 +147,11 @@ bool use_decode_wgmma(int head_dim, int packed_rows, KernelChoice choice) {
 DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice) {
   const int kd = head_dim_class(head_dim);
   if (use_decode_wgmma(head_dim, packed_rows, choice)) {
-    const int groups = decode::WgmmaWarpgroups(packed_rows);
-    return {decode::WgmmaSmemBytes(kd, groups), decode::WgmmaThreads(groups)};
+    return {decode::WgmmaSmemBytes(kd), decode::kWgmmaThreads, decode::WgmmaRowBlocks(packed_rows)};
   }
   const int row_tiles = decode::RowTiles(packed_rows);
-  if (packed_rows < 1 || row_tiles == 0) return {0, 0};
-  return {decode::SmemBytes(kd, row_tiles), decode::Threads(kd, row_tiles)};
+  if (packed_rows < 1 || row_tiles == 0) return {0, 0, 0};
+  return {decode::SmemBytes(kd, row_tiles), decode::Threads(kd, row_tiles), 1};
 }
 
 const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice) {

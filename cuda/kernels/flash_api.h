@@ -16,17 +16,19 @@ cudaError_t RunFlashBackward(const FlashParams& p, KernelChoice choice, cudaStre
 
 // Decode (few query rows against a dense or paged cache, split-KV): writes p.o and p.lse, using p.o_partial and
 // p.lse_partial as workspace. At most kMaxDecodeRows packed query rows (heads per kv head x Tq). On compute
-// capability 9.0 (unless `choice` asks for the sm_80 class) calls of more than 16 packed rows at head dims up to 128
+// capability 9.0 (unless `choice` asks for the sm_80 class) calls of more than 32 packed rows at head dims up to 128
 // run the wgmma split kernel, all others the mma.sync one.
 inline constexpr int kMaxDecodeRows = 128;
 cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream_t stream);
 // Empty string when the decode kernels can run `p` on the current device; otherwise why not.
 const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice);
-// The split kernel's dynamic shared memory (bytes) and threads per block that a decode call of `packed_rows` rows at
-// `head_dim` runs with on the current device ({0, 0} past kMaxDecodeRows): the split count is sized from them.
+// The split kernel's dynamic shared memory (bytes), threads per block and blocks per split (row blocks) that a decode
+// call of `packed_rows` rows at `head_dim` runs with on the current device ({0, 0, 0} past kMaxDecodeRows): the split
+// count is sized from them.
 struct DecodeLaunchShape {
   int smem_bytes;
   int threads;
+  int blocks_per_split;
 };
 DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice);
 

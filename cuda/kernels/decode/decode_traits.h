@@ -32,16 +32,18 @@ constexpr int SmemBytes(int kd, int row_tiles) {
 // Threads of the split kernel for head-dim class kd and `row_tiles` row tiles.
 constexpr int Threads(int kd, int row_tiles) { return Warps(kd, row_tiles) * 32; }
 
-// The sm_90a wgmma split kernel (kernels/sm90/flash_decode_wgmma_sm90.cuh), for more than 16 packed rows at head dims
-// up to 128, where mma.sync's issue rate paces the stream: one consumer warpgroup per 64 packed rows (1 or 2), K/V
-// tiles of 64 keys, a ring of 3 stages (two blocks an SM at head dim 128 with one warpgroup) or 4.
+// The sm_90a wgmma split kernel (kernels/sm90/flash_decode_wgmma_sm90.cuh), for more than 32 packed rows at head dims
+// up to 128, where mma.sync's issue rate paces the stream: one warpgroup computes 64 packed rows; more rows take
+// more blocks of 64 rows (each reads the same K/V tiles, the second from L2), so that two blocks share an SM.
+// K/V tiles of 64 keys, a ring of 3 stages (112 KB at head dim 128) or 4 (head dim 64).
+inline constexpr int kWgmmaMinRows = 33;
+inline constexpr int kWgmmaRows = 64;
 inline constexpr int kWgmmaBlockN = 64;
-constexpr int WgmmaWarpgroups(int rows) { return rows <= 64 ? 1 : 2; }
-constexpr int WgmmaStages(int kd, int warpgroups) { return kd <= 64 || warpgroups == 2 ? 4 : 3; }
-constexpr int WgmmaSmemBytes(int kd, int warpgroups) {
-  return (warpgroups * 64 * kd + 2 * WgmmaStages(kd, warpgroups) * kWgmmaBlockN * kd) * 2 +
-         WgmmaStages(kd, warpgroups) * kWgmmaBlockN * 4;
+constexpr int WgmmaRowBlocks(int rows) { return (rows + kWgmmaRows - 1) / kWgmmaRows; }
+constexpr int WgmmaStages(int kd) { return kd <= 64 ? 4 : 3; }
+constexpr int WgmmaSmemBytes(int kd) {
+  return (kWgmmaRows * kd + 2 * WgmmaStages(kd) * kWgmmaBlockN * kd) * 2 + WgmmaStages(kd) * kWgmmaBlockN * 4;
 }
-constexpr int WgmmaThreads(int warpgroups) { return warpgroups * 128; }
+inline constexpr int kWgmmaThreads = 128;
 
 }  // namespace jax_flash::cuda::decode

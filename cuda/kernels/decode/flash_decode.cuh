@@ -1,6 +1,6 @@
 // Decode: a few query rows (Tq <= 16) of each sequence against its long key/value cache, dense or paged, at the
 // memory-bandwidth limit. This file's split kernel (mma.sync + cp.async) runs on every GPU; on sm_90a calls of more
-// than 16 packed rows at head dims up to 128 run sm90/flash_decode_wgmma_sm90.cuh's instead (same design, wgmma for
+// than 32 packed rows at head dims up to 128 run sm90/flash_decode_wgmma_sm90.cuh's instead (same design, wgmma for
 // the products). The design (the shared parts in split_mainloop.cuh):
 //
 //   * split-KV: CTA (split, kv head, batch) walks its share of the sequence's keys, so B x Hkv x splits CTAs keep
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
   const DecodeRange range = decode_range(p, b);
   const SplitTiles tiles = split_tiles<Traits::kBlockN>(p, range, split);
   if (tiles.end <= tiles.begin) {
-    mark_split_empty<T>(p, split, b, hk, rows, tid, Traits::kThreads);
+    mark_split_empty<T>(p, split, b, hk, 0, rows, tid, Traits::kThreads);
     return;
   }
 
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
                           slice * kSN * kRB;
   constexpr uint32_t kStageBytes = Traits::kBlockN * kD * 2;
 
-  stream_split<T, Traits>(p, range, tiles, b, hk, rows, smem, tid, [&](int stage, int tile_key0) {
+  stream_split<T, Traits>(p, range, tiles, b, hk, 0, rows, smem, tid, [&](int stage, int tile_key0) {
     if (!computes) return;
     const int key0 = tile_key0 + slice * kSN;  // this warp's slice of the tile
     float acc_s[kNTiles][4];

@@ -81,18 +81,19 @@ __device__ __forceinline__ float* split_lse(const FlashParams& p, int split, int
   return p.lse_partial + split * split_rows + (int64_t(b) * p.heads_q + h) * p.seqlen_q + step;
 }
 
-// A split with no key tile: weight 0 for each of its rows in the combine; with one split (no combine) the rows'
-// final result: O = 0, lse = +inf (a row that sees no key, as flash_decode_combine_kernel writes it).
+// A split with no key tile, for packed rows [row_begin, row_end): weight 0 for each in the combine; with one split
+// (no combine) their final result: O = 0, lse = +inf (a row that sees no key, as flash_decode_combine_kernel writes
+// it).
 template <typename T>
-__device__ __forceinline__ void mark_split_empty(const FlashParams& p, int split, int b, int hk, int rows, int tid,
-                                                 int threads) {
+__device__ __forceinline__ void mark_split_empty(const FlashParams& p, int split, int b, int hk, int row_begin,
+                                                 int row_end, int tid, int threads) {
   if (p.num_splits > 1) {
-    for (int r = tid; r < rows; r += threads) *split_lse(p, split, b, hk, r) = -INFINITY;
+    for (int r = row_begin + tid; r < row_end; r += threads) *split_lse(p, split, b, hk, r) = -INFINITY;
     return;
   }
   const int group = p.group_size();
-  for (int i = tid; i < rows * p.head_dim; i += threads) {
-    const int r = i / p.head_dim, step = r / group, h = hk * group + r % group;
+  for (int i = tid; i < (row_end - row_begin) * p.head_dim; i += threads) {
+    const int r = row_begin + i / p.head_dim, step = r / group, h = hk * group + r % group;
     static_cast<T*>(p.o)[((int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim + i % p.head_dim] = T(0.f);
     if (i % p.head_dim == 0) p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + step] = INFINITY;
   }
@@ -126,20 +127,21 @@ struct SplitSmem {
   __device__ __forceinline__ T* v_stage(int s) const { return v + s * Traits::kBlockN * Traits::kD; }
 };
 
-// One thread's cp.async copies of the Q rows: row r is step r / G of query head hk G + r % G; rows past `rows` and
-// columns past head_dim zero-filled.
+// One thread's cp.async copies of the block's kRows Q rows from packed row row_begin: packed row r is step r / G of
+// query head hk G + r % G; rows past `rows` and columns past head_dim zero-filled.
 template <typename T, typename Traits>
-__device__ __forceinline__ void load_q_rows(T* sQ, const FlashParams& p, int b, int hk, int rows, int tid) {
+__device__ __forceinline__ void load_q_rows(T* sQ, const FlashParams& p, int b, int hk, int row_begin, int rows,
+                                            int tid) {
   constexpr int kChunksPerRow = Traits::kD / kElems;
   const int group = p.group_size();
   const T* q = static_cast<const T*>(p.q);
   for (int c = tid; c < Traits::kRows * kChunksPerRow; c += Traits::kThreads) {
-    const int r = c / kChunksPerRow;
+    const int i = c / kChunksPerRow, r = row_begin + i;
     const int col = (c % kChunksPerRow) * kElems;
     const bool pred = r < rows && col < p.head_dim;
     const int step = r / group, h = hk * group + r % group;
     const T* src = pred ? q + ((int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim + col : q;
-    cp_async_16(smem_addr(sQ + Traits::q_offset(r, col)), src, pred);
+    cp_async_16(smem_addr(sQ + Traits::q_offset(i, col)), src, pred);
   }
 }
 
@@ -178,7 +180,7 @@ __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const int* pages, con
 }
 
 // Streams split tiles [tiles.begin, tiles.end) of batch element b, kv head hk through a kStages-deep cp.async ring:
-// the Q rows ride in the first tile's copy group; compute(stage, key0) runs on every thread once the tile starting at
+// the block's Q rows (from packed row row_begin) ride in the first tile's copy group; compute(stage, key0) runs on every thread once the tile starting at
 // key0 sits in stage `stage` (K in smem.k_stage(stage), V in smem.v_stage(stage)), and must be done reading that
 // stage when it returns. Paged caches: the page ids of a tile's keys sit in smem.page[its stage] (thread i <
 // kBlockN fetches key i's); the first kStages tiles' are read up front, each later tile's fetched into a register
@@ -186,11 +188,11 @@ __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const int* pages, con
 // compute.
 template <typename T, typename Traits, typename Compute>
 __device__ __forceinline__ void stream_split(const FlashParams& p, const DecodeRange& range, const SplitTiles& tiles,
-                                             int b, int hk, int rows, const SplitSmem<T, Traits>& smem, int tid,
-                                             Compute&& compute) {
+                                             int b, int hk, int row_begin, int rows,
+                                             const SplitSmem<T, Traits>& smem, int tid, Compute&& compute) {
   constexpr int kBN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
-  load_q_rows<T, Traits>(smem.q, p, b, hk, rows, tid);  // in the first tile's cp.async group
+  load_q_rows<T, Traits>(smem.q, p, b, hk, row_begin, rows, tid);  // in the first tile's cp.async group
   const bool paged = p.page_table != nullptr;
   auto tile_key0 = [&](int tile) { return range.lo + tile * kBN; };
   if (paged && tid < kBN) {

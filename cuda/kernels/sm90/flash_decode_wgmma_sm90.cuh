@@ -1,8 +1,10 @@
-// The sm_90a decode split kernel for many packed rows (more than 16 query heads per kv head x Tq, head dims up to
+// The sm_90a decode split kernel for many packed rows (more than 32 query heads per kv head x Tq, head dims up to
 // 128): the mma.sync kernel (decode/flash_decode.cuh) issues 16 x 8 products one warp at a time, and at 32-128 rows a
 // K/V byte carries 64-128 FLOP, so its issue rate, not memory, paces the stream there (H200: 1-2.2 TB/s at Tq 16).
-// Here each consumer warpgroup owns 64 packed rows and computes S = Q K^T (both from shared memory) and O += P V
-// (P from registers) with wgmma over the whole 64-key tile.
+// Here one warpgroup computes 64 packed rows, S = Q K^T (both from shared memory) and O += P V (P from registers)
+// with wgmma over the whole 64-key tile. More rows run as more blocks of 64 rows (grid x = split x row block,
+// adjacent: they read the same K/V tiles at the same time, the second from L2), so that two blocks share an SM:
+// one block of two warpgroups (one an SM) read 2.0-2.2 TB/s at 128 rows on an H200 where FA3-jax reads 3-3.9.
 //
 // Everything else is the mma.sync kernel's (decode/split_mainloop.cuh): CTA (split, kv head, batch), the split's
 // key tiles streamed through a cp.async ring (dense or paged, ids clamped), bottom-right causal rows and windows,
@@ -10,8 +12,8 @@
 // (64-column blocks of 128-byte rows; sm90/smem_layout.h), which wgmma's descriptors read; cp.async writes them in
 // the generic proxy, so each thread fences its landed copies to the async proxy before the CTA barrier that
 // publishes a tile.
-// Consumer thread layout (as the forward's): warpgroup cw owns packed rows [64 cw, 64 cw + 64); warp w of it, lane =
-// 4 g + t, holds rows 16 w + g and 16 w + g + 8, columns 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
+// Thread layout (as the forward's): warp w, lane = 4 g + t, holds the block's rows 16 w + g and 16 w + g + 8, columns
+// 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
 #pragma once
 
 #include <cmath>
@@ -29,14 +31,14 @@
 
 namespace jax_flash::cuda::sm90 {
 
-template <int kHeadDim, int kWarpgroups>
+template <int kHeadDim>
 struct DecodeWgmmaTraits {
   static constexpr int kD = kHeadDim;
   static constexpr int kBlockN = decode::kWgmmaBlockN;
-  static constexpr int kStages = decode::WgmmaStages(kHeadDim, kWarpgroups);
-  static constexpr int kRows = kWarpgroups * kWgmmaM;
-  static constexpr int kThreads = decode::WgmmaThreads(kWarpgroups);
-  static_assert(kD % kColBlock == 0 && kThreads == kWarpgroups * kWarpgroupThreads);
+  static constexpr int kStages = decode::WgmmaStages(kHeadDim);
+  static constexpr int kRows = decode::kWgmmaRows;
+  static constexpr int kThreads = decode::kWgmmaThreads;
+  static_assert(kD % kColBlock == 0 && kThreads == kWarpgroupThreads && kRows == kWgmmaM);
   // Tiles of kTileRows rows: 64-column blocks of rows x 128 bytes, 16-byte chunks swizzled inside each row.
   template <int kTileRows>
   __device__ __forceinline__ static int offset(int r, int col) {
@@ -60,7 +62,11 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   extern __shared__ __align__(1024) unsigned char smem_raw[];  // no static shared memory before it (SplitSmem)
   const decode::SplitSmem<T, Traits> smem(smem_raw);
 
-  const int split = blockIdx.x;
+  const int group = p.group_size();
+  const int rows = group * p.seqlen_q;  // packed rows of this kv head
+  const int row_blocks = decode::WgmmaRowBlocks(rows);
+  const int split = blockIdx.x / row_blocks;
+  const int row_begin = blockIdx.x % row_blocks * Traits::kRows;  // the block's first packed row
   const int hk = blockIdx.y;
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
@@ -68,15 +74,13 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   const int lane = tid % kWarpSize;
   const int g = lane / 4;
   const int t = lane % 4;
-  const int cw = warp_uniform(warp / 4);  // consumer warpgroup
-  const int group = p.group_size();
-  const int rows = group * p.seqlen_q;  // packed rows of this kv head
-  const int row0 = cw * kWgmmaM + (warp % 4) * kWarpRows;  // this warp's first packed row
+  const int row0 = row_begin + warp * kWarpRows;  // this warp's first packed row
 
   const decode::DecodeRange range = decode::decode_range(p, b);
   const decode::SplitTiles tiles = decode::split_tiles<kBN>(p, range, split);
   if (tiles.end <= tiles.begin) {
-    decode::mark_split_empty<T>(p, split, b, hk, rows, tid, Traits::kThreads);
+    decode::mark_split_empty<T>(p, split, b, hk, row_begin, min(rows, row_begin + Traits::kRows), tid,
+                                Traits::kThreads);
     return;
   }
 
@@ -90,8 +94,8 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   for (int rr = 0; rr < 2; ++rr) decode::row_keys(p, range, row0 + g + 8 * rr, group, rows, &lo_r[rr], &hi_r[rr]);
   const SoftCap cap(p);
 
-  // Q slice of this warpgroup: column block cb starts at q + cb * kRows * 64, its rows at 128-byte pitch.
-  const uint32_t q_base = smem_addr(smem.q) + cw * kWgmmaM * kSwizzleBytes;
+  // Q: column block cb starts at q + cb * kRows * 64, its rows at 128-byte pitch.
+  const uint32_t q_base = smem_addr(smem.q);
   constexpr uint32_t kQColBlockBytes = Traits::kRows * kSwizzleBytes;
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr uint32_t kStageBytes = kBN * kD * sizeof(T);
@@ -99,8 +103,8 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   const uint32_t k_base0 = smem_addr(smem.k);
   const uint32_t v_base0 = smem_addr(smem.v);
 
-  decode::stream_split<T, Traits>(p, range, tiles, b, hk, rows, smem, tid, [&](int stage, int key0) {
-    // S = Q K^T (64 x kBN per warpgroup).
+  decode::stream_split<T, Traits>(p, range, tiles, b, hk, row_begin, rows, smem, tid, [&](int stage, int key0) {
+    // S = Q K^T (64 x kBN).
     float acc_s[kSTiles * 4];
     const uint32_t k_base = k_base0 + stage * kStageBytes;
     wgmma_fence();

@@ -1,12 +1,10 @@
 // Launcher of the sm_90a wgmma decode kernel (flash_decode_wgmma_sm90.cuh), instantiated per (dtype, head-dim class
-// 64 / 128) in flash_decode_sm90_hdim*.cu: one or two consumer warpgroups by the packed rows, then the combine
-// kernel.
+// 64 / 128) in flash_decode_sm90_hdim*.cu: a block per (split, 64 packed rows), then the combine kernel when the
+// key range is split.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-
-#include <type_traits>
 
 #include "kernels/common/launch_utils.h"
 #include "kernels/decode/launch_decode.cuh"
@@ -17,19 +15,15 @@ namespace jax_flash::cuda::sm90 {
 
 template <typename T, int kD>
 cudaError_t launch_decode_wgmma(const FlashParams& p, cudaStream_t stream) {
-  auto run = [&](auto warpgroups) -> cudaError_t {
-    constexpr int kWarpgroups = decltype(warpgroups)::value;
-    using Traits = DecodeWgmmaTraits<kD, kWarpgroups>;
-    constexpr auto kernel = flash_decode_wgmma_kernel<T, Traits>;
-    constexpr int kSmemBytes = decode::SplitSmem<T, Traits>::kBytes;
-    static_assert(kSmemBytes == decode::WgmmaSmemBytes(kD, kWarpgroups));
-    if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
-    kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
-  };
-  if (decode::WgmmaWarpgroups(p.group_size() * p.seqlen_q) == 1) return run(std::integral_constant<int, 1>{});
-  return run(std::integral_constant<int, 2>{});
+  using Traits = DecodeWgmmaTraits<kD>;
+  constexpr auto kernel = flash_decode_wgmma_kernel<T, Traits>;
+  constexpr int kSmemBytes = decode::SplitSmem<T, Traits>::kBytes;
+  static_assert(kSmemBytes == decode::WgmmaSmemBytes(kD));
+  if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
+  const int row_blocks = decode::WgmmaRowBlocks(p.group_size() * p.seqlen_q);
+  kernel<<<dim3(p.num_splits * row_blocks, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
 }
 
 }  // namespace jax_flash::cuda::sm90
