@@ -90,6 +90,10 @@ struct FlashParams {
   int max_pages;
   int num_pages;
   int num_splits;
+  // Splits of one size across the batch (the grid holds twice the splits an equal share needs): batch element b
+  // takes ceil(tiles_b / share) of its num_splits splits, share = ceil(sum of tiles / (batch * num_splits / 2)).
+  // Otherwise each element's key range splits into num_splits equal shares.
+  bool balance_splits;
   float* o_partial;
   float* lse_partial;
 

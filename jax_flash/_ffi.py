@@ -339,8 +339,19 @@ def decode_splits(q_shape, heads_kv, capacity):
     return max(1, min(want, capacity // 128, capacity // (16 * packed), 256))
 
 
+def decode_split_plan(q_shape, heads_kv, capacity):
+    """(num_splits, balance_splits) of a decode call that leaves the split count to jax_flash: decode_splits' equal
+    share for one sequence (or when one split fills the GPU); for a batch of several, twice that many splits of one
+    size across the batch (the kernel gives each sequence as many as its length needs, FlashParams::balance_splits),
+    so that ragged lengths keep every block streaming about as many keys."""
+    splits = decode_splits(q_shape, heads_kv, capacity)
+    if q_shape[0] < 2 or splits < 2:
+        return splits, False
+    return min(2 * splits, MAX_DECODE_SPLITS), True
+
+
 def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, num_splits, scale, is_causal,
-                 window_left, window_right, softcap=None):
+                 window_left, window_right, softcap=None, balance_splits=False):
     """Runs the decode target (CUDA only): the split-KV kernel and its combine.
 
     Args:
@@ -348,7 +359,8 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
         [num_pages, page_size, Hkv, D] with page_table int32 [B, max_pages] (ids clamped into range by the kernel).
       kv_lens: int32 [B]: valid keys of each sequence (clamped to the capacity); query row t sits at position
         kv_lens[b] - Tq + t (bottom-right causal; windows from there).
-      sinks: float32 [B, Hq] (broadcast from [Hq]) or None. num_splits: parts of the key range across blocks.
+      sinks: float32 [B, Hq] (broadcast from [Hq]) or None. num_splits: parts of the key range across blocks (each
+        sequence's, or with balance_splits the most a sequence takes, see decode_split_plan).
 
     Returns:
       (o, lse): o like q; lse float32 [B, Hq, Tq], +inf for rows that see no key (as flash_fwd).
@@ -373,5 +385,5 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
     o, lse, _, _ = call(*inputs, scale=np.float32(scale), is_causal=bool(is_causal),
                         window_left=np.int64(window_left), window_right=np.int64(window_right),
                         softcap=np.float32(0.0 if softcap is None else softcap), paged=paged, has_sinks=has_sinks,
-                        kernel=_kernel_choice())
+                        balance_splits=bool(balance_splits), kernel=_kernel_choice())
     return _varying_like((o, lse), inputs)

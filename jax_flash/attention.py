@@ -175,8 +175,9 @@ def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks
         return _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets)
 
     def decode_kernel(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets):
-        splits = _ffi.decode_splits(q.shape, k.shape[2], k.shape[1])
-        return _ffi.flash_decode(q, k, v, kv_lens, None, sinks, num_splits=splits, **cfg.attrs())
+        splits, balance = _ffi.decode_split_plan(q.shape, k.shape[2], k.shape[1])
+        return _ffi.flash_decode(q, k, v, kv_lens, None, sinks, num_splits=splits, balance_splits=balance,
+                                 **cfg.attrs())
 
     branches = {platform: kernel for platform in cfg.kernel_platforms}
     if ("cuda" in branches and cfg.decode and q_offsets is None and q_seg is None and q.ndim == 4

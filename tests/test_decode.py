@@ -371,3 +371,8 @@ def test_split_count_fills_one_wave(monkeypatch):
     assert _ffi.decode_splits((1, 16, 32, 128), 8, 4096) == 4096 // (16 * 64)
     # two blocks of rows per split (128 packed rows): half the splits
     assert _ffi.decode_splits((1, 16, 64, 128), 8, 131072) == 16
+    # left to jax_flash, a batch of several sequences gets twice the splits, of one size across the batch; one
+    # sequence, or one split each, stays as it is
+    assert _ffi.decode_split_plan((4, 1, 32, 128), 8, 32768) == (16, True)
+    assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072) == (33, False)
+    assert _ffi.decode_split_plan((64, 1, 32, 128), 8, 8192) == (1, False)

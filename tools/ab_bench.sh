@@ -16,6 +16,7 @@ root=$PWD
 mkdir -p "$OUT/ab"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 for n in $names; do
+  rm -rf "/tmp/jf_$n"  # pip --target keeps an existing package (a warm machine)
   python3 -m pip install -q --no-index --no-deps --target "/tmp/jf_$n" "dist/$n"/*.whl 2>&1 | grep -v WARNING
 done
 read -r -a builds <<<"$names"

@@ -23,6 +23,7 @@ note "$(python3 -c 'import jax, sys; print("python", sys.version.split()[0], "ja
 # 1. Install: a carried cp312 wheel from dist/ if present (built off the GPU clock), else build here.
 wheel=$(ls dist/jax_flash-*-cp312-*.whl dist/*/jax_flash-*-cp312-*.whl 2>/dev/null | head -1)
 if [ -n "$wheel" ]; then
+  rm -rf /tmp/jf_site  # pip --target keeps an existing package (a warm machine)
   python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
   export PYTHONPATH=/tmp/jf_site${PYTHONPATH:+:$PYTHONPATH}
   note "installed $wheel"

@@ -10,6 +10,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 note "$CHECK_NAME $(date -u +%Y-%m-%dT%H:%MZ) $CHECK_ARGS $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 status=0
 wheel=${WHEEL:-$(ls dist/*/jax_flash-*-cp312-*.whl | head -1)}  # WHEEL: which carried wheel
+rm -rf /tmp/jf_site  # pip --target keeps an existing package: a warm machine would run the previous call's wheel
 python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
 cp jax_flash/*.py /tmp/jf_site/jax_flash/  # the working tree's Python over the wheel's
 if ls .whl/*.whl >/dev/null 2>&1; then

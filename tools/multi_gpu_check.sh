@@ -19,6 +19,7 @@ nvidia-smi -L | tee -a "$SUMMARY"
 nvidia-smi topo -m >"$OUT/topology.txt" 2>&1
 wheel=$(ls dist/*/jax_flash-*-cp312-*.whl dist/jax_flash-*-cp312-*.whl 2>/dev/null | head -1)
 if [ -n "$wheel" ]; then
+  rm -rf /tmp/jf_site  # pip --target keeps an existing package (a warm machine)
   python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
   export PYTHONPATH=/tmp/jf_site${PYTHONPATH:+:$PYTHONPATH}
   note "installed $wheel"

@@ -14,6 +14,7 @@ OUT=${OUT:-$PWD/ncu_out}
 mkdir -p "$OUT/csv"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 for n in $names; do
+  rm -rf "/tmp/jf_$n"  # pip --target keeps an existing package (a warm machine)
   python3 -m pip install -q --no-index --no-deps --target "/tmp/jf_$n" "dist/$n"/*.whl 2>&1 | grep -v WARNING
 done
 default_shapes="s512 --batch 32 --seqlen 512 --heads 16 --head-dim 128

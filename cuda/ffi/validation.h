@@ -291,7 +291,7 @@ inline constexpr int64_t kMaxDecodeQueryRows = 16;
 inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                                    ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> sinks, float scale,
                                    bool is_causal, int64_t window_left, int64_t window_right, float softcap,
-                                   bool paged, bool has_sinks, ffi::Result<ffi::AnyBuffer>& o,
+                                   bool paged, bool has_sinks, bool balance_splits, ffi::Result<ffi::AnyBuffer>& o,
                                    ffi::Result<ffi::Buffer<ffi::F32>>& lse,
                                    ffi::Result<ffi::Buffer<ffi::F32>>& o_partial,
                                    ffi::Result<ffi::Buffer<ffi::F32>>& lse_partial, FlashParams* p) {
@@ -377,6 +377,7 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   p->max_pages = static_cast<int>(max_pages);
   p->num_pages = paged ? static_cast<int>(kd[0]) : 0;
   p->num_splits = static_cast<int>(splits);
+  p->balance_splits = balance_splits;
   p->o = o->untyped_data();
   p->lse = lse->typed_data();
   p->o_partial = o_partial->typed_data();
@@ -462,6 +463,7 @@ auto BindDecode(Binding b) {
       .template Attr<float>("softcap")                 // logit soft cap c > 0; 0 none
       .template Attr<bool>("paged")                    // the caches are pages addressed through page_table
       .template Attr<bool>("has_sinks")                // the sinks operand holds sinks (else a placeholder)
+      .template Attr<bool>("balance_splits")           // splits of one size across the batch (FlashParams)
       .template Attr<int32_t>("kernel")                // KernelChoice: 0 auto, 1 / 2 the sm_80-class kernel
       .template Ret<ffi::AnyBuffer>()                  // o [B, Tq, Hq, D]
       .template Ret<ffi::Buffer<ffi::F32>>()           // lse [B, Hq, Tq]

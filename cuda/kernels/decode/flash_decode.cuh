@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
   const int slice = warp % Traits::kSlices;
 
   const DecodeRange range = decode_range(p, b);
-  const SplitTiles tiles = split_tiles<Traits::kBlockN>(p, range, split);
+  const SplitTiles tiles = split_tiles<Traits::kBlockN, Traits::kThreads>(p, range, split, smem.page[0], tid);
   if (tiles.end <= tiles.begin) {
     mark_split_empty<T>(p, split, b, hk, 0, rows, tid, Traits::kThreads);
     return;

@@ -53,16 +53,44 @@ __device__ __forceinline__ void row_keys(const FlashParams& p, const DecodeRange
   if (r >= rows) *hi = *lo;
 }
 
-// The key tiles [begin, end) of split `split`: the range's tiles of kBlockN keys in equal shares.
+// Key tiles of kBlockN keys in a range.
+template <int kBlockN>
+__device__ __forceinline__ int range_tiles(const DecodeRange& r) {
+  return r.hi > r.lo ? (r.hi - r.lo + kBlockN - 1) / kBlockN : 0;
+}
+
+// The key tiles [begin, end) of split `split` of a batch element's range (FlashParams::balance_splits): equal shares
+// of its own tiles, or shares of one size across the batch, so that a ragged batch's long sequences take more
+// splits than its short ones and every block streams about as many tiles. The batch's total is a block-wide sum:
+// every thread calls this (before any of them returns); `scratch` holds kThreads / 32 ints of shared memory that
+// nothing else uses until the call returns.
 struct SplitTiles {
   int begin;
   int end;
 };
-template <int kBlockN>
-__device__ __forceinline__ SplitTiles split_tiles(const FlashParams& p, const DecodeRange& range, int split) {
-  const int tiles = range.hi > range.lo ? (range.hi - range.lo + kBlockN - 1) / kBlockN : 0;
-  const int per_split = (tiles + p.num_splits - 1) / p.num_splits;
-  const int begin = split * per_split;
+template <int kBlockN, int kThreads>
+__device__ __forceinline__ SplitTiles split_tiles(const FlashParams& p, const DecodeRange& range, int split,
+                                                  int* scratch, int tid) {
+  const int tiles = range_tiles<kBlockN>(range);
+  int splits = p.num_splits;
+  if (p.balance_splits) {
+    int64_t mine = 0;
+    for (int b = tid; b < p.batch; b += kThreads) mine += range_tiles<kBlockN>(decode_range(p, b));
+    int part = int(min(mine, int64_t(INT32_MAX)));
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffff, part, offset);
+    if (tid % 32 == 0) scratch[tid / 32] = part;
+    __syncthreads();
+    int64_t total = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+    __syncthreads();  // scratch is free again
+    const int64_t target = max(int64_t(p.batch) * p.num_splits / 2, int64_t(1));  // blocks per kv head
+    const int64_t share = max((total + target - 1) / target, int64_t(1));
+    splits = int(min(int64_t(p.num_splits), max((tiles + share - 1) / share, int64_t(1))));
+  }
+  const int per_split = (tiles + splits - 1) / splits;
+  const int begin = split < splits ? split * per_split : tiles;
   return {begin, min(tiles, begin + per_split)};
 }
 
