@@ -324,12 +324,12 @@ _SMEM_PER_SM = 228 * 1024
 
 
 def decode_splits(q_shape, heads_kv, capacity):
-    """Parts of the key range for the decode kernel of q [B, Tq, Hq, D] over caches of `capacity` keys per
-    sequence: as many blocks (batch x kv heads x splits x blocks per split) as the GPU holds at once (from the shared memory and threads
-    of the split kernel the call will run, cuda/kernels/decode/decode_traits.h; the runtime keeps 1 KB of shared
-    memory per block), so that one wave streams the cache with no tail; at least two key tiles (64 keys) per split,
-    and the splits' float32 partial results (written and read back: 8 bytes per packed row and dim per split) at most
-    about an eighth of the K/V bytes they stand for."""
+    """Parts of the key range for the decode kernel of q [B, Tq, Hq, D] over caches of `capacity` keys per sequence: as
+    many blocks (batch x kv heads x splits x blocks per split) as the GPU holds at once (from the shared memory and
+    threads of the split kernel the call will run, cuda/kernels/decode/decode_traits.h; the runtime keeps 1 KB of shared
+    memory per block), so that one wave streams the cache with no tail; at least two key tiles (64 keys) per split, and
+    the splits' float32 partial results (written and read back: 8 bytes per packed row and dim per split) at most about
+    an eighth of the K/V bytes they stand for."""
     batch, rows, heads_q, head_dim = q_shape
     packed = heads_q // heads_kv * rows
     smem, threads, blocks_per_split = _jax_flash_cuda.decode_launch_shape(head_dim, packed, int(_kernel_choice()))
@@ -352,7 +352,7 @@ def decode_split_plan(q_shape, heads_kv, capacity):
 
 def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, num_splits, scale, is_causal,
                  window_left, window_right, softcap=None, balance_splits=False):
-    """Runs the decode target (CUDA only): the split-KV kernel and its combine.
+    """Runs the decode target (CUDA only): the split-KV kernel and, with more than one split, its combine.
 
     Args:
       q: [B, Tq, Hq, D] (Tq <= 16; bfloat16 or float16); k_cache, v_cache: dense [B, S, Hkv, D], or paged

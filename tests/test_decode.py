@@ -125,6 +125,10 @@ KERNEL_CASES = {
     "rows64_d64_softcap_sinks": dict(batch=2, rows=8, hq=16, hkv=2, d=64, capacity=500, lengths=(500, 77),
                                      softcap=10.0, sinks=True),
     "rows96_d80_paged16": dict(batch=2, rows=12, hq=8, hkv=1, d=80, capacity=320, lengths=(320, 1), page_size=16),
+    # default splits of a ragged batch: balanced (decode_split_plan), on the wgmma kernel on an H100/H200
+    "rows64_d64_balanced": dict(batch=3, rows=8, hq=16, hkv=2, d=64, capacity=4096, lengths=(4096, 1, 2500)),
+    "rows64_paged16_balanced": dict(batch=3, rows=16, hq=8, hkv=2, d=128, capacity=4096, lengths=(4096, 3000, 17),
+                                    page_size=16, window=(1000, 0)),
     "rows64_d256": dict(batch=1, rows=8, hq=8, hkv=1, d=256, capacity=300, lengths=(300,), is_causal=False),
     "rows128_paged64_window": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=704, lengths=(700, 64),
                                    page_size=64, window=(100, 0)),
@@ -152,7 +156,7 @@ def test_matches_float64_reference(name, fresh_warnings):
 
 
 MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_d64_softcap_sinks",
-             "rows96_d80_paged16", "rows128_paged64_window"]
+             "rows96_d80_paged16", "rows128_paged64_window", "rows64_paged16_balanced"]
 
 
 @pytest.mark.parametrize("name", MANY_ROWS)
@@ -166,6 +170,24 @@ def test_sm80_class_decode_kernel(name):
     np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
+
+
+def test_force_kernel_reaches_the_decode_target():
+    """force_kernel("sm80") sets the decode call's kernel attribute (which RunFlashDecode dispatches on), and
+    default splits of a ragged batch ask for balanced splits."""
+    if not ON_GPU:
+        pytest.skip("the decode target is lowered for CUDA only")
+    q = jnp.zeros((3, 8, 16, 64), DTYPE)
+    k = jnp.zeros((3, 4096, 2, 64), DTYPE)
+    n = jnp.asarray([4096, 1, 2500], jnp.int32)
+    f = jax.jit(lambda q, k, n: jax_flash.decode_attention(q, k, k, n))  # noqa: E731
+    auto = f.lower(q, k, n).as_text()
+    with jax_flash.force_kernel("sm80"):
+        forced = jax.jit(lambda q, k, n: jax_flash.decode_attention(q, k, k, n)).lower(q, k, n).as_text()
+    for text, kernel in ((auto, 0), (forced, 1)):
+        call = next(line for line in text.splitlines() if "jax_flash_decode" in line)
+        assert re.search(rf"kernel = {kernel} : i32", call), call
+        assert "balance_splits = true" in call, call
 
 
 def test_decode_launch_shape_follows_the_kernel_choice():

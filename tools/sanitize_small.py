@@ -1,7 +1,8 @@
-"""Small forward+backward calls for compute-sanitizer (memcheck, racecheck): every head-dim class, odd lengths,
-Sq != Sk, GQA, each mask, segment ids (packed and in any order), sinks and soft-capping, on the default kernels and
-the sm_80-class ones; then decode calls (dense and paged, ragged, every row-tile count, out-of-range page ids and
-lengths under jit, many splits) on both decode kernels. Run as `compute-sanitizer --tool memcheck python tools/sanitize_small.py`."""
+"""Small forward+backward calls for compute-sanitizer (memcheck, racecheck): every head-dim class, odd lengths, Sq !=
+Sk, GQA, each mask, segment ids (packed and in any order), sinks and soft-capping, on the default kernels and the
+sm_80-class ones; then decode calls (dense and paged, ragged, every row-tile count, out-of-range page ids and lengths
+under jit, many splits) on both decode kernels. Run as `compute-sanitizer --tool memcheck python
+tools/sanitize_small.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -67,12 +68,16 @@ DECODE_CASES = [
     (1, 8, 8, 1, 256, 130, None, 3, dict(is_causal=False, sinks=True, logits_soft_cap=10.0)),
     (2, 16, 8, 1, 96, 256, 64, 64, dict()),
     (2, 8, 16, 2, 64, 300, None, None, dict(logits_soft_cap=10.0)),
+    # default splits of a batch: balanced splits (the block-wide sum of the batch's tiles), wgmma and mma.sync
+    (3, 8, 16, 2, 64, 4096, None, None, dict()),
+    (3, 16, 8, 2, 128, 4096, 16, None, dict()),
+    (3, 1, 32, 8, 128, 4096, 64, None, dict()),
 ]
 
 
 def decode():
     """Each case on the default decode kernels and forced onto the sm_80-class (mma.sync) one, which an H100/H200
-    runs only below 17 packed rows by default."""
+    runs by default only up to 32 packed rows."""
     for kernel in ("auto", "sm80"):
         with jax_flash.force_kernel(kernel):
             decode_cases(kernel)

@@ -76,7 +76,7 @@ __device__ __forceinline__ SplitTiles split_tiles(const FlashParams& p, const De
   if (p.balance_splits) {
     int64_t mine = 0;
     for (int b = tid; b < p.batch; b += kThreads) mine += range_tiles<kBlockN>(decode_range(p, b));
-    int part = int(min(mine, int64_t(INT32_MAX)));
+    int part = int(min(mine, int64_t(INT32_MAX / 32)));  // the warp's sum below cannot wrap
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffff, part, offset);
     if (tid % 32 == 0) scratch[tid / 32] = part;
@@ -207,13 +207,13 @@ __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const int* pages, con
   }
 }
 
-// Streams split tiles [tiles.begin, tiles.end) of batch element b, kv head hk through a kStages-deep cp.async ring:
-// the block's Q rows (from packed row row_begin) ride in the first tile's copy group; compute(stage, key0) runs on every thread once the tile starting at
-// key0 sits in stage `stage` (K in smem.k_stage(stage), V in smem.v_stage(stage)), and must be done reading that
-// stage when it returns. Paged caches: the page ids of a tile's keys sit in smem.page[its stage] (thread i <
-// kBlockN fetches key i's); the first kStages tiles' are read up front, each later tile's fetched into a register
-// before the compute of the tile kStages - 1 before it and stored after it, so the table's latency hides behind that
-// compute.
+// Streams split tiles [tiles.begin, tiles.end) of batch element b, kv head hk through a kStages-deep cp.async ring: the
+// block's Q rows (from packed row row_begin) ride in the first tile's copy group; compute(stage, key0) runs on every
+// thread once the tile starting at key0 sits in stage `stage` (K in smem.k_stage(stage), V in smem.v_stage(stage)), and
+// must be done reading that stage when it returns. Paged caches: the page ids of a tile's keys sit in smem.page[its
+// stage] (thread i < kBlockN fetches key i's); the first kStages tiles' are read up front, each later tile's fetched
+// into a register before the compute of the tile kStages - 1 before it and stored after it, so the table's latency
+// hides behind that compute.
 template <typename T, typename Traits, typename Compute>
 __device__ __forceinline__ void stream_split(const FlashParams& p, const DecodeRange& range, const SplitTiles& tiles,
                                              int b, int hk, int row_begin, int rows,
@@ -225,7 +225,9 @@ __device__ __forceinline__ void stream_split(const FlashParams& p, const DecodeR
   auto tile_key0 = [&](int tile) { return range.lo + tile * kBN; };
   if (paged && tid < kBN) {
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) smem.page[s][tid] = fetch_page(p, b, tile_key0(tiles.begin + s) + tid, range.hi);
+    for (int s = 0; s < kStages; ++s) {
+      smem.page[s][tid] = fetch_page(p, b, tile_key0(tiles.begin + s) + tid, range.hi);
+    }
   }
   __syncthreads();
   // Prologue: the first kStages - 1 tiles in flight (one cp.async group each, empty past the split's end).

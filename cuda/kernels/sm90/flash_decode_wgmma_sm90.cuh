@@ -6,12 +6,12 @@
 // adjacent: they read the same K/V tiles at the same time, the second from L2), so that two blocks share an SM:
 // one block of two warpgroups (one an SM) read 2.0-2.2 TB/s at 128 rows on an H200 where FA3-jax reads 3-3.9.
 //
-// Everything else is the mma.sync kernel's (decode/split_mainloop.cuh): CTA (split, kv head, batch), the split's
-// key tiles streamed through a cp.async ring (dense or paged, ids clamped), bottom-right causal rows and windows,
-// float32 partial results that flash_decode_combine_kernel merges. The tiles sit in TMA's SWIZZLE_128B layout
-// (64-column blocks of 128-byte rows; sm90/smem_layout.h), which wgmma's descriptors read; cp.async writes them in
-// the generic proxy, so each thread fences its landed copies to the async proxy before the CTA barrier that
-// publishes a tile.
+// Everything else is the mma.sync kernel's (decode/split_mainloop.cuh): CTA (split, kv head, batch), the split's key
+// tiles streamed through a cp.async ring (dense or paged, ids clamped), bottom-right causal rows and windows, float32
+// partial results that flash_decode_combine_kernel merges (with one split the final O and lse, written here). The tiles
+// sit in TMA's SWIZZLE_128B layout (64-column blocks of 128-byte rows; sm90/smem_layout.h), which wgmma's descriptors
+// read; cp.async writes them in the generic proxy, so each thread fences its landed copies to the async proxy before
+// the CTA barrier that publishes a tile.
 // Thread layout (as the forward's): warp w, lane = 4 g + t, holds the block's rows 16 w + g and 16 w + g + 8, columns
 // 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
 #pragma once

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# A/B of decode builds in one device call: for each round, each carried wheel dist/<name>/ in turn (the first
+# build changes each round) runs bench_decode.py with the given arguments (jax_flash only); results under
+# $OUT/<name>-r<round>/. Summaries: python3 tools/decode_ab.py $OUT.
+#   bash tools/decode_ab.sh "a b" ROUNDS [bench_decode.py arguments...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+read -r -a NAMES <<<"$1"
+ROUNDS=$2
+shift 2
+BASE_OUT=${OUT:-$PWD/decode_ab_out}
+for ((r = 1; r <= ROUNDS; r++)); do
+  for ((i = 0; i < ${#NAMES[@]}; i++)); do
+    n=${NAMES[$(((i + r - 1) % ${#NAMES[@]}))]}
+    WHEEL=$(ls dist/"$n"/*.whl) OUT="$BASE_OUT/$n-r$r" bash tools/decode_gpu_check.sh bench --impls jax_flash \
+      --name "ab-$n-r$r" "$@" >"$BASE_OUT/$n-r$r.log" 2>&1 || echo "$n round $r failed"
+  done
+done
