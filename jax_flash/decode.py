@@ -79,6 +79,9 @@ def _validate(q, k_cache, v_cache, kv_lengths, page_table):
             raise ValueError(f"page_table must be int32 of shape (batch, max_pages) = ({batch}, ...), got shape "
                              f"{page_table.shape} and dtype {dtype}")
         capacity = page_table.shape[1] * k_cache.shape[1]
+        if k_cache.shape[0] * k_cache.shape[1] > np.iinfo(np.int32).max:  # the kernels' int32 pool rows
+            raise ValueError(f"a paged cache holds at most 2**31 - 1 keys (num_pages x page_size), got shape "
+                             f"{k_cache.shape}")
     dtype = _attention._dtype_of(kv_lengths)
     kv_lengths = jnp.asarray(kv_lengths)
     if dtype != jnp.int32 or kv_lengths.shape != (batch,):

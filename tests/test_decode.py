@@ -231,6 +231,16 @@ def test_independent_of_num_splits(name, num_splits):
     np.testing.assert_allclose(lse, base_lse, atol=TOL, rtol=TOL)
 
 
+def test_paged_cache_size_limit():
+    """A paged cache of 2**31 keys or more is refused at trace time (the kernels address pool rows in int32)."""
+    q = jax.ShapeDtypeStruct((1, 1, 8, 8), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((2**22, 512, 8, 8), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    n = jax.ShapeDtypeStruct((1,), jnp.int32)
+    with pytest.raises(ValueError, match=r"at most 2\*\*31 - 1 keys"):
+        jax.eval_shape(lambda q, k, n, t: jax_flash.decode_attention(q, k, k, n, page_table=t), q, pool, n, table)
+
+
 def test_float16():
     if not ON_GPU:
         pytest.skip("float16 runs the CUDA decode kernel; the CPU path is tested in float32")

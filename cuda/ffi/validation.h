@@ -325,6 +325,9 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                      ", max_pages]");
     }
     if (kd[0] < 1 || kd[1] < 1) return Invalid("a paged cache needs at least one page of at least one key, got " + ShapeString(kd));
+    if (kd[0] * kd[1] > INT32_MAX) {
+      return Invalid("a paged cache holds at most 2^31 - 1 keys (pages x page_size), got " + ShapeString(kd));
+    }
     max_pages = pd[1];
     capacity = max_pages * kd[1];
   } else {

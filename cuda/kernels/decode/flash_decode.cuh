@@ -8,8 +8,8 @@
 //   * the query heads sharing a kv head, times Tq, are packed into the rows of one tile (row r: step t = r / G, head
 //     hk G + r % G), so each K/V tile is read once for all of them;
 //   * K/V tiles of kBlockN keys stream through a kStages-deep cp.async ring; paged caches resolve each key's
-//     page through the page table, whose entries are fetched a tile's compute ahead into shared memory (ids
-//     clamped: nothing outside the cache is read, whatever the table holds);
+//     pool row through the page table (ids clamped: nothing outside the cache is read, whatever the table holds)
+//     a tile's compute ahead, into shared memory;
 //   * every warp computes: a row tile's keys are sliced across warps (kSlices slices of a tile), each with its own
 //     online softmax, merged through shared memory at the end;
 //   * masks at positions: row r sits at kv_length - Tq + t (bottom-right causal), windows from there.
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
   const int slice = warp % Traits::kSlices;
 
   const DecodeRange range = decode_range(p, b);
-  const SplitTiles tiles = split_tiles<Traits::kBlockN, Traits::kThreads>(p, range, split, smem.page[0], tid);
+  const SplitTiles tiles = split_tiles<Traits::kBlockN, Traits::kThreads>(p, range, split, smem.pool_row[0], tid);
   if (tiles.end <= tiles.begin) {
     mark_split_empty<T>(p, split, b, hk, 0, rows, tid, Traits::kThreads);
     return;

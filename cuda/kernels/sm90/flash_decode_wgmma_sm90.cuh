@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
 
   const decode::DecodeRange range = decode::decode_range(p, b);
   const decode::SplitTiles tiles =
-      decode::split_tiles<kBN, Traits::kThreads>(p, range, split, smem.page[0], tid);
+      decode::split_tiles<kBN, Traits::kThreads>(p, range, split, smem.pool_row[0], tid);
   if (tiles.end <= tiles.begin) {
     decode::mark_split_empty<T>(p, split, b, hk, row_begin, min(rows, row_begin + Traits::kRows), tid,
                                 Traits::kThreads);
