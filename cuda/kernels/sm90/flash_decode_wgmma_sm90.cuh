@@ -24,6 +24,7 @@
 #include "kernels/common/warp_reduce.cuh"
 #include "kernels/decode/decode_traits.h"
 #include "kernels/decode/split_mainloop.cuh"
+#include "kernels/sm90/attention_gemms_sm90.cuh"
 #include "kernels/sm90/kernel_traits_sm90.h"
 #include "kernels/sm90/smem_layout.h"
 #include "kernels/sm90/utils_sm90.cuh"
@@ -100,25 +101,14 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   constexpr uint32_t kQColBlockBytes = Traits::kRows * kSwizzleBytes;
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr uint32_t kStageBytes = kBN * kD * sizeof(T);
-  constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;  // 16-element K slices per 128-byte row
   const uint32_t k_base0 = smem_addr(smem.k);
   const uint32_t v_base0 = smem_addr(smem.v);
 
   decode::stream_split<T, Traits>(p, range, tiles, b, hk, row_begin, rows, smem, tid, [&](int stage, int key0) {
     // S = Q K^T (64 x kBN).
     float acc_s[kSTiles * 4];
-    const uint32_t k_base = k_base0 + stage * kStageBytes;
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
-      const uint32_t k_off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));  // inside the 128-byte row
-      const uint64_t desc_q =
-          make_desc_sw128(q_base + (kk / kKStepsPerColBlock) * kQColBlockBytes + k_off, kKMajorLeadingBytes);
-      const uint64_t desc_k =
-          make_desc_sw128(k_base + (kk / kKStepsPerColBlock) * kKVColBlockBytes + k_off, kKMajorLeadingBytes);
-      Wgmma<kBN, T, 0>::ss(acc_s, desc_q, desc_k, kk > 0);
-    }
-    wgmma_commit();
+    issue_qk<kBN, kD, T>(acc_s, q_base, kQColBlockBytes, k_base0 + stage * kStageBytes, kKVColBlockBytes);
     wgmma_wait<0>();
     fence_regs(acc_s);
 
@@ -134,14 +124,8 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
     }
 
     // O += P V: V read N-major, 64-dim column blocks kKVColBlockBytes apart.
-    const uint32_t v_base = v_base0 + stage * kStageBytes;
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
-      const uint64_t desc_v = make_desc_sw128(v_base + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes);
-      Wgmma<kD, T, 1>::rs(acc_o, a_p[kk], desc_v, 1);
-    }
-    wgmma_commit();
+    issue_pv<kBN, kD, T>(acc_o, a_p, v_base0 + stage * kStageBytes, kKVColBlockBytes);
     wgmma_wait<0>();  // the stage is read and P's registers are free when compute returns
     fence_regs(acc_o);
     fence_regs(a_p);

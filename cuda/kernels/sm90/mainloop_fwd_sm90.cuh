@@ -17,6 +17,7 @@
 #include "kernels/common/block_ranges.cuh"
 #include "kernels/common/element_traits.cuh"
 #include "kernels/common/warp_reduce.cuh"
+#include "kernels/sm90/attention_gemms_sm90.cuh"
 #include "kernels/sm90/kernel_traits_sm90.h"
 #include "kernels/sm90/named_barriers.h"
 #include "kernels/sm90/pipeline.cuh"
@@ -163,29 +164,11 @@ struct FwdMainloop {
     const uint32_t q_base = smem_addr(smem.q) + cw * kWgmmaM * kSwizzleBytes;
     constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
     constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
-    constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;  // 16-element K slices per 128-byte row
-
     auto issue_s = [&](int slot) {  // S = Q K^T (64 x kBN), both operands in shared memory
-      const uint32_t k_base = smem_addr(smem.k[slot]);
-#pragma unroll
-      for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
-        const uint32_t k_off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));  // inside the 128-byte row
-        const uint64_t desc_q =
-            make_desc_sw128(q_base + (kk / kKStepsPerColBlock) * kQColBlockBytes + k_off, kKMajorLeadingBytes);
-        const uint64_t desc_k =
-            make_desc_sw128(k_base + (kk / kKStepsPerColBlock) * kKVColBlockBytes + k_off, kKMajorLeadingBytes);
-        Wgmma<kBN, T, 0>::ss(acc_s, desc_q, desc_k, kk > 0);
-      }
-      wgmma_commit();
+      sm90::issue_qk<kBN, kD, T>(acc_s, q_base, kQColBlockBytes, smem_addr(smem.k[slot]), kKVColBlockBytes);
     };
     auto issue_pv = [&](int slot) {  // O += P V; V read N-major, 64-dim column blocks kKVColBlockBytes apart
-      const uint32_t v_base = smem_addr(smem.v[slot]);
-#pragma unroll
-      for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
-        const uint64_t desc_v = make_desc_sw128(v_base + kk * kWgmmaK * kSwizzleBytes, kKVColBlockBytes);
-        Wgmma<kD, T, 1>::rs(acc.o, a_p[kk], desc_v, 1);
-      }
-      wgmma_commit();
+      sm90::issue_pv<kBN, kD, T>(acc.o, a_p, smem_addr(smem.v[slot]), kKVColBlockBytes);
     };
 
     // Soft-caps S (with a cap: S becomes tanh(pre * S), the logits' scale folds post in), masks it (only warps whose
