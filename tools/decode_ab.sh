@@ -9,6 +9,7 @@ read -r -a NAMES <<<"$1"
 ROUNDS=$2
 shift 2
 BASE_OUT=${OUT:-$PWD/decode_ab_out}
+mkdir -p "$BASE_OUT"
 for ((r = 1; r <= ROUNDS; r++)); do
   for ((i = 0; i < ${#NAMES[@]}; i++)); do
     n=${NAMES[$(((i + r - 1) % ${#NAMES[@]}))]}

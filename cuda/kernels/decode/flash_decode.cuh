@@ -53,11 +53,13 @@ struct DecodeTraits {
   __device__ __forceinline__ static int q_offset(int r, int col) { return swz<kD>(r, col); }
   __device__ __forceinline__ static int kv_offset(int key, int col) { return swz<kD>(key, col); }
   __device__ __forceinline__ static void tile_landed() {}
+  static constexpr int kReadLag = 0;  // a tile's compute is done with its stage when it returns
 };
 static_assert(SmemBytes(256, 8) == SplitSmem<__half, DecodeTraits<256, 8>>::kBytes &&
               SmemBytes(64, 1) == SplitSmem<__half, DecodeTraits<64, 1>>::kBytes);
 
-template <typename T, typename Traits>
+// kPaged: the call has a page table; kSoftCap: a logit soft cap (its tanh compiled in only then).
+template <typename T, typename Traits, bool kPaged, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(const FlashParams p) {
   constexpr int kD = Traits::kD;
   constexpr int kSN = Traits::kSliceN;
@@ -108,7 +110,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
                           slice * kSN * kRB;
   constexpr uint32_t kStageBytes = Traits::kBlockN * kD * 2;
 
-  stream_split<T, Traits>(p, range, tiles, b, hk, 0, rows, smem, tid, [&](int stage, int tile_key0) {
+  stream_split<T, Traits, kPaged>(p, range, tiles, b, hk, 0, rows, smem, tid, [&](int stage, int tile_key0) {
     if (!computes) return;
     const int key0 = tile_key0 + slice * kSN;  // this warp's slice of the tile
     float acc_s[kNTiles][4];
@@ -128,7 +130,8 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
       }
     }
     float correction[2];
-    softmax_step<kNTiles>(&acc_s[0][0], key0, t, lo_r, hi_r, cap, p.scale_log2, row_max, row_sum, correction);
+    softmax_tile<kNTiles, kSoftCap>(&acc_s[0][0], key0, t, lo_r, hi_r, cap, p.scale_log2, row_max, row_sum,
+                                    correction);
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt) {
 #pragma unroll

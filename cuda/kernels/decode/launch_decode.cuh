@@ -25,11 +25,17 @@ cudaError_t launch_decode(const FlashParams& p, cudaStream_t stream) {
   const int rows = p.group_size() * p.seqlen_q;
   auto run = [&](auto row_tiles) -> cudaError_t {
     using Traits = decode::DecodeTraits<kD, decltype(row_tiles)::value>;
-    constexpr auto kernel = decode::flash_decode_split_kernel<T, Traits>;
     constexpr int kSmemBytes = decode::SplitSmem<T, Traits>::kBytes;
-    if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
-    kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    const cudaError_t e = with_static_flags(
+        [&](auto paged, auto soft_cap) {
+          constexpr auto kernel =
+              decode::flash_decode_split_kernel<T, Traits, decltype(paged)::value, decltype(soft_cap)::value>;
+          if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
+          kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
+          return cudaGetLastError();
+        },
+        p.page_table != nullptr, SoftCap(p).enabled());
+    if (e != cudaSuccess) return e;
     return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;
   };
   switch (decode::RowTiles(rows)) {

@@ -6,9 +6,12 @@
 // A kernel's Traits give: kD, kBlockN, kStages, kThreads, kRows (packed query rows of the CTA); q_offset(r, col) and
 // kv_offset(key, col), the element offsets of a 16-byte chunk in its Q and K/V tiles (each kernel's operand layout);
 // tile_landed(), run by every thread after its copies of a tile landed and before the CTA barrier that publishes
-// them (the wgmma kernel orders them before its async-proxy reads there).
+// them (the wgmma kernel orders them before its async-proxy reads there); kReadLag, the tiles after its own whose
+// compute a tile's stage is still read in (0: done when its compute returns; 1: the wgmma kernel's P V of a tile runs
+// under the next tile's softmax).
 #pragma once
 
+#include <climits>
 #include <cmath>
 
 #include "flash_params.h"
@@ -42,7 +45,8 @@ __device__ __forceinline__ DecodeRange decode_range(const FlashParams& p, int b)
   return r;
 }
 
-// The keys [*lo, *hi) packed row r (step r / group) sees; an empty interval for a padding row (r >= rows).
+// The keys [*lo, *hi) packed row r (step r / group) sees. A padding row (r >= rows: zero Q, its results never
+// stored) is given every key, so that it never keeps its warp on the masked softmax path.
 __device__ __forceinline__ void row_keys(const FlashParams& p, const DecodeRange& range, int r, int group, int rows,
                                          int* lo, int* hi) {
   const int pos = range.base + r / group;
@@ -50,7 +54,10 @@ __device__ __forceinline__ void row_keys(const FlashParams& p, const DecodeRange
   *hi = range.kv_len;
   if (p.causal) *hi = min(*hi, pos + 1);
   if (p.window_right >= 0) *hi = min(*hi, pos + p.window_right + 1);
-  if (r >= rows) *hi = *lo;
+  if (r >= rows) {
+    *lo = INT_MIN;
+    *hi = INT_MAX;
+  }
 }
 
 // Key tiles of kBlockN keys in a range.
@@ -178,97 +185,113 @@ __device__ __forceinline__ void load_q_rows(T* sQ, const FlashParams& p, int b, 
   }
 }
 
-// One thread's cp.async copies of K and V for the tile starting at key0 into stage buffers sK, sV: the tile's
-// kBlockN x kD elements in 16-byte chunks, chunk c = tid + j kThreads holding key c / (kD / 8). Keys at or past `hi`
-// are zero-filled. For a paged cache `pool_rows` (shared memory) holds the pool row of each of the tile's keys
-// (fetch_pool_row: the lookup and clamp once per key, not per 16-byte chunk: 12 % more instructions than dense
-// before, at 64 packed rows).
-template <typename T, typename Traits>
-__device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const int* pool_rows, const FlashParams& p, int b, int hk,
-                                             int key0, int hi, int tid) {
-  constexpr int kChunksPerRow = Traits::kD / kElems;
-  constexpr int kPerThread = Traits::kBlockN * kChunksPerRow / Traits::kThreads;
-  static_assert(Traits::kBlockN * kChunksPerRow % Traits::kThreads == 0);
-  const int64_t row_stride = int64_t(p.heads_kv) * p.head_dim;
-  const T* gK = static_cast<const T*>(p.k) + int64_t(hk) * p.head_dim;
-  const T* gV = static_cast<const T*>(p.v) + int64_t(hk) * p.head_dim;
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const int c = tid + j * Traits::kThreads;
-    const int i = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * kElems;
-    const int key = key0 + i;
-    const bool pred = key < hi && col < p.head_dim;
-    const int64_t row = p.page_table != nullptr ? int64_t(pool_rows[i]) : int64_t(b) * p.seqlen_k + key;
-    const int64_t off = pred ? row * row_stride + col : 0;
-    const int dst = Traits::kv_offset(i, col);
-    cp_async_16(smem_addr(sK + dst), gK + off, pred);
-    cp_async_16(smem_addr(sV + dst), gV + off, pred);
+// One thread's cp.async copies of K and V tiles (kBlockN x kD elements in 16-byte chunks): the thread copies column
+// chunk tid % (kD / 8) of rows tid / (kD / 8) + j kRowStep, j < kPerThread, so its source column and the
+// destinations' in-tile offsets are fixed per split and a tile costs an address add, a bound test and two copies
+// per chunk. Keys at or past `hi` (and columns past head_dim) are zero-filled and read nothing. Dense caches: row
+// b S + key of the (B S, Hkv, D) cache; paged (kPaged): `pool_rows` (shared memory) holds the pool row of each of
+// the tile's keys (fetch_pool_row: the lookup and clamp once per key, not per chunk).
+template <typename T, typename Traits, bool kPaged>
+struct KVTileLoader {
+  static constexpr int kChunksPerRow = Traits::kD / kElems;
+  static constexpr int kRowStep = Traits::kThreads / kChunksPerRow;
+  static constexpr int kPerThread = Traits::kBlockN / kRowStep;
+  static_assert(Traits::kThreads % kChunksPerRow == 0 && Traits::kBlockN % kRowStep == 0);
+  const T* k;          // this thread's column of kv head hk at cache row b S (paged: pool row 0)
+  const T* v;
+  int64_t row_stride;  // elements between cache rows
+  int row0;            // the thread's first row in a tile
+  int col;             // its column
+  bool col_ok;         // the column lies inside head_dim
+
+  __device__ __forceinline__ KVTileLoader(const FlashParams& p, int b, int hk, int tid) {
+    row0 = tid / kChunksPerRow;
+    col = (tid % kChunksPerRow) * kElems;
+    col_ok = col < p.head_dim;
+    row_stride = int64_t(p.heads_kv) * p.head_dim;
+    const int64_t first = kPaged ? 0 : int64_t(b) * p.seqlen_k;
+    k = static_cast<const T*>(p.k) + first * row_stride + int64_t(hk) * p.head_dim + col;
+    v = static_cast<const T*>(p.v) + first * row_stride + int64_t(hk) * p.head_dim + col;
   }
-}
+  // The tile of keys [key0, key0 + kBlockN) into stage buffers sK, sV.
+  __device__ __forceinline__ void load(T* sK, T* sV, const int* pool_rows, int key0, int hi) const {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = row0 + j * kRowStep;
+      const bool pred = col_ok && key0 + i < hi;
+      const int64_t row = kPaged ? int64_t(pool_rows[i]) : int64_t(key0 + i);
+      const int64_t off = pred ? row * row_stride : 0;  // an address inside the cache either way
+      const int dst = Traits::kv_offset(i, col);
+      cp_async_16(smem_addr(sK + dst), k + off, pred);
+      cp_async_16(smem_addr(sV + dst), v + off, pred);
+    }
+  }
+};
 
 // Streams split tiles [tiles.begin, tiles.end) of batch element b, kv head hk through a kStages-deep cp.async ring: the
 // block's Q rows (from packed row row_begin) ride in the first tile's copy group; compute(stage, key0) runs on every
-// thread once the tile starting at key0 sits in stage `stage` (K in smem.k_stage(stage), V in smem.v_stage(stage)), and
-// must be done reading that stage when it returns. Paged caches: the pool rows of a tile's keys sit in
+// thread once the tile starting at key0 sits in stage `stage` (K in smem.k_stage(stage), V in smem.v_stage(stage)); the
+// stage is rewritten once the computes of Traits::kReadLag later tiles have returned (so kStages - 1 - kReadLag tiles
+// are in flight ahead of the one computed). Paged caches: the pool rows of a tile's keys sit in
 // smem.pool_row[its stage] (thread i < kBlockN fetches key i's); the first kStages tiles' are read up front, each
-// later tile's fetched into a register before the compute of the tile kStages - 1 before it and stored after it, so
-// the table's latency hides behind that compute.
-template <typename T, typename Traits, typename Compute>
+// later tile's fetched into a register before the compute of the tile before the one that loads it and stored after
+// that compute, so the table's latency hides behind it.
+template <typename T, typename Traits, bool kPaged, typename Compute>
 __device__ __forceinline__ void stream_split(const FlashParams& p, const DecodeRange& range, const SplitTiles& tiles,
                                              int b, int hk, int row_begin, int rows,
                                              const SplitSmem<T, Traits>& smem, int tid, Compute&& compute) {
   constexpr int kBN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
+  constexpr int kAhead = kStages - 1 - Traits::kReadLag;  // tiles loaded ahead of the one computed
+  static_assert(kAhead >= 1);
   load_q_rows<T, Traits>(smem.q, p, b, hk, row_begin, rows, tid);  // in the first tile's cp.async group
-  const bool paged = p.page_table != nullptr;
+  const KVTileLoader<T, Traits, kPaged> loader(p, b, hk, tid);
   auto tile_key0 = [&](int tile) { return range.lo + tile * kBN; };
-  if (paged && tid < kBN) {
+  if (kPaged && tid < kBN) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       smem.pool_row[s][tid] = fetch_pool_row(p, b, tile_key0(tiles.begin + s) + tid, range.hi);
     }
   }
   __syncthreads();
-  // Prologue: the first kStages - 1 tiles in flight (one cp.async group each, empty past the split's end).
+  // Prologue: the first kAhead tiles in flight (one cp.async group each, empty past the split's end).
   sm90::PipelineState<kStages> read_state;  // the stage of the tile computed next
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < kAhead; ++s) {
     if (tiles.begin + s < tiles.end) {
-      load_kv_tile<T, Traits>(smem.k_stage(s), smem.v_stage(s), smem.pool_row[s], p, b, hk,
-                              tile_key0(tiles.begin + s), range.hi, tid);
+      loader.load(smem.k_stage(s), smem.v_stage(s), smem.pool_row[s], tile_key0(tiles.begin + s), range.hi);
     }
     cp_async_commit();
   }
-  sm90::PipelineState<kStages> write_state = read_state.ahead(kStages - 1);
+  sm90::PipelineState<kStages> write_state = read_state.ahead(kAhead);
   for (int tile = tiles.begin; tile < tiles.end; ++tile) {
-    cp_async_wait<kStages - 2>();  // this tile's group (and Q) landed
+    cp_async_wait<kAhead - 1>();  // this tile's group (and Q) landed
     Traits::tile_landed();
     __syncthreads();  // ... for every thread; and every thread is done with the stage written next
-    const int ahead = tile + kStages - 1;
+    const int ahead = tile + kAhead;
     if (ahead < tiles.end) {
       const int w = write_state.slot();
-      load_kv_tile<T, Traits>(smem.k_stage(w), smem.v_stage(w), smem.pool_row[w], p, b, hk, tile_key0(ahead),
-                              range.hi, tid);
+      loader.load(smem.k_stage(w), smem.v_stage(w), smem.pool_row[w], tile_key0(ahead), range.hi);
     }
     cp_async_commit();
     write_state.advance();
     const int stage = read_state.slot();
     read_state.advance();
-    // The pool rows of tile `ahead + 1`, for the stage this tile frees (stored after the compute below).
-    const bool stash = paged && tid < kBN && ahead + 1 < tiles.end;
+    // The pool rows of tile `ahead + 1`, for the stage it is loaded into (its previous tile's copies were issued
+    // long before; stored after the compute below).
+    const bool stash = kPaged && tid < kBN && ahead + 1 < tiles.end;
     const int next_row = stash ? fetch_pool_row(p, b, tile_key0(ahead + 1) + tid, range.hi) : 0;
     compute(stage, tile_key0(tile));
-    if (stash) smem.pool_row[stage][tid] = next_row;  // published by the next iteration's barrier
+    if (stash) smem.pool_row[write_state.slot()][tid] = next_row;  // published by the next iteration's barrier
   }
   cp_async_wait<0>();
 }
 
 // One warp's online-softmax step over kNTiles m16n8 accumulator tiles of scores, s[4 nt + 2 rr + e] for row g + 8 rr
-// of the warp's 16 and key key0 + 8 nt + 2 t + e (lane = 4 g + t): soft cap, the rows' visible keys [lo[rr],
-// hi[rr]), the running max (raw logits) and this lane's partial sum move on; s becomes exp2 values. Returns the
-// factors that rescale O's rows.
-template <int kNTiles>
+// of the warp's 16 and key key0 + 8 nt + 2 t + e (lane = 4 g + t): soft cap (kSoftCap), the rows' visible keys
+// [lo[rr], hi[rr]) (kMasked), the running max (raw logits) and this lane's partial sum move on; s becomes exp2
+// values. Returns the factors that rescale O's rows.
+template <int kNTiles, bool kMasked, bool kSoftCap>
 __device__ __forceinline__ void softmax_step(float* s, int key0, int t, const int (&lo)[2], const int (&hi)[2],
                                              const SoftCap& cap, float scale_log2, float (&row_max)[2],
                                              float (&row_sum)[2], float (&correction)[2]) {
@@ -280,9 +303,11 @@ __device__ __forceinline__ void softmax_step(float* s, int key0, int t, const in
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float x = s[4 * nt + 2 * rr + e];
-        if (cap.enabled()) x = cap.apply(x);
-        const int key = key0 + nt * 8 + 2 * t + e;
-        x = key >= lo[rr] && key < hi[rr] ? x : -INFINITY;
+        if constexpr (kSoftCap) x = cap.apply(x);
+        if constexpr (kMasked) {
+          const int key = key0 + nt * 8 + 2 * t + e;
+          x = key >= lo[rr] && key < hi[rr] ? x : -INFINITY;
+        }
         s[4 * nt + 2 * rr + e] = x;
         mx = fmaxf(mx, x);
       }
@@ -302,6 +327,20 @@ __device__ __forceinline__ void softmax_step(float* s, int key0, int t, const in
       }
     }
     row_sum[rr] = row_sum[rr] * correction[rr] + sum;
+  }
+}
+
+// softmax_step without mask code when every row of the warp sees all of keys [key0, key0 + 8 kNTiles) (a decision
+// the whole warp takes: most tiles of a long cache), with it otherwise.
+template <int kNTiles, bool kSoftCap>
+__device__ __forceinline__ void softmax_tile(float* s, int key0, int t, const int (&lo)[2], const int (&hi)[2],
+                                             const SoftCap& cap, float scale_log2, float (&row_max)[2],
+                                             float (&row_sum)[2], float (&correction)[2]) {
+  const bool visible = key0 >= max(lo[0], lo[1]) && key0 + 8 * kNTiles <= min(hi[0], hi[1]);
+  if (__all_sync(0xffffffffu, visible)) {
+    softmax_step<kNTiles, false, kSoftCap>(s, key0, t, lo, hi, cap, scale_log2, row_max, row_sum, correction);
+  } else {
+    softmax_step<kNTiles, true, kSoftCap>(s, key0, t, lo, hi, cap, scale_log2, row_max, row_sum, correction);
   }
 }
 

@@ -1,6 +1,7 @@
 // The two products of an attention tile as wgmma issue loops over 128-byte-swizzled shared-memory tiles (column
 // blocks of 64 elements, sm90/smem_layout.h), shared by the forward main loop and the decode kernel. Each issues its
-// products and commits them as one wgmma group; the caller fences before and waits after.
+// products and commits them as one wgmma group; the caller fences before and waits after. Descriptors are built once
+// per operand and advanced by compile-time offsets (the block distances are constants at every call site).
 #pragma once
 
 #include <cstdint>
@@ -18,13 +19,13 @@ template <int kN, int kD, typename T>
 __device__ __forceinline__ void issue_qk(float (&acc)[kN / 2], uint32_t q_base, uint32_t q_block_bytes,
                                          uint32_t k_base, uint32_t k_block_bytes) {
   constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;  // 16-element K slices per 128-byte row
+  const uint64_t desc_q0 = make_desc_sw128(q_base, kKMajorLeadingBytes);
+  const uint64_t desc_k0 = make_desc_sw128(k_base, kKMajorLeadingBytes);
 #pragma unroll
   for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
     const uint32_t k_off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));  // inside the 128-byte row
-    const uint64_t desc_q =
-        make_desc_sw128(q_base + (kk / kKStepsPerColBlock) * q_block_bytes + k_off, kKMajorLeadingBytes);
-    const uint64_t desc_k =
-        make_desc_sw128(k_base + (kk / kKStepsPerColBlock) * k_block_bytes + k_off, kKMajorLeadingBytes);
+    const uint64_t desc_q = desc_advance(desc_q0, (kk / kKStepsPerColBlock) * q_block_bytes + k_off);
+    const uint64_t desc_k = desc_advance(desc_k0, (kk / kKStepsPerColBlock) * k_block_bytes + k_off);
     Wgmma<kN, T, 0>::ss(acc, desc_q, desc_k, kk > 0);
   }
   wgmma_commit();
@@ -35,10 +36,10 @@ __device__ __forceinline__ void issue_qk(float (&acc)[kN / 2], uint32_t q_base, 
 template <int kKeys, int kD, typename T>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[kD / 2], const uint32_t (&a_p)[kKeys / kWgmmaK][4],
                                          uint32_t v_base, uint32_t v_block_bytes) {
+  const uint64_t desc_v0 = make_desc_sw128(v_base, v_block_bytes);
 #pragma unroll
   for (int kk = 0; kk < kKeys / kWgmmaK; ++kk) {
-    const uint64_t desc_v = make_desc_sw128(v_base + kk * kWgmmaK * kSwizzleBytes, v_block_bytes);
-    Wgmma<kD, T, 1>::rs(acc_o, a_p[kk], desc_v, 1);
+    Wgmma<kD, T, 1>::rs(acc_o, a_p[kk], desc_advance(desc_v0, kk * kWgmmaK * kSwizzleBytes), 1);
   }
   wgmma_commit();
 }

@@ -50,9 +50,12 @@ struct DecodeWgmmaTraits {
   __device__ __forceinline__ static int kv_offset(int key, int col) { return offset<kBlockN>(key, col); }
   // This thread's landed cp.async copies (generic proxy) become visible to wgmma's operand reads (async proxy).
   __device__ __forceinline__ static void tile_landed() { fence_proxy_async_smem(); }
+  // P V of a tile runs under the next tile's softmax: its V stage is read until that compute returns.
+  static constexpr int kReadLag = 1;
 };
 
-template <typename T, typename Traits>
+// kPaged: the call has a page table; kSoftCap: a logit soft cap (its tanh compiled in only then).
+template <typename T, typename Traits, bool kPaged, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(const FlashParams p) {
   constexpr int kD = Traits::kD;
   constexpr int kBN = Traits::kBlockN;
@@ -104,32 +107,45 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   const uint32_t k_base0 = smem_addr(smem.k);
   const uint32_t v_base0 = smem_addr(smem.v);
 
-  decode::stream_split<T, Traits>(p, range, tiles, b, hk, row_begin, rows, smem, tid, [&](int stage, int key0) {
-    // S = Q K^T (64 x kBN).
+  // Per tile i: S_i and P_{i-1} V_{i-1} issued together, the softmax of S_i while P V runs (intra-warpgroup
+  // overlap, as in the forward's main loop); the last tile's P V after the stream.
+  uint32_t a_p[kBN / kWgmmaK][4];  // P of the previous tile as wgmma A fragments, 16 keys per step
+  int pv_stage = -1;               // that tile's stage (-1: none yet)
+  auto issue_pv_prev = [&] {  // O += P V: V read N-major, 64-dim column blocks kKVColBlockBytes apart
+    issue_pv<kBN, kD, T>(acc_o, a_p, v_base0 + pv_stage * kStageBytes, kKVColBlockBytes);
+  };
+  decode::stream_split<T, Traits, kPaged>(p, range, tiles, b, hk, row_begin, rows, smem, tid, [&](int stage,
+                                                                                                  int key0) {
     float acc_s[kSTiles * 4];
     wgmma_fence();
     issue_qk<kBN, kD, T>(acc_s, q_base, kQColBlockBytes, k_base0 + stage * kStageBytes, kKVColBlockBytes);
-    wgmma_wait<0>();
+    if (pv_stage >= 0) {
+      issue_pv_prev();
+      wgmma_wait<1>();  // S done; P V may still run
+    } else {
+      wgmma_wait<0>();
+    }
     fence_regs(acc_s);
 
     float correction[2];
-    decode::softmax_step<kSTiles>(acc_s, key0, t, lo_r, hi_r, cap, p.scale_log2, row_max, row_sum, correction);
+    decode::softmax_tile<kSTiles, kSoftCap>(acc_s, key0, t, lo_r, hi_r, cap, p.scale_log2, row_max, row_sum,
+                                            correction);
+    wgmma_wait<0>();  // the previous P V done: O and P's registers are free
+    fence_regs(acc_o);
+    fence_regs(a_p);
 #pragma unroll
     for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] *= correction[(i / 2) % 2];
-    uint32_t a_p[kBN / kWgmmaK][4];  // P as wgmma A fragments, 16 keys per step = S column tiles 2 kk, 2 kk + 1
 #pragma unroll
-    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {  // 16 keys per step = S column tiles 2 kk, 2 kk + 1
 #pragma unroll
       for (int q4 = 0; q4 < 4; ++q4) a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
     }
-
-    // O += P V: V read N-major, 64-dim column blocks kKVColBlockBytes apart.
-    wgmma_fence();
-    issue_pv<kBN, kD, T>(acc_o, a_p, v_base0 + stage * kStageBytes, kKVColBlockBytes);
-    wgmma_wait<0>();  // the stage is read and P's registers are free when compute returns
-    fence_regs(acc_o);
-    fence_regs(a_p);
+    pv_stage = stage;
   });
+  wgmma_fence();
+  issue_pv_prev();  // the split has a tile: pv_stage is set (stream_split's last tile stage is not rewritten)
+  wgmma_wait<0>();
+  fence_regs(acc_o);
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) row_sum[rr] = quad_sum(row_sum[rr]);
   decode::store_split_rows<T, kOTiles>(p, split, b, hk, rows, row0, g, t, acc_o, row_max, row_sum);

@@ -16,13 +16,18 @@ namespace jax_flash::cuda::sm90 {
 template <typename T, int kD>
 cudaError_t launch_decode_wgmma(const FlashParams& p, cudaStream_t stream) {
   using Traits = DecodeWgmmaTraits<kD>;
-  constexpr auto kernel = flash_decode_wgmma_kernel<T, Traits>;
   constexpr int kSmemBytes = decode::SplitSmem<T, Traits>::kBytes;
   static_assert(kSmemBytes == decode::WgmmaSmemBytes(kD));
-  if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
   const int row_blocks = decode::WgmmaRowBlocks(p.group_size() * p.seqlen_q);
-  kernel<<<dim3(p.num_splits * row_blocks, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const cudaError_t e = with_static_flags(
+      [&](auto paged, auto soft_cap) {
+        constexpr auto kernel = flash_decode_wgmma_kernel<T, Traits, decltype(paged)::value, decltype(soft_cap)::value>;
+        if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
+        kernel<<<dim3(p.num_splits * row_blocks, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
+        return cudaGetLastError();
+      },
+      p.page_table != nullptr, SoftCap(p).enabled());
+  if (e != cudaSuccess) return e;
   return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
 }
 
