@@ -139,12 +139,17 @@ KERNEL_CASES = {
     "paged16_long_ragged": dict(batch=3, rows=2, hq=8, hkv=2, d=64, capacity=4096, lengths=(4096, 1, 2500),
                                 page_size=16),
     "rows256_falls_back": dict(batch=1, rows=16, hq=16, hkv=1, d=64, capacity=64, lengths=(40,)),
-    # the kernels' paged + soft-cap variants with padding rows (40 of a 64-row block; 4 of a 16-row tile) and tiles
-    # that every row sees beside windowed and causal ones
+    # the kernels' paged + soft-cap variants with padding rows (24 padding rows in a 64-row block: 40 packed rows;
+    # 12 in a 16-row tile: 4 packed rows) and tiles that every row sees beside windowed and causal ones; the wgmma
+    # kernel's 4-stage ring (d64) paged and capped, and its d128 dense capped variant
     "rows40_paged16_softcap_window": dict(batch=2, rows=5, hq=8, hkv=1, d=128, capacity=1024, lengths=(1000, 300),
                                           page_size=16, window=(200, 0), softcap=15.0),
     "paged16_t1_softcap": dict(batch=2, rows=1, hq=8, hkv=2, d=128, capacity=512, lengths=(512, 77), page_size=16,
                                softcap=30.0),
+    "rows48_d64_paged16_softcap": dict(batch=3, rows=6, hq=8, hkv=1, d=64, capacity=2048, lengths=(2048, 700, 130),
+                                       page_size=16, softcap=8.0),
+    "rows64_d128_softcap": dict(batch=2, rows=8, hq=16, hkv=2, d=128, capacity=900, lengths=(900, 500),
+                                softcap=25.0),
 }
 
 
@@ -163,7 +168,7 @@ def test_matches_float64_reference(name, fresh_warnings):
 
 MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_d64_softcap_sinks",
              "rows96_d80_paged16", "rows128_paged64_window", "rows64_paged16_balanced",
-             "rows40_paged16_softcap_window"]
+             "rows40_paged16_softcap_window", "rows48_d64_paged16_softcap"]
 
 
 @pytest.mark.parametrize("name", MANY_ROWS)
@@ -229,11 +234,11 @@ def test_rows_before_the_sequence_see_nothing():
 
 
 @pytest.mark.parametrize("name", ["dense_gqa_t1", "paged16_long_ragged", "rows128_paged64_window",
-                                  "rows64_d64_softcap_sinks"])
+                                  "rows64_d64_softcap_sinks", "rows48_d64_paged16_softcap"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 33, 64, 65])
 def test_independent_of_num_splits(name, num_splits):
-    """Any split count (more splits than key tiles included) gives the default's result within rounding; on a GPU
-    the combine runs a warp per row up to 64 splits (33: a lane's second weight), a block per row past that."""
+    """Any split count (more splits than key tiles included) gives the default's result within rounding, sinks
+    and soft cap included (33, 64, 65: split counts either side of where a combine could change its layout)."""
     base, base_lse, _ = _run(_case(name))
     out, lse, _ = _run(_case(name), num_splits=num_splits)
     np.testing.assert_allclose(out, base, atol=TOL, rtol=TOL)

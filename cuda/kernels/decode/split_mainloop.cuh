@@ -187,8 +187,9 @@ __device__ __forceinline__ void load_q_rows(T* sQ, const FlashParams& p, int b, 
 
 // One thread's cp.async copies of K and V tiles (kBlockN x kD elements in 16-byte chunks): the thread copies column
 // chunk tid % (kD / 8) of rows tid / (kD / 8) + j kRowStep, j < kPerThread, so its source column and the
-// destinations' in-tile offsets are fixed per split and a tile costs an address add, a bound test and two copies
-// per chunk. Keys at or past `hi` (and columns past head_dim) are zero-filled and read nothing. Dense caches: row
+// destinations' in-tile offsets are fixed per split and a tile costs one 64-bit row offset, a bound test and two
+// copies per chunk. Keys at or past `hi` (and columns past head_dim) are zero-filled and read nothing (source size
+// 0; their address is the thread's column of the first row, which for a padded head dim lies past D). Dense caches: row
 // b S + key of the (B S, Hkv, D) cache; paged (kPaged): `pool_rows` (shared memory) holds the pool row of each of
 // the tile's keys (fetch_pool_row: the lookup and clamp once per key, not per chunk).
 template <typename T, typename Traits, bool kPaged>
@@ -220,7 +221,7 @@ struct KVTileLoader {
       const int i = row0 + j * kRowStep;
       const bool pred = col_ok && key0 + i < hi;
       const int64_t row = kPaged ? int64_t(pool_rows[i]) : int64_t(key0 + i);
-      const int64_t off = pred ? row * row_stride : 0;  // an address inside the cache either way
+      const int64_t off = pred ? row * row_stride : 0;  // nothing is read when !pred
       const int dst = Traits::kv_offset(i, col);
       cp_async_16(smem_addr(sK + dst), k + off, pred);
       cp_async_16(smem_addr(sV + dst), v + off, pred);
