@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of decode builds in one device call: for each round, each carried wheel dist/<name>/ in turn (the first
 # build changes each round) runs bench_decode.py with the given arguments (jax_flash only); results under
-# $OUT/<name>-r<round>/. Summaries: python3 tools/decode_ab.py $OUT.
+# $OUT/<name>-r<round>/. Summaries: python3 tools/decode_ab.py $OUT [--table].
 #   bash tools/decode_ab.sh "a b" ROUNDS [bench_decode.py arguments...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,7 @@ ROUNDS=$2
 shift 2
 BASE_OUT=${OUT:-$PWD/decode_ab_out}
 mkdir -p "$BASE_OUT"
+echo "${NAMES[@]}" >"$BASE_OUT/builds"  # decode_ab.py's order: speeds relative to the first
 for ((r = 1; r <= ROUNDS; r++)); do
   for ((i = 0; i < ${#NAMES[@]}; i++)); do
     n=${NAMES[$(((i + r - 1) % ${#NAMES[@]}))]}

@@ -72,6 +72,8 @@ DECODE_CASES = [
     (3, 8, 16, 2, 64, 4096, None, None, dict()),
     (3, 16, 8, 2, 128, 4096, 16, None, dict()),
     (3, 1, 32, 8, 128, 4096, 64, None, dict()),
+    # the wgmma kernel's paged + soft-cap variant with padding rows (40 packed rows) and a window
+    (2, 5, 8, 1, 128, 1024, 16, None, dict(logits_soft_cap=15.0, local_window_size=(200, 0))),
 ]
 
 
