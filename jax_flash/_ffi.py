@@ -159,16 +159,17 @@ def segment_metadata(q_segment_ids, kv_segment_ids):
             jnp.stack([k_min, k_max, row_first, row_end], axis=-1))
 
 
-def _placeholder(q, dtype):
-    """A one-element-per-batch-element stand-in for an absent optional operand (never read; zero-size operands
-    crash XLA:CPU inside an eager shard_map)."""
-    return jnp.zeros((*q.shape[:-3], 1), dtype)
+def _placeholder(lead, dtype):
+    """A one-element-per-batch-element stand-in of shape (*lead, 1) for an absent optional operand (never read;
+    zero-size operands crash XLA:CPU inside an eager shard_map). A numpy array, so that it enters the program as a
+    constant rather than as a kernel that fills it on every call."""
+    return np.zeros((*lead, 1), dtype)
 
 
 def _segment_operands(q, k, q_segment_ids, kv_segment_ids):
     """(q ids, kv ids, q meta, kv meta) for the targets: placeholders when there are none."""
     if q_segment_ids is None:
-        return (_placeholder(q, jnp.int32),) * 4
+        return (_placeholder(q.shape[:-3], np.int32),) * 4
     lead = q.shape[:-3]
     q_ids = jnp.broadcast_to(q_segment_ids.astype(jnp.int32), (*lead, q.shape[-3]))
     kv_ids = jnp.broadcast_to(kv_segment_ids.astype(jnp.int32), (*lead, k.shape[-3]))
@@ -199,7 +200,7 @@ def _dq_accum_workspace_shape(q_shape):
 
 
 def _zero_offsets(offsets, lens):
-    return jnp.zeros_like(lens) if offsets is None else offsets
+    return np.zeros(lens.shape, np.int32) if offsets is None else offsets  # a constant, as _placeholder
 
 
 def _vma(x):
@@ -256,7 +257,7 @@ def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, q_segme
         vmap_method="broadcast_all",
     )
     has_sinks = sinks is not None
-    sinks = (_placeholder(q, jnp.float32) if sinks is None
+    sinks = (_placeholder(q.shape[:-3], np.float32) if sinks is None
              else jnp.broadcast_to(sinks.astype(jnp.float32), (*q.shape[:-3], q.shape[-2])))
     inputs = (q, k, v, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens), _zero_offsets(kv_offsets, kv_lens),
               *_segment_operands(q, k, q_segment_ids, kv_segment_ids), sinks)
@@ -377,9 +378,9 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
         vmap_method="sequential",  # a paged cache is not batched like the query; vmap loops
     )
     paged = page_table is not None
-    table = page_table if paged else jnp.zeros((batch, 1), jnp.int32)
+    table = page_table if paged else _placeholder((batch,), np.int32)
     has_sinks = sinks is not None
-    sinks = (jnp.zeros((batch, 1), jnp.float32) if sinks is None
+    sinks = (_placeholder((batch,), np.float32) if sinks is None
              else jnp.broadcast_to(sinks.astype(jnp.float32), (batch, heads_q)))
     inputs = (q, k_cache, v_cache, kv_lens, table, sinks)
     o, lse, _, _ = call(*inputs, scale=np.float32(scale), is_causal=bool(is_causal),

@@ -132,6 +132,7 @@ def _local_decode(cfg, num_splits, q, k_cache, v_cache, lengths, page_table, sin
     def other(q, k_cache, v_cache, lengths, page_table, sinks):
         k, v = ((_gather_pages(c, page_table) for c in (k_cache, v_cache)) if page_table is not None
                 else (k_cache, v_cache))
+        lengths = jnp.clip(lengths, 0, k.shape[1])  # the decode kernels clamp their own (no XLA kernel per call)
         return _attention._local_forward(cfg, q, k, v, lengths, lengths, None, None, sinks, q_offsets=lengths - rows)
 
     if "cuda" not in cfg.kernel_platforms:
@@ -218,7 +219,6 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
     q, k_cache, v_cache = _forward_only((q, k_cache, v_cache))
 
     rows = q.shape[1]
-    lengths = jnp.clip(kv_lengths, 0, capacity)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if scale < 0:
         q, scale = -q, -scale
@@ -231,7 +231,7 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
                              has_sinks=sinks is not None)
     sinks_bn = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (q.shape[0], q.shape[2]))
     if _attention.sharding._path(q, k_cache, v_cache)[0] == "local":
-        out, lse = _local_decode(cfg, num_splits, q, k_cache, v_cache, lengths, page_table, sinks_bn)
+        out, lse = _local_decode(cfg, num_splits, q, k_cache, v_cache, kv_lengths, page_table, sinks_bn)
     else:  # partitioned as dot_product_attention: by batch and heads (sequence shards of Tq: offsets)
         if page_table is not None:
             if "cuda" in cfg.kernel_platforms:
@@ -240,6 +240,7 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
                                       "kernel (page pools are not partitioned)", stacklevel=2)
             k_cache, v_cache = (_gather_pages(c, page_table) for c in (k_cache, v_cache))
         # Rows are valid up to the sequence's end: q_lens (global) = kv_lengths; row 0 sits at kv_lengths - Tq.
+        lengths = jnp.clip(kv_lengths, 0, capacity)
         out, lse = _attention.sharding.forward(cfg, _sharded_block(num_splits, rows), q, k_cache, v_cache, lengths,
                                                lengths, None, None, sinks_bn, lengths - rows)
     if not return_residual:
