@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of decode builds in one device call: for each round, each carried wheel dist/<name>/ in turn (the first
 # build changes each round) runs bench_decode.py with the given arguments (jax_flash only); results under
-# $OUT/<name>-r<round>/. Summaries: python3 tools/decode_ab.py $OUT [--table].
+# $OUT/<name>-r<round>/; each build runs with its own Python (WHEEL_PYTHON=1: builds of tools/build_pending.sh may
+# differ there). Summaries: python3 tools/decode_ab.py $OUT [--table].
 #   bash tools/decode_ab.sh "a b" ROUNDS [bench_decode.py arguments...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ echo "${NAMES[@]}" >"$BASE_OUT/builds"  # decode_ab.py's order: speeds relative 
 for ((r = 1; r <= ROUNDS; r++)); do
   for ((i = 0; i < ${#NAMES[@]}; i++)); do
     n=${NAMES[$(((i + r - 1) % ${#NAMES[@]}))]}
-    WHEEL=$(ls dist/"$n"/*.whl) OUT="$BASE_OUT/$n-r$r" bash tools/decode_gpu_check.sh bench --impls jax_flash \
+    WHEEL=$(ls dist/"$n"/*.whl) WHEEL_PYTHON=1 OUT="$BASE_OUT/$n-r$r" bash tools/decode_gpu_check.sh bench --impls jax_flash \
       --name "ab-$n-r$r" "$@" >"$BASE_OUT/$n-r$r.log" 2>&1 || echo "$n round $r failed"
   done
 done

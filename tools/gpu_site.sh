@@ -1,7 +1,8 @@
 # Sourced by the one-GPU check scripts (options_gpu_check.sh, decode_gpu_check.sh, bwd_gpu_check.sh), from the
 # repository root, with OUT (results directory), CHECK_NAME and CHECK_ARGS (the summary's first line) set: creates
 # $OUT and $OUT/summary.txt (SUMMARY), defines note() (echo and append to the summary) and status=0, installs the
-# wheel carried in dist/*/ into /tmp/jf_site with the working tree's Python over it, the peers' wheels in .whl/
+# wheel carried in dist/*/ into /tmp/jf_site with the working tree's Python over it (not with WHEEL_PYTHON=1), the
+# peers' wheels in .whl/
 # (FA3-jax, tokamax and theirs) into /tmp/peer_site, and exports the PYTHONPATH and memory settings the tests and
 # benchmarks run with.
 mkdir -p "$OUT"
@@ -12,7 +13,9 @@ status=0
 wheel=${WHEEL:-$(ls dist/*/jax_flash-*-cp312-*.whl | head -1)}  # WHEEL: which carried wheel
 rm -rf /tmp/jf_site  # pip --target keeps an existing package: a warm machine would run the previous call's wheel
 python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
-cp jax_flash/*.py /tmp/jf_site/jax_flash/  # the working tree's Python over the wheel's
+# The working tree's Python over the wheel's (Python edits after the wheel was built), unless WHEEL_PYTHON=1: the
+# wheel's own (A/B of builds whose Python differs, tools/decode_ab.sh).
+[ "${WHEEL_PYTHON:-0}" = 1 ] || cp jax_flash/*.py /tmp/jf_site/jax_flash/
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer_site .whl/*.whl || note "peer install failed"
 fi

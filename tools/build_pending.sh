@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Wheels of kernel changes that wait for a GPU: tools/pending/series lists patches (written on a machine without a
+# GPU, compiled and CPU-tested there, not yet run on a GPU), each applying on top of main and the ones before it.
+# For each NAME (a patch's name without .patch, or "main"), builds main with the series applied up to and including
+# that patch into dist/NAME/ (what tools/decode_ab.sh, ab_bench.sh and the GPU check scripts carry and install).
+# All builds share one source checkout and one build directory, so each wheel recompiles only the translation
+# units its patches change (a first build on two cores takes most of an hour, later ones minutes).
+#   bash tools/build_pending.sh main issue19-dec12 issue19-dec13-2wg
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+src=${PENDING_SRC:-/tmp/jax_flash_pending_src}
+build=${PENDING_BUILD:-/tmp/jax_flash_pending_build}
+[ -d "$src/.git" ] || [ -f "$src/.git" ] || git worktree add -q --detach "$src" HEAD
+mapfile -t series < <(grep -v '^\s*\(#\|$\)' tools/pending/series)
+for name in "$@"; do
+  git -C "$src" checkout -q -f --detach "$(git rev-parse HEAD)"
+  git -C "$src" clean -q -fd
+  if [ "$name" != main ]; then
+    found=0
+    for patch in "${series[@]}"; do
+      git -C "$src" apply --index "$repo/tools/pending/$patch"
+      if [ "${patch%.patch}" = "$name" ]; then found=1; break; fi
+    done
+    [ "$found" = 1 ] || { echo "build_pending: $name is not in tools/pending/series" >&2; exit 2; }
+  fi
+  rm -rf "dist/$name"
+  echo "== $name ($(date -u +%H:%M:%S))"
+  (cd "$src" && pip wheel -q --no-build-isolation --no-deps -w "$repo/dist/$name" -C build-dir="$build" .)
+  ls -l "dist/$name"
+done
