@@ -2,9 +2,17 @@
 
 Metric: bytes of K and V a call must read (sum over sequences of kv_length x Hkv x D x 2 tensors x 2 bytes) per
 second of its median time (2 bytes an element in bfloat16; the CPU smoke run's float32 counts 4), and that as a percentage of the device's HBM peak (H200 4.8 TB/s, H100 3.35 TB/s).
-Times are pipelined: `--calls` calls are enqueued back to back and the total divided by their number (the median
-over repetitions), so Python dispatch overlaps the kernels; a cache below the L2 size (50 MB) may be served partly
-from L2 and show more than the HBM peak (the targets count caches of 64 MB and more only).
+Timing (`--timing`, the median over `--reps` repetitions of a time divided by `--calls`):
+  program    (default) one jitted program makes `--calls` calls one after another (each call's output is the next
+             one's query, so they cannot overlap, as a model's layers do not) and is timed as a whole: the device's
+             time per call (kernels and the gaps between them), as a decode step inside a jitted model sees it,
+             without a Python dispatch per call (which takes about as long as a
+             whole call on the smallest shapes and made them vary 2x between runs). Caches under 256 MB are
+             copied (up to 8 copies) so that consecutive calls read different ones: from 37 MB up, 256 MB (five
+             times the 50 MB L2) are read between two reads of one copy, so no call finds its cache in L2;
+  pipelined  `--calls` jitted calls enqueued back to back from Python on one cache (Python dispatch overlaps
+             the kernels where a call takes longer than its dispatch; a cache below the L2 size may be served
+             partly from it and show more than the HBM peak).
 
 Matrix (issue 19): (Hq, Hkv, D) in {(32, 8, 128), (64, 8, 128), (8, 1, 128), (16, 8, 256)} x Tq in {1, 4, 16} x
 B in {1, 8, 64, 256} x S in {1k, 8k, 32k, 128k} (caches over --max-cache-gb skipped), each with equal lengths (the
@@ -71,17 +79,44 @@ def peak_gbps(device_kind):
     return next((v for k, v in PEAK_GBPS.items() if k in device_kind), None)
 
 
-def _time_us(fn, args, calls, reps):
-    """Median microseconds per call of `calls` pipelined calls (compiled and warmed up first)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+#: Caches smaller than this are copied for program timing, so that no call reads a cache the L2 still holds.
+L2_FLUSH_BYTES = 256 << 20
+
+
+def _time_us(fn, q, caches, n, table, calls, reps, timing):
+    """Median microseconds per call of fn(q, k_cache, v_cache, n, table) (compiled and warmed up first): `calls`
+    chained calls in one jitted program over copies of the caches (timing "program"), or `calls` jitted calls
+    enqueued from Python on the first copy ("pipelined")."""
+    if timing == "program":
+        def chain(q, caches, n, table):
+            for i in range(calls):
+                out = fn(q, *caches[i % len(caches)], n, table)
+                if out.shape != q.shape or out.dtype != q.dtype:
+                    raise TypeError(f"program timing chains calls: an output like the query, got {out.shape} "
+                                    f"{out.dtype}")
+                q = out  # the next call's query: a data dependency, no extra kernel
+            return q
+        run = jax.jit(chain)
+        go = lambda: run(q, caches, n, table)  # noqa: E731
+    else:
+        jitted = jax.jit(fn)
+        go = lambda: [jitted(q, *caches[0], n, table) for _ in range(calls)]  # noqa: E731
+    jax.block_until_ready(go())
+    jax.block_until_ready(go())
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        out = [fn(*args) for _ in range(calls)]
-        jax.block_until_ready(out)
+        jax.block_until_ready(go())
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times) * 1e6
+
+
+def _cache_copies(kc, vc, timing):
+    """[(k, v)]: the caches, and for program timing enough copies of small ones that L2_FLUSH_BYTES lie between
+    two reads of one copy."""
+    nbytes = 2 * kc.size * kc.dtype.itemsize
+    copies = 1 if timing != "program" or nbytes >= L2_FLUSH_BYTES else min(8, -(-L2_FLUSH_BYTES // nbytes) + 1)
+    return [(kc, vc)] + [(kc.copy(), vc.copy()) for _ in range(copies - 1)]
 
 
 def _fa3():
@@ -178,6 +213,7 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
                 kc, vc, table = _paged(k, v, page_size, kp)
             else:
                 kc, vc, table = k, v, None
+            caches = _cache_copies(kc, vc, args.timing)
             for impl in args.impls:
                 fn, why = implementations(impl, tq, layout, splits, meta["platform"])
                 row = dict(impl=impl, B=b, Tq=tq, Sk=s, Hq=hq, Hkv=hkv, D=d, paged=page_size is not None,
@@ -187,7 +223,7 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
                 if fn is None:
                     continue  # does not apply (not a row)
                 try:
-                    us = _time_us(jax.jit(fn), (q, kc, vc, n, table), args.calls, args.reps)
+                    us = _time_us(fn, q, caches, n, table, args.calls, args.reps, args.timing)
                     row.update(us=round(us, 2), gbps=round(kv_bytes / us / 1e3, 1))
                     if meta["peak_gbps"]:
                         row["pct_peak"] = round(100 * row["gbps"] / meta["peak_gbps"], 1)
@@ -197,7 +233,7 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
                 shown = (f"{row['us']:9.1f} us {row['gbps']:8.1f} GB/s" if row["error"] is None
                          else f"error: {row['error'][:80]}")
                 progress(f"B={b} Tq={tq} S={s} {hq}/{hkv}x{d} {lengths_kind:6s} {layout:7s} {impl:14s} {shown}")
-            del kc, vc, table
+            del kc, vc, table, caches
     return rows
 
 
@@ -220,7 +256,9 @@ def markdown(rows, meta):
     lines = [f"# Decode benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
              ("Smoke run without a GPU: the timings are not performance numbers. " if meta["platform"] != "gpu"
               else "") +
-             f"Pipelined medians; TB/s = bytes of K and V read per second; % of the HBM peak "
+             ("Medians of calls in one program (device time per call; caches copied to keep them out of L2)"
+              if meta.get("timing", "pipelined") == "program" else "Pipelined medians") +
+             f"; TB/s = bytes of K and V read per second; % of the HBM peak "
              f"({meta['peak_gbps']} GB/s). xla rows at Tq > 1 are not causal (jax.nn has no bottom-right causal "
              "mask); fa3_jax runs with jax_flash's split count.", "",
              "| Hq/Hkv, D | Tq | B | S | lengths | layout | KV MB | " + " | ".join(impls) + " |",
@@ -300,7 +338,9 @@ def main(argv=None):
     parser.add_argument("--layouts", default=None, help="dense,paged16,paged64")
     parser.add_argument("--lengths", default=None, help="equal,ragged")
     parser.add_argument("--max-cache-gb", type=float, default=40.0, help="skip shapes whose K + V exceed this")
-    parser.add_argument("--calls", type=int, default=20, help="pipelined calls per repetition")
+    parser.add_argument("--calls", type=int, default=20, help="calls per timed repetition")
+    parser.add_argument("--timing", choices=("program", "pipelined"), default="program",
+                        help="calls in one jitted program (device time per call) or jitted calls from Python")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default=None, help="file stem (default decode-<device>-<date>)")
@@ -322,7 +362,7 @@ def main(argv=None):
             parser.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
     meta = dict(device=device.device_kind, platform=platform, jax_version=jax.__version__,
                 date=datetime.date.today().isoformat(), peak_gbps=peak_gbps(device.device_kind),
-                preset=args.preset or ("full" if platform == "gpu" else "smoke"))
+                preset=args.preset or ("full" if platform == "gpu" else "smoke"), timing=args.timing)
     missing = {name: why for name, (fn, why) in (("fa3_jax", _fa3()), ("tokamax", _tokamax()))
                if name in args.impls and fn is None and platform == "gpu"}
     meta["not_installed"] = missing

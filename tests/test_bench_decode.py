@@ -33,6 +33,42 @@ def test_smoke_run_writes_rows_and_table(tmp_path):
     assert all(r["kv_bytes"] == 2 * 256 * 2 * 64 * 2 * 4 for r in equal)  # B S Hkv D, K and V, float32 on the CPU
     md = (tmp_path / "run.md").read_text()
     assert "Smoke run without a GPU" in md and "Targets not checked" in md
+    assert json.loads((tmp_path / "run.json").read_text())["meta"]["timing"] == "program"
+    assert "Medians of calls in one program" in md
+
+
+def test_program_timing_chains_calls_over_cache_copies():
+    """Program timing: each call's output is the next call's query (the calls cannot overlap), and caches under
+    L2_FLUSH_BYTES are copied (distinct buffers) so that consecutive calls read different ones."""
+    import importlib.util
+
+    import jax.numpy as jnp
+
+    spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = []
+
+    def fn(q, k, v, n, table):
+        out = q + 1
+        seen.append((q, k, out))
+        return out
+
+    q, k = jnp.zeros((1, 1, 2, 8)), jnp.zeros((1, 64, 1, 8))
+    caches = bench._cache_copies(k, k, "program")
+    assert len(caches) == 8 and len({id(c[0]) for c in caches}) == 8  # a 4 KB cache: the most copies
+    big = jnp.zeros((bench.L2_FLUSH_BYTES // 2 // 4,), jnp.float32)
+    assert len(bench._cache_copies(big, big, "program")) == 1 and len(bench._cache_copies(k, k, "pipelined")) == 1
+    assert bench._time_us(fn, q, caches, None, None, calls=3, reps=1, timing="program") > 0
+    assert len(seen) == 3  # traced once
+    assert seen[1][0] is seen[0][2] and seen[2][0] is seen[1][2]  # each query is the previous call's output
+    assert len({id(k) for _, k, _ in seen}) == 3  # three different cache copies
+
+
+def test_pipelined_timing_runs(tmp_path):
+    result = _run(tmp_path, "--timing", "pipelined", "--layouts", "dense", "--lengths", "equal")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((tmp_path / "run.json").read_text())["meta"]["timing"] == "pipelined"
 
 
 def test_unknown_layout_is_an_error(tmp_path):
