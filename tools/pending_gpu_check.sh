@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On a GPU machine: checks the pending kernel patches (tools/pending/series) up to TOP (default: the last), whose
+# wheel tools/build_pending.sh built into dist/TOP/ beside dist/main/. Applies the series up to TOP to this copy of
+# the working tree (its tests and scripts), then
+#   tests  decode tests, compute-sanitizer memcheck and racecheck with TOP's wheel (tools/decode_gpu_check.sh tests);
+#   ab     decode A/B of main against TOP (tools/decode_ab.sh: core preset, Tq 1 and 16, dense and paged 16, equal
+#          lengths; ROUNDS rounds, default 2), the per-shape table in $OUT/ab.md;
+#   suite  the attention GPU suite with TOP's wheel (its Python changes reach the forward too).
+# Each mode fits one device call of 600 s; summary lines in $OUT/pending.txt.
+#   OUT=... bash tools/pending_gpu_check.sh "tests ab" [TOP]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+read -r -a MODES <<<"${1:-tests}"
+mapfile -t series < <(grep -v '^\s*\(#\|$\)' tools/pending/series)
+top=${2:-${series[-1]}}
+top=${top%.patch}
+OUT=${OUT:-$PWD/pending_out}
+mkdir -p "$OUT"
+note() { echo "$*" | tee -a "$OUT/pending.txt"; }
+for p in "${series[@]}"; do
+  git apply "tools/pending/$p" || { note "git apply $p failed"; exit 1; }
+  [ "${p%.patch}" = "$top" ] && break
+done
+wheel=$(ls dist/"$top"/*.whl) || { note "no wheel in dist/$top (tools/build_pending.sh $top)"; exit 1; }
+note "pending $top $(date -u +%Y-%m-%dT%H:%MZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+status=0
+for mode in "${MODES[@]}"; do
+  start=$SECONDS
+  case $mode in
+    tests)
+      WHEEL=$wheel OUT=$OUT/tests bash tools/decode_gpu_check.sh tests >"$OUT/tests.log" 2>&1
+      rc=$?; [ $rc -eq 0 ] || status=1
+      note "tests: rc=$rc ($((SECONDS - start)) s); $(tr '\n' ' ' <"$OUT/tests/summary.txt" 2>/dev/null)" ;;
+    ab)
+      OUT=$OUT/ab bash tools/decode_ab.sh "main $top" "${ROUNDS:-2}" --preset core --tq 1,16 --layouts dense,paged16 \
+        --lengths equal --calls 10 --reps 3 >"$OUT/ab.log" 2>&1 || status=1
+      python3 tools/decode_ab.py "$OUT/ab" --table >"$OUT/ab.md" 2>&1 || status=1
+      note "ab: ($((SECONDS - start)) s) $(grep -v '^|' "$OUT/ab.md" | tr '\n' ' ')" ;;
+    suite)
+      rm -rf /tmp/jf_site && python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
+      repo=$PWD
+      (cd /tmp && PYTHONPATH=/tmp/jf_site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 560 python3 -m pytest -q \
+        -p no:cacheprovider -n 4 -m "not slow" "$repo/tests/test_gpu.py" "$repo/tests/test_segments_sinks_softcap.py" \
+        "$repo/tests/test_kernel_choice.py" >"$OUT/suite.log" 2>&1)
+      rc=$?; [ $rc -eq 0 ] || status=1
+      note "suite: rc=$rc $(tail -n 1 "$OUT/suite.log") ($((SECONDS - start)) s)" ;;
+    *) note "unknown mode $mode"; status=2 ;;
+  esac
+done
+exit $status
