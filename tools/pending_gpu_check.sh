@@ -5,6 +5,7 @@
 #   tests  decode tests, compute-sanitizer memcheck and racecheck with TOP's wheel (tools/decode_gpu_check.sh tests);
 #   ab     decode A/B of main against TOP (tools/decode_ab.sh: core preset, Tq 1 and 16, dense and paged 16, equal
 #          lengths; ROUNDS rounds, default 2), the per-shape table in $OUT/ab.md;
+#   abr    the same over dense caches with equal and ragged lengths (balanced splits), table in $OUT/abr.md;
 #   suite  the attention GPU suite with TOP's wheel (its Python changes reach the forward too).
 # Each mode fits one device call of 600 s; summary lines in $OUT/pending.txt.
 #   OUT=... bash tools/pending_gpu_check.sh "tests ab" [TOP]
@@ -31,11 +32,12 @@ for mode in "${MODES[@]}"; do
       WHEEL=$wheel OUT=$OUT/tests bash tools/decode_gpu_check.sh tests >"$OUT/tests.log" 2>&1
       rc=$?; [ $rc -eq 0 ] || status=1
       note "tests: rc=$rc ($((SECONDS - start)) s); $(tr '\n' ' ' <"$OUT/tests/summary.txt" 2>/dev/null)" ;;
-    ab)
-      OUT=$OUT/ab bash tools/decode_ab.sh "main $top" "${ROUNDS:-2}" --preset core --tq 1,16 --layouts dense,paged16 \
-        --lengths equal --calls 10 --reps 3 >"$OUT/ab.log" 2>&1 || status=1
-      python3 tools/decode_ab.py "$OUT/ab" --table >"$OUT/ab.md" 2>&1 || status=1
-      note "ab: ($((SECONDS - start)) s) $(grep -v '^|' "$OUT/ab.md" | tr '\n' ' ')" ;;
+    ab | abr)
+      if [ "$mode" = ab ]; then rows=(--layouts dense,paged16 --lengths equal); else rows=(--layouts dense --lengths equal,ragged); fi
+      OUT=$OUT/$mode bash tools/decode_ab.sh "main $top" "${ROUNDS:-2}" --preset core --tq 1,16 "${rows[@]}" \
+        --calls 10 --reps 3 >"$OUT/$mode.log" 2>&1 || status=1
+      python3 tools/decode_ab.py "$OUT/$mode" --table >"$OUT/$mode.md" 2>&1 || status=1
+      note "$mode: ($((SECONDS - start)) s) $(grep -v '^|' "$OUT/$mode.md" | tr '\n' ' ')" ;;
     suite)
       rm -rf /tmp/jf_site && python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
       repo=$PWD
