@@ -34,7 +34,8 @@ def main(out, table=False):
     groups = collections.defaultdict(list)
     for (b, key), us in med.items():
         if (base, key) in med:
-            groups[(b, key[3], "dense" if key[7] is None else f"paged{key[7]}")].append(med[(base, key)] / us)
+            groups[(b, key[3], "dense" if key[7] is None else f"paged{key[7]}", "ragged" if key[6] else "equal")].append(
+                med[(base, key)] / us)
     print(f"speed relative to {base} (>1: faster), geometric mean over shapes of the median over rounds")
     for g in sorted(groups, key=lambda g: (builds.index(g[0]), g[1:])):
         print(g, f"{statistics.geometric_mean(groups[g]):.3f} (n={len(groups[g])})")
