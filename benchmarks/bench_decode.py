@@ -8,8 +8,11 @@ Timing (`--timing`, the median over `--reps` repetitions of a time divided by `-
              time per call (kernels and the gaps between them), as a decode step inside a jitted model sees it,
              without a Python dispatch per call (which takes about as long as a
              whole call on the smallest shapes and made them vary 2x between runs). Caches under 256 MB are
-             copied (up to 8 copies) so that consecutive calls read different ones: from 37 MB up, 256 MB (five
-             times the 50 MB L2) are read between two reads of one copy, so no call finds its cache in L2;
+             copied (at most one copy per call) so that consecutive calls read different ones: from 256 MB /
+             (calls - 1) up (13 MB at 20 calls), 256 MB (five times the 50 MB L2) are read between two reads of one
+             copy, so no call finds its cache in L2 (smaller caches still may). Each call's cache passes through an
+             optimization barrier, so XLA cannot merge work that depends on the cache alone across calls (the xla
+             path's K/V transposes: each layer of a model reads its own cache);
   pipelined  `--calls` jitted calls enqueued back to back from Python on one cache (Python dispatch overlaps
              the kernels where a call takes longer than its dispatch; a cache below the L2 size may be served
              partly from it and show more than the HBM peak).
@@ -79,8 +82,24 @@ def peak_gbps(device_kind):
     return next((v for k, v in PEAK_GBPS.items() if k in device_kind), None)
 
 
-#: Caches smaller than this are copied for program timing, so that no call reads a cache the L2 still holds.
+#: Caches smaller than this are copied for program timing, so that (from L2_FLUSH_BYTES / (calls - 1) up) no call
+#: reads a cache the L2 still holds.
 L2_FLUSH_BYTES = 256 << 20
+
+
+def _chained(fn, calls):
+    """(q, caches, n, table) -> the last of `calls` calls of fn, each call's query the previous call's output (a
+    data dependency, no extra kernel: the calls run one after another) and its cache caches[i % len(caches)] through
+    an optimization barrier (a fresh value per call: no cache-only work, such as a transpose, is shared)."""
+    def chain(q, caches, n, table):
+        for i in range(calls):
+            q, k, v = jax.lax.optimization_barrier((q, *caches[i % len(caches)]))
+            out = fn(q, k, v, n, table)
+            if out.shape != q.shape or out.dtype != q.dtype:
+                raise TypeError(f"program timing chains calls: an output like the query, got {out.shape} {out.dtype}")
+            q = out
+        return q
+    return chain
 
 
 def _time_us(fn, q, caches, n, table, calls, reps, timing):
@@ -88,15 +107,7 @@ def _time_us(fn, q, caches, n, table, calls, reps, timing):
     chained calls in one jitted program over copies of the caches (timing "program"), or `calls` jitted calls
     enqueued from Python on the first copy ("pipelined")."""
     if timing == "program":
-        def chain(q, caches, n, table):
-            for i in range(calls):
-                out = fn(q, *caches[i % len(caches)], n, table)
-                if out.shape != q.shape or out.dtype != q.dtype:
-                    raise TypeError(f"program timing chains calls: an output like the query, got {out.shape} "
-                                    f"{out.dtype}")
-                q = out  # the next call's query: a data dependency, no extra kernel
-            return q
-        run = jax.jit(chain)
+        run = jax.jit(_chained(fn, calls))
         go = lambda: run(q, caches, n, table)  # noqa: E731
     else:
         jitted = jax.jit(fn)
@@ -111,11 +122,12 @@ def _time_us(fn, q, caches, n, table, calls, reps, timing):
     return statistics.median(times) * 1e6
 
 
-def _cache_copies(kc, vc, timing):
-    """[(k, v)]: the caches, and for program timing enough copies of small ones that L2_FLUSH_BYTES lie between
-    two reads of one copy."""
+def _cache_copies(kc, vc, timing, calls):
+    """[(k, v)]: the caches, and for program timing copies of small ones, enough that L2_FLUSH_BYTES lie between two
+    reads of one copy where `calls` copies suffice (at most one copy per call)."""
     nbytes = 2 * kc.size * kc.dtype.itemsize
-    copies = 1 if timing != "program" or nbytes >= L2_FLUSH_BYTES else min(8, -(-L2_FLUSH_BYTES // nbytes) + 1)
+    copies = (1 if timing != "program" or nbytes >= L2_FLUSH_BYTES
+              else max(1, min(calls, -(-L2_FLUSH_BYTES // nbytes) + 1)))
     return [(kc, vc)] + [(kc.copy(), vc.copy()) for _ in range(copies - 1)]
 
 
@@ -213,7 +225,7 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
                 kc, vc, table = _paged(k, v, page_size, kp)
             else:
                 kc, vc, table = k, v, None
-            caches = _cache_copies(kc, vc, args.timing)
+            caches = _cache_copies(kc, vc, args.timing, args.calls)
             for impl in args.impls:
                 fn, why = implementations(impl, tq, layout, splits, meta["platform"])
                 row = dict(impl=impl, B=b, Tq=tq, Sk=s, Hq=hq, Hkv=hkv, D=d, paged=page_size is not None,
@@ -256,7 +268,7 @@ def markdown(rows, meta):
     lines = [f"# Decode benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
              ("Smoke run without a GPU: the timings are not performance numbers. " if meta["platform"] != "gpu"
               else "") +
-             ("Medians of calls in one program (device time per call; caches copied to keep them out of L2)"
+             ("Medians of chained calls in one program (device time per call; small caches copied out of L2)"
               if meta.get("timing", "pipelined") == "program" else "Pipelined medians") +
              f"; TB/s = bytes of K and V read per second; % of the HBM peak "
              f"({meta['peak_gbps']} GB/s). xla rows at Tq > 1 are not causal (jax.nn has no bottom-right causal "

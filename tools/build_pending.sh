@@ -4,7 +4,8 @@
 # For each NAME (a patch's name without .patch, or "main"), builds main with the series applied up to and including
 # that patch into dist/NAME/ (what tools/decode_ab.sh, ab_bench.sh and the GPU check scripts carry and install).
 # All builds share one source checkout and one build directory, so each wheel recompiles only the translation
-# units its patches change (a first build on two cores takes most of an hour, later ones minutes).
+# units whose files differ from the previous build's (a first build on two cores takes most of an hour, later ones
+# minutes).
 #   bash tools/build_pending.sh main issue19-dec12 issue19-dec13-2wg
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,9 @@ src=${PENDING_SRC:-/tmp/jax_flash_pending_src}
 build=${PENDING_BUILD:-/tmp/jax_flash_pending_build}
 [ -d "$src/.git" ] || [ -f "$src/.git" ] || git worktree add -q --detach "$src" HEAD
 mapfile -t series < <(grep -v '^\s*\(#\|$\)' tools/pending/series)
+[ $# -gt 0 ] || { echo "usage: build_pending.sh NAME... (main or a patch of tools/pending/series)" >&2; exit 2; }
 for name in "$@"; do
+  [ -n "$name" ] || { echo "build_pending: empty name" >&2; exit 2; }
   git -C "$src" checkout -q -f --detach "$(git rev-parse HEAD)"
   git -C "$src" clean -q -fd
   if [ "$name" != main ]; then

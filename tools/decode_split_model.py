@@ -4,8 +4,9 @@ scheduling of the split blocks in launch order on the GPU's resident-block slots
 For a batch of B sequences of random lengths (uniform in [1, S], as bench_decode.py's ragged rows) and Hkv kv heads,
 with `per_sm` resident blocks per SM (from the kernel's shared memory and threads, jax_flash._ffi.decode_splits):
 the equal split count fills one wave, the grid holds twice it, and each sequence takes ceil(tiles_b / share) blocks
-of about `share` 64-key tiles. Two rules for the share: "first" (ceil(total / target), target = B x splits per kv
-head: session 14's v7) and "fit" (raised until the rounded-up counts fit the target: dec15). Work per block = its
+of about `share` 64-key tiles (head dim 256 has 32-key tiles: the same with S doubled). Two rules for the share:
+"first" (ceil(total / target), target = B x splits per kv head: session 18's v7) and "fit" (raised, at most four
+times, until the rounded-up counts fit the target: dec15). The packed-row bound on splits is left out. Work per block = its
 tiles; blocks start in launch order on the first free slot. Prints the mean active blocks per slot and the makespan
 over the perfectly balanced one (mean and 90th percentile over `--trials` draws).
 A model, not a measurement: blocks run at one speed however many share the memory system (a memory-bound tail runs
@@ -36,8 +37,9 @@ def schedule(batch, heads_kv, seqlen, per_sm, sms, rule, rng):
             share = max(share + 1, -(-share * count // target))
     splits = splits_of(share)
     per = -(-tiles // splits)
-    work = [min(per[b], tiles[b] - i * per[b]) for b in range(batch) for i in range(splits[b])
-            if tiles[b] > i * per[b]] * heads_kv
+    # Launch order of the grid (split fastest, then kv head, then batch element); empty splits take no slot time.
+    work = [min(per[b], tiles[b] - i * per[b]) for b in range(batch) for _ in range(heads_kv)
+            for i in range(splits[b]) if tiles[b] > i * per[b]]
     finish = [0] * slots
     for w in work:
         heapq.heappush(finish, heapq.heappop(finish) + w)

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # On a GPU machine: checks the pending kernel patches (tools/pending/series) up to TOP (default: the last), whose
-# wheel tools/build_pending.sh built into dist/TOP/ beside dist/main/. Applies the series up to TOP to this copy of
-# the working tree (its tests and scripts), then
+# wheel tools/build_pending.sh built into dist/TOP/ beside dist/main/. Applies the series up to TOP to a scratch copy
+# of the working tree (/tmp/jf_pending, made afresh each call: a warm machine may keep files of an earlier call) and
+# runs from there (its tests and scripts), then
 #   tests  decode tests, compute-sanitizer memcheck and racecheck with TOP's wheel (tools/decode_gpu_check.sh tests);
 #   ab     decode A/B of main against TOP (tools/decode_ab.sh: core preset, Tq 1 and 16, dense and paged 16, equal
 #          lengths; ROUNDS rounds, default 2), the per-shape table in $OUT/ab.md;
 #   abr    the same over dense caches with equal and ragged lengths (balanced splits), table in $OUT/abr.md;
 #   suite  the attention GPU suite with TOP's wheel (its Python changes reach the forward too).
-# Each mode fits one device call of 600 s; summary lines in $OUT/pending.txt.
+# One device call per mode (tests: up to ~7 minutes under decode_gpu_check.sh's timeouts; ab / abr: ~5-8 minutes at
+# 2 rounds); summary lines in $OUT/pending.txt.
 #   OUT=... bash tools/pending_gpu_check.sh "tests ab" [TOP]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +19,11 @@ top=${2:-${series[-1]}}
 top=${top%.patch}
 OUT=${OUT:-$PWD/pending_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 note() { echo "$*" | tee -a "$OUT/pending.txt"; }
+printf '%s\n' "${series[@]}" | grep -qx "$top.patch" || { note "$top is not in tools/pending/series"; exit 2; }
+command -v git >/dev/null || { note "git is needed to apply the patches"; exit 1; }
+rm -rf /tmp/jf_pending && cp -a . /tmp/jf_pending && cd /tmp/jf_pending || exit 1
 for p in "${series[@]}"; do
   git apply "tools/pending/$p" || { note "git apply $p failed"; exit 1; }
   [ "${p%.patch}" = "$top" ] && break
