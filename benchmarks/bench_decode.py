@@ -12,7 +12,8 @@ Timing (`--timing`, the median over `--reps` repetitions of a time divided by `-
              (calls - 1) up (13 MB at 20 calls), 256 MB (five times the 50 MB L2) are read between two reads of one
              copy, so no call finds its cache in L2 (smaller caches still may). Each call's cache passes through an
              optimization barrier, so XLA cannot merge work that depends on the cache alone across calls (the xla
-             path's K/V transposes: each layer of a model reads its own cache);
+             path's K/V transposes: each layer of a model reads its own cache; jax >= 0.11: older XLA merges
+             across the barrier);
   pipelined  `--calls` jitted calls enqueued back to back from Python on one cache (Python dispatch overlaps
              the kernels where a call takes longer than its dispatch; a cache below the L2 size may be served
              partly from it and show more than the HBM peak).
