@@ -91,7 +91,8 @@ struct FlashParams {
   int num_pages;
   int num_splits;
   // Splits of one size across the batch (the grid holds twice the splits an equal share needs): batch element b
-  // takes ceil(tiles_b / share) of its num_splits splits, share = ceil(sum of tiles / (batch * num_splits / 2)).
+  // takes ceil(tiles_b / share) of its num_splits splits, share at least sum of tiles / (batch * num_splits / 2),
+  // raised until the splits fit batch * num_splits / 2 blocks (decode/split_mainloop.cuh split_tiles).
   // Otherwise each element's key range splits into num_splits equal shares.
   bool balance_splits;
   float* o_partial;

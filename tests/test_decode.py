@@ -116,7 +116,7 @@ def _run(case, num_splits=None, seed=0):
 
 
 # Shapes for the decode kernels' variants on a GPU (the mma.sync kernel's 1, 2, 4 and 8 row tiles; on compute
-# capability 9.0 the wgmma kernel past 32 packed rows at head dims up to 128, one and two blocks of 64 rows; padded
+# capability 9.0 the wgmma kernel past 32 packed rows at head dims up to 128, one and two warpgroups; padded
 # head dims; many splits), and one past 128 packed rows (the attention kernel runs, with a warning).
 KERNEL_CASES = {
     "rows32_ragged": dict(batch=2, rows=4, hq=16, hkv=2, d=128, capacity=1000, lengths=(1000, 333)),
@@ -150,6 +150,16 @@ KERNEL_CASES = {
                                        page_size=16, softcap=8.0),
     "rows64_d128_softcap": dict(batch=2, rows=8, hq=16, hkv=2, d=128, capacity=900, lengths=(900, 500),
                                 softcap=25.0),
+    # 1024 output rows (B x Tq x Hq): split calls of up to 64 splits take the warp-per-row combine (24 float4
+    # columns at d96: lanes without a column)
+    "rows1024_d96_softcap_sinks": dict(batch=8, rows=16, hq=8, hkv=1, d=96, capacity=300,
+                                       lengths=(300, 1, 150, 77, 299, 64, 65, 200), softcap=18.0, sinks=True),
+    # the wgmma kernel's two warpgroups: d64 (5-stage ring) paged, capped, with sinks and 48 padding rows; d128
+    # (6 stages) capped over a ragged batch (balanced splits, a sequence of one key)
+    "rows80_d64_paged16_softcap_sinks": dict(batch=2, rows=10, hq=8, hkv=1, d=64, capacity=2000, lengths=(2000, 450),
+                                             page_size=16, softcap=12.0, sinks=True),
+    "rows128_softcap_ragged": dict(batch=3, rows=16, hq=8, hkv=1, d=128, capacity=3000, lengths=(3000, 1, 1777),
+                                   softcap=20.0),
 }
 
 
@@ -168,7 +178,8 @@ def test_matches_float64_reference(name, fresh_warnings):
 
 MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_d64_softcap_sinks",
              "rows96_d80_paged16", "rows128_paged64_window", "rows64_paged16_balanced",
-             "rows40_paged16_softcap_window", "rows48_d64_paged16_softcap"]
+             "rows40_paged16_softcap_window", "rows48_d64_paged16_softcap",
+             "rows80_d64_paged16_softcap_sinks", "rows128_softcap_ragged"]
 
 
 @pytest.mark.parametrize("name", MANY_ROWS)
@@ -204,23 +215,23 @@ def test_force_kernel_reaches_the_decode_target():
 
 def test_decode_launch_shape_follows_the_kernel_choice():
     """The split count is sized from the kernel a call runs: on compute capability 9.0 a call of 64 packed rows at
-    head dim 128 runs the wgmma kernel (one warpgroup), 128 rows two of its blocks per split, forced to the sm_80
-    class the mma.sync kernel (eight warps)."""
+    head dim 128 runs the wgmma kernel (one warpgroup, 3 stages), 128 rows one block of two warpgroups (6 stages),
+    forced to the sm_80 class the mma.sync kernel (eight warps)."""
     if not ON_GPU:
         pytest.skip("needs the CUDA module and a GPU")
     from jax_flash import _ffi
     shape = _ffi._jax_flash_cuda.decode_launch_shape
-    mma_sync_64 = ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256, 1)
+    mma_sync_64 = ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
     assert shape(128, 64, _ffi.KERNELS["sm80"]) == mma_sync_64
-    assert shape(128, 32, _ffi.KERNELS["auto"]) == ((32 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256, 1)
-    assert shape(64, 300, _ffi.KERNELS["auto"]) == (0, 0, 0)
+    assert shape(128, 32, _ffi.KERNELS["auto"]) == ((32 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
+    assert shape(64, 300, _ffi.KERNELS["auto"]) == (0, 0)
     # head dim 256 stays on the mma.sync kernel everywhere (two row tiles of 32-key slices: four warps)
-    assert shape(256, 32, _ffi.KERNELS["auto"]) == ((32 * 256 + 2 * 3 * 32 * 256) * 2 + 3 * 32 * 4, 128, 1)
+    assert shape(256, 32, _ffi.KERNELS["auto"]) == ((32 * 256 + 2 * 3 * 32 * 256) * 2 + 3 * 32 * 4, 128)
     if getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0":
-        wgmma = (64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4
-        assert shape(128, 64, _ffi.KERNELS["auto"]) == (wgmma, 128, 1)
-        assert shape(128, 128, _ffi.KERNELS["auto"]) == (wgmma, 128, 2)
-        assert shape(64, 33, _ffi.KERNELS["auto"]) == ((64 * 64 + 2 * 4 * 64 * 64) * 2 + 4 * 64 * 4, 128, 1)
+        assert shape(128, 64, _ffi.KERNELS["auto"]) == ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 128)
+        assert shape(128, 128, _ffi.KERNELS["auto"]) == ((128 * 128 + 2 * 6 * 64 * 128) * 2 + 6 * 64 * 4, 256)
+        assert shape(64, 33, _ffi.KERNELS["auto"]) == ((64 * 64 + 2 * 4 * 64 * 64) * 2 + 4 * 64 * 4, 128)
+        assert shape(64, 65, _ffi.KERNELS["auto"]) == ((128 * 64 + 2 * 5 * 64 * 64) * 2 + 5 * 64 * 4, 256)
     else:
         assert shape(128, 64, _ffi.KERNELS["auto"]) == mma_sync_64
 
@@ -234,11 +245,13 @@ def test_rows_before_the_sequence_see_nothing():
 
 
 @pytest.mark.parametrize("name", ["dense_gqa_t1", "paged16_long_ragged", "rows128_paged64_window",
-                                  "rows64_d64_softcap_sinks", "rows48_d64_paged16_softcap"])
+                                  "rows64_d64_softcap_sinks", "rows48_d64_paged16_softcap",
+                                  "rows1024_d96_softcap_sinks"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 33, 64, 65])
 def test_independent_of_num_splits(name, num_splits):
     """Any split count (more splits than key tiles included) gives the default's result within rounding, sinks
-    and soft cap included (33, 64, 65: split counts either side of where a combine could change its layout)."""
+    and soft cap included (33, 64, 65: split counts either side of where the combine changes kernel; 1024 output
+    rows take the warp-per-row one up to 64 splits)."""
     base, base_lse, _ = _run(_case(name))
     out, lse, _ = _run(_case(name), num_splits=num_splits)
     np.testing.assert_allclose(out, base, atol=TOL, rtol=TOL)
@@ -402,10 +415,12 @@ def test_split_count_fills_one_wave(monkeypatch):
     threads), with at least two key tiles per split and bounded partial-result traffic."""
     from jax_flash import _ffi
 
-    class FakeCudaModule:  # the CUDA module's answer for a d128 single-row-tile kernel: ~100 KB, 128 threads
+    class FakeCudaModule:
+        # the CUDA module's answer at d128: ~100 KB and 128 threads up to 64 packed rows, ~226 KB and 256 threads
+        # (one block an SM) past that
         @staticmethod
         def decode_launch_shape(head_dim, packed_rows, kernel):
-            return (102 * 1024, 128, 2 if packed_rows > 64 else 1)
+            return (226 * 1024, 256) if packed_rows > 64 else (102 * 1024, 128)
 
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
     monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)
@@ -414,8 +429,10 @@ def test_split_count_fills_one_wave(monkeypatch):
     assert _ffi.decode_splits((64, 1, 32, 128), 8, 8192) == 1
     # short caches: at least two 64-key tiles per split; many packed rows: the partials' traffic bound
     assert _ffi.decode_splits((1, 1, 32, 128), 8, 512) == 4
-    assert _ffi.decode_splits((1, 16, 32, 128), 8, 4096) == 4096 // (16 * 64)
-    # two blocks of rows per split (128 packed rows): half the splits
+    assert _ffi.decode_splits((1, 16, 32, 128), 8, 4096) == 4096 // (8 * 64)
+    # one sequence of 128 packed rows (MQA at Tq 16): 128 of the 132 SMs' blocks (the bound at a quarter)
+    assert _ffi.decode_splits((1, 16, 8, 128), 1, 131072) == 128
+    # 128 packed rows: one block an SM holds, half the splits
     assert _ffi.decode_splits((1, 16, 64, 128), 8, 131072) == 16
     # left to jax_flash, a batch of several sequences gets twice the splits, of one size across the batch; one
     # sequence, or one split each, stays as it is

@@ -15,6 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 read -r -a MODES <<<"${1:-tests}"
 mapfile -t series < <(grep -v '^\s*\(#\|$\)' tools/pending/series)
+[ ${#series[@]} -gt 0 ] || { echo "pending_gpu_check: tools/pending/series lists no patch" >&2; exit 2; }
 top=${2:-${series[-1]}}
 top=${top%.patch}
 OUT=${OUT:-$PWD/pending_out}

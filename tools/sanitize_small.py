@@ -74,6 +74,15 @@ DECODE_CASES = [
     (3, 1, 32, 8, 128, 4096, 64, None, dict()),
     # the wgmma kernel's paged + soft-cap variant with padding rows (40 packed rows) and a window
     (2, 5, 8, 1, 128, 1024, 16, None, dict(logits_soft_cap=15.0, local_window_size=(200, 0))),
+    # 1024 output rows of 8 splits: the warp-per-row combine (16 float4 columns at d64: half the lanes idle)
+    (8, 16, 8, 1, 64, 300, None, 8, dict(sinks=True)),
+    # two warpgroups of the wgmma kernel at d64 (the 5-stage ring), paged + soft cap + sinks, 48 padding rows
+    (2, 10, 8, 1, 64, 2000, 16, None, dict(logits_soft_cap=12.0, sinks=True)),
+    # two warpgroups at d128 (the 6-stage ring at the shared-memory limit), paged + soft cap, and dense ragged
+    (2, 16, 8, 1, 128, 3000, 64, None, dict(logits_soft_cap=20.0)),
+    (3, 16, 8, 1, 128, 3000, None, None, dict()),
+    # more splits than the warp-per-row combine takes (the block-per-row one)
+    (1, 1, 32, 8, 128, 8192, None, 100, dict(sinks=True)),
 ]
 
 

@@ -147,11 +147,12 @@ bool use_decode_wgmma(int head_dim, int packed_rows, KernelChoice choice) {
 DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice) {
   const int kd = head_dim_class(head_dim);
   if (use_decode_wgmma(head_dim, packed_rows, choice)) {
-    return {decode::WgmmaSmemBytes(kd), decode::kWgmmaThreads, decode::WgmmaRowBlocks(packed_rows)};
+    const int groups = decode::WgmmaGroups(packed_rows);
+    return {decode::WgmmaSmemBytes(kd, groups), decode::WgmmaThreads(groups)};
   }
   const int row_tiles = decode::RowTiles(packed_rows);
-  if (packed_rows < 1 || row_tiles == 0) return {0, 0, 0};
-  return {decode::SmemBytes(kd, row_tiles), decode::Threads(kd, row_tiles), 1};
+  if (packed_rows < 1 || row_tiles == 0) return {0, 0};
+  return {decode::SmemBytes(kd, row_tiles), decode::Threads(kd, row_tiles)};
 }
 
 const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice) {

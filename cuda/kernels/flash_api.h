@@ -22,13 +22,12 @@ inline constexpr int kMaxDecodeRows = 128;
 cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream_t stream);
 // Empty string when the decode kernels can run `p` on the current device; otherwise why not.
 const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice);
-// The split kernel's dynamic shared memory (bytes), threads per block and blocks per split (row blocks) that a decode
-// call of `packed_rows` rows at `head_dim` runs with on the current device ({0, 0, 0} past kMaxDecodeRows): the split
-// count is sized from them.
+// The split kernel's dynamic shared memory (bytes) and threads per block (one block per split) that a decode call of
+// `packed_rows` rows at `head_dim` runs with on the current device ({0, 0} past kMaxDecodeRows): the split count is
+// sized from them.
 struct DecodeLaunchShape {
   int smem_bytes;
   int threads;
-  int blocks_per_split;
 };
 DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice);
 

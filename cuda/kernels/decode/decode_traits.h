@@ -33,17 +33,21 @@ constexpr int SmemBytes(int kd, int row_tiles) {
 constexpr int Threads(int kd, int row_tiles) { return Warps(kd, row_tiles) * 32; }
 
 // The sm_90a wgmma split kernel (kernels/sm90/flash_decode_wgmma_sm90.cuh), for more than 32 packed rows at head dims
-// up to 128, where mma.sync's issue rate paces the stream: one warpgroup computes 64 packed rows; more rows take
-// more blocks of 64 rows (each reads the same K/V tiles, the second from L2), so that two blocks share an SM.
-// K/V tiles of 64 keys, a ring of 3 stages (112 KB at head dim 128) or 4 (head dim 64).
+// up to 128, where mma.sync's issue rate paces the stream: each warpgroup computes 64 packed rows; 65-128 rows take
+// one block of two warpgroups that share every K/V tile (one copy of each tile per split). K/V tiles of 64 keys; the
+// ring as deep as the shared memory allows at the blocks an SM holds: one warpgroup 3 stages at head dim 128 (112 KB,
+// two blocks an SM) or 4 at 64; two warpgroups 6 stages at 128 (226 KB, one block an SM) or 5 at 64 (two an SM).
 inline constexpr int kWgmmaMinRows = 33;
-inline constexpr int kWgmmaRows = 64;
+inline constexpr int kWgmmaGroupRows = 64;  // packed rows per warpgroup
 inline constexpr int kWgmmaBlockN = 64;
-constexpr int WgmmaRowBlocks(int rows) { return (rows + kWgmmaRows - 1) / kWgmmaRows; }
-constexpr int WgmmaStages(int kd) { return kd <= 64 ? 4 : 3; }
-constexpr int WgmmaSmemBytes(int kd) {
-  return (kWgmmaRows * kd + 2 * WgmmaStages(kd) * kWgmmaBlockN * kd) * 2 + WgmmaStages(kd) * kWgmmaBlockN * 4;
+constexpr int WgmmaGroups(int rows) { return rows <= kWgmmaGroupRows ? 1 : 2; }
+constexpr int WgmmaStages(int kd, int groups) { return groups == 1 ? (kd <= 64 ? 4 : 3) : (kd <= 64 ? 5 : 6); }
+constexpr int WgmmaSmemBytes(int kd, int groups) {
+  return (groups * kWgmmaGroupRows * kd + 2 * WgmmaStages(kd, groups) * kWgmmaBlockN * kd) * 2 +
+         WgmmaStages(kd, groups) * kWgmmaBlockN * 4;
 }
-inline constexpr int kWgmmaThreads = 128;
+constexpr int WgmmaThreads(int groups) { return groups * 128; }
+static_assert(WgmmaSmemBytes(128, 2) <= 227 * 1024 && 2 * (WgmmaSmemBytes(64, 2) + 1024) <= 228 * 1024 &&
+              2 * (WgmmaSmemBytes(128, 1) + 1024) <= 228 * 1024);
 
 }  // namespace jax_flash::cuda::decode

@@ -15,10 +15,10 @@
 //   * masks at positions: row r sits at kv_length - Tq + t (bottom-right causal), windows from there.
 //
 // Partial results (float32 O normalised by its own sum, and its lse: -inf where the split sees no key of the row) go
-// to p.o_partial / p.lse_partial; flash_decode_combine_kernel writes O and lse (with the sink). With one split the
-// split kernel writes O and lse itself and no combine runs (many sequences: the combine's block per row and the
-// partials' float32 traffic cost more than the attention there). A row whose visible
-// logits are all -inf (infinite inputs) counts as seeing no key here (0, where jax.nn gives nan).
+// to p.o_partial / p.lse_partial; a combine kernel (combine.cuh) writes O and lse (with the sink). With one split the
+// split kernel writes O and lse itself and no combine runs (many sequences: the combine and the partials' float32
+// traffic would cost more than the attention there). A row whose visible logits are all -inf (infinite inputs)
+// counts as seeing no key here (0, where jax.nn gives nan).
 #pragma once
 
 #include <cmath>
@@ -208,102 +208,6 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
   }
   if (!computes) return;
   store_split_rows<T, kDTiles>(p, split, b, hk, rows, row0, g, t, &acc_o[0][0], row_max, row_sum);
-}
-
-// One CTA per (batch, step, query head) row: O = sum_s w_s O_s with w_s = exp(lse_s - lse) and lse = log(sum_s
-// exp(lse_s) + exp(sink)). Splits are spread over the threads (the weights first, then float4 columns x split
-// groups with a shared-memory reduction), so many splits of few rows cost little. A row that no split lets see a
-// key: O = 0, lse = +inf (the kernels' convention; jax_flash.decode_attention turns it into -inf or the sink).
-inline constexpr int kCombineThreads = 256;
-template <typename T>
-__global__ void __launch_bounds__(kCombineThreads) flash_decode_combine_kernel(const FlashParams p) {
-  __shared__ float s_weight[kMaxDecodeSplits];
-  __shared__ float4 s_acc[kCombineThreads];
-  __shared__ float s_red[kCombineThreads / kWarpSize];
-  const int64_t idx = blockIdx.x;  // ((b * Tq) + step) * Hq + h
-  const int h = int(idx % p.heads_q);
-  const int step = int(idx / p.heads_q % p.seqlen_q);
-  const int b = int(idx / p.heads_q / p.seqlen_q);
-  const int tid = threadIdx.x;
-  const int64_t split_rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
-  const int64_t lse_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + step;
-  const int splits = p.num_splits;
-
-  // Block-wide max (nan: any split's) and sum.
-  auto block_reduce = [&](float v, bool is_max) {
-    v = is_max ? warp_max(v) : warp_sum(v);
-    __syncthreads();  // s_red free
-    if (tid % kWarpSize == 0) s_red[tid / kWarpSize] = v;
-    __syncthreads();
-    v = s_red[0];
-    for (int w = 1; w < kCombineThreads / kWarpSize; ++w) v = is_max ? fmaxf(v, s_red[w]) : v + s_red[w];
-    return v;
-  };
-  float top = -INFINITY, nan_seen = 0.f;
-  for (int s = tid; s < splits; s += kCombineThreads) {
-    const float l = p.lse_partial[s * split_rows + lse_off];
-    s_weight[s] = l;
-    top = fmaxf(top, l);
-    nan_seen += l != l ? 1.f : 0.f;
-  }
-  top = block_reduce(top, true);
-  const bool any_nan = block_reduce(nan_seen, false) > 0.f;
-  const float sink = p.sinks != nullptr ? p.sinks[int64_t(b) * p.heads_q + h] : -INFINITY;
-  T* out = static_cast<T*>(p.o) + idx * p.head_dim;
-  if (top == -INFINITY && !any_nan) {  // sees no key
-    for (int c = tid; c < p.head_dim; c += kCombineThreads) out[c] = T(0.f);
-    if (tid == 0) p.lse[lse_off] = INFINITY;
-    return;
-  }
-  const float m = fmaxf(top, sink);
-  float part = 0.f;
-  for (int s = tid; s < splits; s += kCombineThreads) {
-    const float l = s_weight[s];
-    const float w = l == -INFINITY ? 0.f : expf(l - m);
-    s_weight[s] = w;
-    part += w;
-  }
-  float total = block_reduce(part, false) + (sink == -INFINITY ? 0.f : expf(sink - m));
-  if (any_nan) total = NAN;
-  const float inv = 1.f / total;
-  __syncthreads();  // s_weight holds the unnormalised weights
-
-  // Columns in float4s x groups of splits.
-  const int cols = p.head_dim / 4;
-  const int groups = kCombineThreads / cols;
-  const int col = tid % cols, group = tid / cols;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (group < groups) {
-    const float* o = p.o_partial + idx * p.head_dim + col * 4;
-#pragma unroll 4
-    for (int s = group; s < splits; s += groups) {
-      const float w = s_weight[s];
-      if (w == 0.f) continue;
-      const float4 v = *reinterpret_cast<const float4*>(o + s * split_rows * p.head_dim);
-      acc.x += w * v.x;
-      acc.y += w * v.y;
-      acc.z += w * v.z;
-      acc.w += w * v.w;
-    }
-  }
-  s_acc[tid] = acc;
-  __syncthreads();
-  if (tid < cols) {
-    float4 sum = s_acc[tid];
-    for (int g = 1; g < groups; ++g) {
-      const float4 v = s_acc[g * cols + tid];
-      sum.x += v.x;
-      sum.y += v.y;
-      sum.z += v.z;
-      sum.w += v.w;
-    }
-    T* dst = out + tid * 4;
-    dst[0] = T(sum.x * inv);
-    dst[1] = T(sum.y * inv);
-    dst[2] = T(sum.z * inv);
-    dst[3] = T(sum.w * inv);
-  }
-  if (tid == 0) p.lse[lse_off] = m + logf(total);
 }
 
 }  // namespace jax_flash::cuda::decode

@@ -7,16 +7,24 @@
 #include <cuda_fp16.h>
 
 #include "kernels/common/launch_utils.h"
+#include "kernels/decode/combine.cuh"
 #include "kernels/decode/flash_decode.cuh"
 #include "kernels/flash_api.h"
 
 namespace jax_flash::cuda {
 
-// The combine kernel that merges the split kernel's partial results: one block per (batch, step, query head) row.
+// The combine kernel that merges the split kernel's partial results: a warp per (batch, step, query head) row for
+// many rows of few splits, a block per row otherwise (combine.cuh).
 template <typename T>
 cudaError_t launch_decode_combine(const FlashParams& p, cudaStream_t stream) {
-  decode::flash_decode_combine_kernel<T>
-      <<<unsigned(int64_t(p.batch) * p.seqlen_q * p.heads_q), decode::kCombineThreads, 0, stream>>>(p);
+  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
+  if (p.num_splits <= decode::kCombineWarpSplits && rows >= decode::kCombineWarpMinRows) {
+    constexpr int kRowsPerBlock = decode::kCombineWarpsPerBlock;
+    decode::flash_decode_combine_warp_kernel<T>
+        <<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), kRowsPerBlock * kWarpSize, 0, stream>>>(p);
+  } else {
+    decode::flash_decode_combine_kernel<T><<<unsigned(rows), decode::kCombineThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

@@ -68,9 +68,12 @@ __device__ __forceinline__ int range_tiles(const DecodeRange& r) {
 
 // The key tiles [begin, end) of split `split` of a batch element's range (FlashParams::balance_splits): equal shares
 // of its own tiles, or shares of one size across the batch, so that a ragged batch's long sequences take more
-// splits than its short ones and every block streams about as many tiles. The batch's total is a block-wide sum:
-// every thread calls this (before any of them returns); `scratch` holds kThreads / 32 ints of shared memory that
-// nothing else uses until the call returns.
+// splits than its short ones and every block streams about as many tiles. The balanced share starts at the batch's
+// tiles over the blocks an equal split would run, batch x num_splits / 2 per kv head (one wave), and is raised (at
+// most four times, in proportion to the excess) until the sequences' splits, sum over the batch of ceil(tiles_b /
+// share), fit those blocks: rounding each sequence's count up adds up to one block per sequence, which would spill a
+// few blocks into a second wave. The batch's sums are block-wide: every thread calls this (before any of them
+// returns); `scratch` holds kThreads / 32 ints of shared memory that nothing else uses until the call returns.
 struct SplitTiles {
   int begin;
   int end;
@@ -81,20 +84,34 @@ __device__ __forceinline__ SplitTiles split_tiles(const FlashParams& p, const De
   const int tiles = range_tiles<kBlockN>(range);
   int splits = p.num_splits;
   if (p.balance_splits) {
-    int64_t mine = 0;
-    for (int b = tid; b < p.batch; b += kThreads) mine += range_tiles<kBlockN>(decode_range(p, b));
-    int part = int(min(mine, int64_t(INT32_MAX / 32)));  // the warp's sum below cannot wrap
+    // Sum over the batch of f(tiles of element b), f returning an int64 (block-wide; lanes clamped so that a warp's
+    // sum cannot wrap).
+    auto batch_sum = [&](auto f) {
+      int64_t mine = 0;
+      for (int b = tid; b < p.batch; b += kThreads) mine += f(range_tiles<kBlockN>(decode_range(p, b)));
+      int part = int(min(mine, int64_t(INT32_MAX / 32)));
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffff, part, offset);
-    if (tid % 32 == 0) scratch[tid / 32] = part;
-    __syncthreads();
-    int64_t total = 0;
+      for (int offset = 16; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffff, part, offset);
+      if (tid % 32 == 0) scratch[tid / 32] = part;
+      __syncthreads();
+      int64_t total = 0;
 #pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
-    __syncthreads();  // scratch is free again
+      for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+      __syncthreads();  // scratch is free again
+      return total;
+    };
+    auto splits_of = [&](int64_t t, int64_t share) {  // a sequence's splits at a share (at least one)
+      return min(int64_t(p.num_splits), max((t + share - 1) / share, int64_t(1)));
+    };
+    const int64_t total = batch_sum([](int t) { return int64_t(t); });
     const int64_t target = max(int64_t(p.batch) * p.num_splits / 2, int64_t(1));  // blocks per kv head
-    const int64_t share = max((total + target - 1) / target, int64_t(1));
-    splits = int(min(int64_t(p.num_splits), max((tiles + share - 1) / share, int64_t(1))));
+    int64_t share = max((total + target - 1) / target, int64_t(1));
+    for (int round = 0; round < 4; ++round) {  // the first share fits unless rounding adds blocks; 1-2 rounds
+      const int64_t count = batch_sum([&](int t) { return t > 0 ? splits_of(t, share) : int64_t(0); });
+      if (count <= target) break;
+      share = max(share + 1, (share * count + target - 1) / target);
+    }
+    splits = int(splits_of(tiles, share));
   }
   const int per_split = (tiles + splits - 1) / splits;
   const int begin = split < splits ? split * per_split : tiles;
@@ -117,7 +134,7 @@ __device__ __forceinline__ float* split_lse(const FlashParams& p, int split, int
 }
 
 // A split with no key tile, for packed rows [row_begin, row_end): weight 0 for each in the combine; with one split
-// (no combine) their final result: O = 0, lse = +inf (a row that sees no key, as flash_decode_combine_kernel writes
+// (no combine) their final result: O = 0, lse = +inf (a row that sees no key, as the combine kernels write
 // it).
 template <typename T>
 __device__ __forceinline__ void mark_split_empty(const FlashParams& p, int split, int b, int hk, int row_begin,
@@ -348,7 +365,7 @@ __device__ __forceinline__ void softmax_tile(float* s, int key0, int t, const in
 // A warp's rows of the split's result, from O accumulator tiles o[4 dt + 2 rr + e] (row row0 + g + 8 rr, column
 // 8 dt + 2 t + e) and the rows' max and (quad-summed) sum. Several splits: O / sum (float32) and lse into the partial
 // results, lse -inf for a row that saw no key here (weight 0 in the combine). One split: the final O (in T) and lse
-// with the sink, as flash_decode_combine_kernel computes them from one split (no combine runs).
+// with the sink, as the combine kernels compute them from one split (no combine runs).
 template <typename T, int kDTiles>
 __device__ __forceinline__ void store_split_rows(const FlashParams& p, int split, int b, int hk, int rows, int row0,
                                                  int g, int t, const float* o, const float (&row_max)[2],

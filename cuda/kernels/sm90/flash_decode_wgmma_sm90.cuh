@@ -1,17 +1,16 @@
 // The sm_90a decode split kernel for many packed rows (more than 32 query heads per kv head x Tq, head dims up to
 // 128): the mma.sync kernel (decode/flash_decode.cuh) issues 16 x 8 products one warp at a time, and at 32-128 rows a
 // K/V byte carries 64-128 FLOP, so its issue rate, not memory, paces the stream there (H200: 1-2.2 TB/s at Tq 16).
-// Here one warpgroup computes 64 packed rows, S = Q K^T (both from shared memory) and O += P V (P from registers)
-// with wgmma over the whole 64-key tile. More rows run as more blocks of 64 rows (grid x = split x row block,
-// adjacent: they read the same K/V tiles at the same time, the second from L2), so that two blocks share an SM:
-// one block of two warpgroups (one an SM) read 2.0-2.2 TB/s at 128 rows on an H200 where FA3-jax reads 3-3.9.
+// Here each warpgroup computes 64 packed rows, S = Q K^T (both from shared memory) and O += P V (P from registers)
+// with wgmma over the whole 64-key tile; 65-128 rows run as one block of two warpgroups that share each K/V tile
+// (each tile copied once per split, a deeper ring: decode_traits.h), not as two 64-row blocks that both copy it.
 //
 // Everything else is the mma.sync kernel's (decode/split_mainloop.cuh): CTA (split, kv head, batch), the split's key
 // tiles streamed through a cp.async ring (dense or paged, ids clamped), bottom-right causal rows and windows, float32
-// partial results that flash_decode_combine_kernel merges (with one split the final O and lse, written here). The tiles
-// sit in TMA's SWIZZLE_128B layout (64-column blocks of 128-byte rows; sm90/smem_layout.h), which wgmma's descriptors
-// read; cp.async writes them in the generic proxy, so each thread fences its landed copies to the async proxy before
-// the CTA barrier that publishes a tile.
+// partial results that a combine kernel (decode/combine.cuh) merges (with one split the final O and lse, written
+// here). The tiles sit in TMA's SWIZZLE_128B layout (64-column blocks of 128-byte rows; sm90/smem_layout.h), which
+// wgmma's descriptors read; cp.async writes them in the generic proxy, so each thread fences its landed copies to the
+// async proxy before the CTA barrier that publishes a tile.
 // Thread layout (as the forward's): warp w, lane = 4 g + t, holds the block's rows 16 w + g and 16 w + g + 8, columns
 // 8 j + 2 t (+1) of every 8-wide column tile j of S and O.
 #pragma once
@@ -32,14 +31,19 @@
 
 namespace jax_flash::cuda::sm90 {
 
-template <int kHeadDim>
+// kGroups warpgroups (1 or 2), each computing 64 of the block's packed rows.
+template <int kHeadDim, int kGroups>
 struct DecodeWgmmaTraits {
   static constexpr int kD = kHeadDim;
   static constexpr int kBlockN = decode::kWgmmaBlockN;
-  static constexpr int kStages = decode::WgmmaStages(kHeadDim);
-  static constexpr int kRows = decode::kWgmmaRows;
-  static constexpr int kThreads = decode::kWgmmaThreads;
-  static_assert(kD % kColBlock == 0 && kThreads == kWarpgroupThreads && kRows == kWgmmaM);
+  static constexpr int kStages = decode::WgmmaStages(kHeadDim, kGroups);
+  static constexpr int kRows = kGroups * decode::kWgmmaGroupRows;
+  static constexpr int kThreads = decode::WgmmaThreads(kGroups);
+  static_assert(kD % kColBlock == 0 && kThreads == kGroups * kWarpgroupThreads &&
+                decode::kWgmmaGroupRows == kWgmmaM);
+  // Blocks an SM holds (decode_traits.h's shared-memory choice, which the split count assumes): the register
+  // budget is held to it, so that a change cannot halve the occupancy unnoticed (ptxas spills instead).
+  static constexpr int kMinBlocksPerSm = kGroups == 1 || kD <= 64 ? 2 : 1;
   // Tiles of kTileRows rows: 64-column blocks of rows x 128 bytes, 16-byte chunks swizzled inside each row.
   template <int kTileRows>
   __device__ __forceinline__ static int offset(int r, int col) {
@@ -56,7 +60,8 @@ struct DecodeWgmmaTraits {
 
 // kPaged: the call has a page table; kSoftCap: a logit soft cap (its tanh compiled in only then).
 template <typename T, typename Traits, bool kPaged, bool kSoftCap>
-__global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) flash_decode_wgmma_kernel(
+    const FlashParams p) {
   constexpr int kD = Traits::kD;
   constexpr int kBN = Traits::kBlockN;
   constexpr int kSTiles = kBN / 8;  // 8-wide column tiles of S
@@ -67,10 +72,8 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   const decode::SplitSmem<T, Traits> smem(smem_raw);
 
   const int group = p.group_size();
-  const int rows = group * p.seqlen_q;  // packed rows of this kv head
-  const int row_blocks = decode::WgmmaRowBlocks(rows);
-  const int split = blockIdx.x / row_blocks;
-  const int row_begin = blockIdx.x % row_blocks * Traits::kRows;  // the block's first packed row
+  const int rows = group * p.seqlen_q;  // packed rows of this kv head, all in this block
+  const int split = blockIdx.x;
   const int hk = blockIdx.y;
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
@@ -78,14 +81,13 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   const int lane = tid % kWarpSize;
   const int g = lane / 4;
   const int t = lane % 4;
-  const int row0 = row_begin + warp * kWarpRows;  // this warp's first packed row
+  const int row0 = warp * kWarpRows;  // this warp's first packed row (warpgroup w holds rows 64 w .. 64 w + 63)
 
   const decode::DecodeRange range = decode::decode_range(p, b);
   const decode::SplitTiles tiles =
       decode::split_tiles<kBN, Traits::kThreads>(p, range, split, smem.pool_row[0], tid);
   if (tiles.end <= tiles.begin) {
-    decode::mark_split_empty<T>(p, split, b, hk, row_begin, min(rows, row_begin + Traits::kRows), tid,
-                                Traits::kThreads);
+    decode::mark_split_empty<T>(p, split, b, hk, 0, rows, tid, Traits::kThreads);
     return;
   }
 
@@ -99,8 +101,9 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   for (int rr = 0; rr < 2; ++rr) decode::row_keys(p, range, row0 + g + 8 * rr, group, rows, &lo_r[rr], &hi_r[rr]);
   const SoftCap cap(p);
 
-  // Q: column block cb starts at q + cb * kRows * 64, its rows at 128-byte pitch.
-  const uint32_t q_base = smem_addr(smem.q);
+  // Q: column block cb starts at q + cb * kRows * 64, its rows at 128-byte pitch; this warpgroup's 64 rows from
+  // row 64 (tid / 128) (a whole number of 1024-byte swizzle atoms in).
+  const uint32_t q_base = smem_addr(smem.q) + tid / kWarpgroupThreads * kWgmmaM * kSwizzleBytes;
   constexpr uint32_t kQColBlockBytes = Traits::kRows * kSwizzleBytes;
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr uint32_t kStageBytes = kBN * kD * sizeof(T);
@@ -114,8 +117,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_wgmma_kernel(co
   auto issue_pv_prev = [&] {  // O += P V: V read N-major, 64-dim column blocks kKVColBlockBytes apart
     issue_pv<kBN, kD, T>(acc_o, a_p, v_base0 + pv_stage * kStageBytes, kKVColBlockBytes);
   };
-  decode::stream_split<T, Traits, kPaged>(p, range, tiles, b, hk, row_begin, rows, smem, tid, [&](int stage,
-                                                                                                  int key0) {
+  decode::stream_split<T, Traits, kPaged>(p, range, tiles, b, hk, 0, rows, smem, tid, [&](int stage, int key0) {
     float acc_s[kSTiles * 4];
     wgmma_fence();
     issue_qk<kBN, kD, T>(acc_s, q_base, kQColBlockBytes, k_base0 + stage * kStageBytes, kKVColBlockBytes);

@@ -1,0 +1,183 @@
+// The combine kernels of split-KV decode: they merge the split kernels' partial results (per split and packed row:
+// float32 O normalised by its own sum, and its lse, -inf where the split saw no key of the row) into O and lse.
+// For each (batch, step, query head) row: O = sum_s w_s O_s with w_s = exp(lse_s - lse) and lse = log(sum_s
+// exp(lse_s) + exp(sink)); a nan lse of any split makes the row nan; a row that no split lets see a key gets O = 0,
+// lse = +inf (the kernels' convention; jax_flash.decode_attention turns it into -inf or the sink). Which kernel runs
+// is launch_decode_combine's choice (launch_decode.cuh).
+#pragma once
+
+#include <cmath>
+
+#include "flash_params.h"
+#include "kernels/common/element_traits.cuh"
+#include "kernels/common/warp_reduce.cuh"
+#include "kernels/decode/decode_traits.h"
+
+namespace jax_flash::cuda::decode {
+
+// At least kCombineWarpMinRows rows of at most kCombineWarpSplits splits each (many rows of a few splits: batches,
+// Tq > 1): a warp per row, so that a block of kCombineWarpsPerBlock warps merges that many rows. Lane l holds the lse (then the weight) of splits l and
+// l + 32; the column loop takes each split's weight from its lane by a shuffle, and a lane adds one float4 column
+// of every split (columns l, l + 32 for head dims past 128; lanes past head_dim / 4 only take part in the
+// shuffles). No shared memory and no block barrier.
+inline constexpr int kCombineWarpSplits = 2 * kWarpSize;
+inline constexpr int kCombineWarpMinRows = 1024;  // fewer rows: the block kernel spreads each row's splits wider
+inline constexpr int kCombineWarpsPerBlock = 8;
+template <typename T>
+__global__ void __launch_bounds__(kCombineWarpsPerBlock * kWarpSize) flash_decode_combine_warp_kernel(
+    const FlashParams p) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t split_rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
+  const int64_t idx = int64_t(blockIdx.x) * kCombineWarpsPerBlock + threadIdx.x / kWarpSize;  // ((b Tq) + step) Hq + h
+  if (idx >= split_rows) return;  // whole warps only
+  const int h = int(idx % p.heads_q);
+  const int step = int(idx / p.heads_q % p.seqlen_q);
+  const int b = int(idx / p.heads_q / p.seqlen_q);
+  const int64_t lse_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + step;
+  const int splits = p.num_splits;
+
+  float l[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int s = lane + i * kWarpSize;
+    l[i] = s < splits ? p.lse_partial[s * split_rows + lse_off] : -INFINITY;
+  }
+  const float top = warp_max(fmaxf(l[0], l[1]));  // fmaxf skips nan: nan is counted apart
+  const bool any_nan = __any_sync(0xffffffff, l[0] != l[0] || l[1] != l[1]);
+  T* out = static_cast<T*>(p.o) + idx * p.head_dim;
+  const int cols = p.head_dim / 4;
+  if (top == -INFINITY && !any_nan) {  // sees no key
+    for (int c = lane; c < cols; c += kWarpSize) {
+      *reinterpret_cast<uint2*>(out + 4 * c) = make_uint2(ElemTraits<T>::pack(0.f, 0.f), ElemTraits<T>::pack(0.f, 0.f));
+    }
+    if (lane == 0) p.lse[lse_off] = INFINITY;
+    return;
+  }
+  const float sink = p.sinks != nullptr ? p.sinks[int64_t(b) * p.heads_q + h] : -INFINITY;
+  const float m = fmaxf(top, sink);
+  float w[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) w[i] = l[i] == -INFINITY ? 0.f : expf(l[i] - m);
+  float total = warp_sum(w[0] + w[1]) + (sink == -INFINITY ? 0.f : expf(sink - m));
+  if (any_nan) total = NAN;
+  const float inv = 1.f / total;
+
+  for (int c0 = 0; c0 < cols; c0 += kWarpSize) {  // every lane runs every iteration: the shuffles need the warp
+    const int c = c0 + lane;
+    const bool mine = c < cols;  // head dims under 128 leave lanes without a column
+    const float* o = p.o_partial + idx * p.head_dim + 4 * (mine ? c : 0);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = 0; s < splits; ++s) {
+      const float ws = __shfl_sync(0xffffffff, s < kWarpSize ? w[0] : w[1], s % kWarpSize);  // one value, every lane
+      if (ws == 0.f || !mine) continue;  // a split that saw no key of the row (its partial O is not written)
+      const float4 v = *reinterpret_cast<const float4*>(o + s * split_rows * p.head_dim);
+      acc.x += ws * v.x;
+      acc.y += ws * v.y;
+      acc.z += ws * v.z;
+      acc.w += ws * v.w;
+    }
+    if (mine) {
+      *reinterpret_cast<uint2*>(out + 4 * c) =
+          make_uint2(ElemTraits<T>::pack(acc.x * inv, acc.y * inv), ElemTraits<T>::pack(acc.z * inv, acc.w * inv));
+    }
+  }
+  if (lane == 0) p.lse[lse_off] = m + logf(total);
+}
+
+// Otherwise (few rows, or many splits: one sequence over the whole GPU): a block per row. Splits are spread over the
+// threads (the weights first, then float4 columns x split groups with a shared-memory reduction), so many splits of
+// few rows cost little.
+inline constexpr int kCombineThreads = 256;
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads) flash_decode_combine_kernel(const FlashParams p) {
+  __shared__ float s_weight[kMaxDecodeSplits];
+  __shared__ float4 s_acc[kCombineThreads];
+  __shared__ float s_red[kCombineThreads / kWarpSize];
+  const int64_t idx = blockIdx.x;  // ((b * Tq) + step) * Hq + h
+  const int h = int(idx % p.heads_q);
+  const int step = int(idx / p.heads_q % p.seqlen_q);
+  const int b = int(idx / p.heads_q / p.seqlen_q);
+  const int tid = threadIdx.x;
+  const int64_t split_rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
+  const int64_t lse_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + step;
+  const int splits = p.num_splits;
+
+  // Block-wide max (nan: any split's) and sum.
+  auto block_reduce = [&](float v, bool is_max) {
+    v = is_max ? warp_max(v) : warp_sum(v);
+    __syncthreads();  // s_red free
+    if (tid % kWarpSize == 0) s_red[tid / kWarpSize] = v;
+    __syncthreads();
+    v = s_red[0];
+    for (int w = 1; w < kCombineThreads / kWarpSize; ++w) v = is_max ? fmaxf(v, s_red[w]) : v + s_red[w];
+    return v;
+  };
+  float top = -INFINITY, nan_seen = 0.f;
+  for (int s = tid; s < splits; s += kCombineThreads) {
+    const float l = p.lse_partial[s * split_rows + lse_off];
+    s_weight[s] = l;
+    top = fmaxf(top, l);
+    nan_seen += l != l ? 1.f : 0.f;
+  }
+  top = block_reduce(top, true);
+  const bool any_nan = block_reduce(nan_seen, false) > 0.f;
+  const float sink = p.sinks != nullptr ? p.sinks[int64_t(b) * p.heads_q + h] : -INFINITY;
+  T* out = static_cast<T*>(p.o) + idx * p.head_dim;
+  if (top == -INFINITY && !any_nan) {  // sees no key
+    for (int c = tid; c < p.head_dim; c += kCombineThreads) out[c] = T(0.f);
+    if (tid == 0) p.lse[lse_off] = INFINITY;
+    return;
+  }
+  const float m = fmaxf(top, sink);
+  float part = 0.f;
+  for (int s = tid; s < splits; s += kCombineThreads) {
+    const float l = s_weight[s];
+    const float w = l == -INFINITY ? 0.f : expf(l - m);
+    s_weight[s] = w;
+    part += w;
+  }
+  float total = block_reduce(part, false) + (sink == -INFINITY ? 0.f : expf(sink - m));
+  if (any_nan) total = NAN;
+  const float inv = 1.f / total;
+  __syncthreads();  // s_weight holds the unnormalised weights
+
+  // Columns in float4s x groups of splits.
+  const int cols = p.head_dim / 4;
+  const int groups = kCombineThreads / cols;
+  const int col = tid % cols, group = tid / cols;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (group < groups) {
+    const float* o = p.o_partial + idx * p.head_dim + col * 4;
+#pragma unroll 4
+    for (int s = group; s < splits; s += groups) {
+      const float w = s_weight[s];
+      if (w == 0.f) continue;
+      const float4 v = *reinterpret_cast<const float4*>(o + s * split_rows * p.head_dim);
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+  }
+  s_acc[tid] = acc;
+  __syncthreads();
+  if (tid < cols) {
+    float4 sum = s_acc[tid];
+    for (int g = 1; g < groups; ++g) {
+      const float4 v = s_acc[g * cols + tid];
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    T* dst = out + tid * 4;
+    dst[0] = T(sum.x * inv);
+    dst[1] = T(sum.y * inv);
+    dst[2] = T(sum.z * inv);
+    dst[3] = T(sum.w * inv);
+  }
+  if (tid == 0) p.lse[lse_off] = m + logf(total);
+}
+
+}  // namespace jax_flash::cuda::decode
