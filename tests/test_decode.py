@@ -160,6 +160,15 @@ KERNEL_CASES = {
                                              page_size=16, softcap=12.0, sinks=True),
     "rows128_softcap_ragged": dict(batch=3, rows=16, hq=8, hkv=1, d=128, capacity=3000, lengths=(3000, 1, 1777),
                                    softcap=20.0),
+    # one split per sequence (a capacity under 256 keys): ragged batches whose blocks take the sequences longest
+    # first (ties in batch order; the mma.sync kernel, and the wgmma one at 64 packed rows), and one of more than
+    # 256 sequences, which keeps the batch order
+    "one_split_ragged_b40": dict(batch=40, rows=1, hq=4, hkv=2, d=64, capacity=200,
+                                 lengths=tuple(1 + (i * 7) % 13 * 15 for i in range(40))),
+    "one_split_rows64_ragged_b24": dict(batch=24, rows=8, hq=16, hkv=2, d=128, capacity=250,
+                                        lengths=tuple(250 - (i * 11) % 9 * 25 for i in range(24))),
+    "one_split_ragged_b300": dict(batch=300, rows=1, hq=2, hkv=1, d=64, capacity=64,
+                                  lengths=tuple(1 + (i * 5) % 64 for i in range(300))),
 }
 
 

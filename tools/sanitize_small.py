@@ -83,6 +83,11 @@ DECODE_CASES = [
     (3, 16, 8, 1, 128, 3000, None, None, dict()),
     # more splits than the warp-per-row combine takes (the block-per-row one)
     (1, 1, 32, 8, 128, 8192, None, 100, dict(sinks=True)),
+    # one split per sequence: ragged batches taken longest first (mma.sync; wgmma at 64 packed rows), and past 256
+    # sequences in batch order
+    (40, 1, 4, 2, 64, 200, None, 1, dict()),
+    (24, 8, 16, 2, 128, 250, 16, 1, dict()),
+    (300, 1, 2, 1, 64, 64, None, 1, dict()),
 ]
 
 
