@@ -167,6 +167,7 @@ KERNEL_CASES = {
                                  lengths=tuple(1 + (i * 7) % 13 * 15 for i in range(40))),
     "one_split_rows64_ragged_b24": dict(batch=24, rows=8, hq=16, hkv=2, d=128, capacity=250,
                                         lengths=tuple(250 - (i * 11) % 9 * 25 for i in range(24))),
+    "one_split_equal_b5": dict(batch=5, rows=2, hq=8, hkv=2, d=128, capacity=160, lengths=(150,) * 5),
     "one_split_ragged_b300": dict(batch=300, rows=1, hq=2, hkv=1, d=64, capacity=64,
                                   lengths=tuple(1 + (i * 5) % 64 for i in range(300))),
 }

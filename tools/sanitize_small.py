@@ -88,6 +88,7 @@ DECODE_CASES = [
     (40, 1, 4, 2, 64, 200, None, 1, dict()),
     (24, 8, 16, 2, 128, 250, 16, 1, dict()),
     (300, 1, 2, 1, 64, 64, None, 1, dict()),
+    (5, 2, 8, 2, 128, 160, None, 1, dict(equal_lengths=True)),
 ]
 
 
@@ -107,6 +108,8 @@ def decode_cases(kernel):
             kw["sinks"] = jnp.asarray(rng.standard_normal(hq), jnp.float32)
         q = jnp.asarray(rng.standard_normal((b, tq, hq, d)), jnp.bfloat16)
         lengths = jnp.asarray(rng.integers(0, cap + 1, b), jnp.int32).at[0].set(cap)
+        if kw.pop("equal_lengths", False):
+            lengths = jnp.full((b,), cap, jnp.int32)
         if page_size is None:
             k, v = (jnp.asarray(rng.standard_normal((b, cap, hkv, d)), jnp.bfloat16) for _ in range(2))
             table = None
