@@ -2,7 +2,10 @@
 
 Metric: bytes of K and V a call must read (sum over sequences of kv_length x Hkv x D x 2 tensors x 2 bytes) per
 second of its median time (2 bytes an element in bfloat16; the CPU smoke run's float32 counts 4), and that as a percentage of the device's HBM peak (H200 4.8 TB/s, H100 3.35 TB/s).
-Timing (`--timing`, the median over `--reps` repetitions of a time divided by `--calls`):
+Timing (`--timing`, the median over `--reps` repetitions of a time divided by the calls it covers; before them,
+--warmup seconds of untimed runs (clocks settle after the previous row's compile), and each repetition runs the timed
+unit as many times back to back as fill about 5 ms, so that the one host synchronisation per repetition is a small
+share of it):
   program    (default) one jitted program makes `--calls` calls one after another (each call's output is the next
              one's query, so they cannot overlap, as a model's layers do not) and is timed as a whole: the device's
              time per call (kernels and the gaps between them), as a decode step inside a jitted model sees it,
@@ -103,10 +106,16 @@ def _chained(fn, calls):
     return chain
 
 
-def _time_us(fn, q, caches, n, table, calls, reps, timing):
-    """Median microseconds per call of fn(q, k_cache, v_cache, n, table) (compiled and warmed up first): `calls`
-    chained calls in one jitted program over copies of the caches (timing "program"), or `calls` jitted calls
-    enqueued from Python on the first copy ("pipelined")."""
+#: Each timed repetition runs the unit (a program of `calls` calls, or `calls` pipelined calls) this long at least.
+MIN_REP_S = 0.005
+
+
+def _time_us(fn, q, caches, n, table, calls, reps, timing, warmup_s=0.05):
+    """Median microseconds per call of fn(q, k_cache, v_cache, n, table): a unit is `calls` chained calls in one
+    jitted program over copies of the caches (timing "program"), or `calls` jitted calls enqueued from Python on the
+    first copy ("pipelined"). Compiled, then run untimed for at least `warmup_s` seconds (twice at least: the GPU's
+    clocks settle after the idle compile); each of `reps` repetitions enqueues k units back to back (k from the
+    warm-up's time per unit, enough for MIN_REP_S) and blocks once."""
     if timing == "program":
         run = jax.jit(_chained(fn, calls))
         go = lambda: run(q, caches, n, table)  # noqa: E731
@@ -114,12 +123,17 @@ def _time_us(fn, q, caches, n, table, calls, reps, timing):
         jitted = jax.jit(fn)
         go = lambda: [jitted(q, *caches[0], n, table) for _ in range(calls)]  # noqa: E731
     jax.block_until_ready(go())
-    jax.block_until_ready(go())
+    units, t0 = 0, time.perf_counter()
+    while units < 2 or time.perf_counter() - t0 < warmup_s:
+        jax.block_until_ready(go())
+        units += 1
+    per_unit = (time.perf_counter() - t0) / units
+    k = max(1, int(np.ceil(MIN_REP_S / max(per_unit, 1e-9))))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(go())
-        times.append((time.perf_counter() - t0) / calls)
+        jax.block_until_ready([go() for _ in range(k)])
+        times.append((time.perf_counter() - t0) / (k * calls))
     return statistics.median(times) * 1e6
 
 
@@ -236,7 +250,7 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
                 if fn is None:
                     continue  # does not apply (not a row)
                 try:
-                    us = _time_us(fn, q, caches, n, table, args.calls, args.reps, args.timing)
+                    us = _time_us(fn, q, caches, n, table, args.calls, args.reps, args.timing, args.warmup)
                     row.update(us=round(us, 2), gbps=round(kv_bytes / us / 1e3, 1))
                     if meta["peak_gbps"]:
                         row["pct_peak"] = round(100 * row["gbps"] / meta["peak_gbps"], 1)
@@ -355,6 +369,8 @@ def main(argv=None):
     parser.add_argument("--timing", choices=("program", "pipelined"), default="program",
                         help="calls in one jitted program (device time per call) or jitted calls from Python")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=float, default=0.05,
+                        help="seconds of untimed runs before a row's repetitions (at least two runs)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default=None, help="file stem (default decode-<device>-<date>)")
     args = parser.parse_args(argv)
@@ -375,7 +391,8 @@ def main(argv=None):
             parser.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
     meta = dict(device=device.device_kind, platform=platform, jax_version=jax.__version__,
                 date=datetime.date.today().isoformat(), peak_gbps=peak_gbps(device.device_kind),
-                preset=args.preset or ("full" if platform == "gpu" else "smoke"), timing=args.timing)
+                preset=args.preset or ("full" if platform == "gpu" else "smoke"), timing=args.timing,
+                calls=args.calls, reps=args.reps, warmup_s=args.warmup, min_rep_s=MIN_REP_S)
     missing = {name: why for name, (fn, why) in (("fa3_jax", _fa3()), ("tokamax", _tokamax()))
                if name in args.impls and fn is None and platform == "gpu"}
     meta["not_installed"] = missing

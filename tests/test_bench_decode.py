@@ -74,6 +74,32 @@ def test_program_timing_chains_calls_over_cache_copies():
     assert bench._time_us(fn, q, caches, None, None, calls=3, reps=1, timing="program") > 0
 
 
+def test_timing_warms_up_and_fills_each_repetition(monkeypatch):
+    """Untimed runs first (at least two units after the compile), then `reps` repetitions of the same number k of
+    units each, k large enough that a repetition lasts MIN_REP_S (one host synchronisation per repetition)."""
+    import jax
+    import jax.numpy as jnp
+
+    bench = _bench()
+    runs = []
+
+    def fn(q, k, v, n, table):
+        jax.debug.callback(lambda: runs.append(1))
+        return q + 1
+
+    q, k = jnp.ones((1, 1, 2, 8)), jnp.ones((1, 64, 1, 8))
+    monkeypatch.setattr(bench, "MIN_REP_S", 0.0)  # k = 1
+    assert bench._time_us(fn, q, [(k, k)], None, None, calls=3, reps=4, timing="pipelined", warmup_s=0.0) > 0
+    jax.effects_barrier()
+    assert len(runs) == 3 * (1 + 2 + 4)  # compile run, two warm-up units, four repetitions of one unit
+    runs.clear()
+    monkeypatch.setattr(bench, "MIN_REP_S", 0.05)  # k > 1: more than a unit of three trivial calls takes
+    bench._time_us(fn, q, [(k, k)], None, None, calls=3, reps=2, timing="pipelined", warmup_s=0.0)
+    jax.effects_barrier()
+    units = len(runs) // 3 - 3
+    assert len(runs) % 3 == 0 and units % 2 == 0 and units // 2 > 1
+
+
 def test_program_timing_keeps_each_calls_cache_work():
     """One cache copy for every call: work that depends on the cache alone (jax.nn xla's K/V transposes) is not
     merged across the chained calls (the optimization barrier), as a model's layers each read their own cache."""
