@@ -1,19 +1,31 @@
-"""One decode_attention call at a given shape, dense or paged (a pool of pages in shuffled order), for Nsight
-Compute through tools/ncu_kernel.sh:
+"""One decode call at a given shape, dense or paged (a pool of pages in shuffled order), by jax_flash or a peer of
+benchmarks/bench_decode.py (the same functions), for Nsight Compute: one kernel in depth through
+tools/ncu_kernel.sh, or every kernel of a call through tools/decode_kernel_list.sh. Runs the call --runs times after
+compiling it (each run's kernels the same sequence, so the last run's can be told from the compile's).
 
     SCRIPT=tools/profile_decode.py NAME=paged16 bash tools/ncu_kernel.sh flash_decode --tq 16 --page-size 16
 """
 
 import argparse
+import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
 
-import jax_flash
+
+def _bench():
+    """benchmarks/bench_decode.py as a module (its implementations() gives every peer's call)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_decode.py")
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impl", default="jax_flash", help="jax_flash, jax_flash_sm80, cudnn, xla, fa3_jax or tokamax")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--tq", type=int, default=16)
@@ -21,21 +33,32 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--ragged", action="store_true", help="lengths uniform in [Tq, S] (bench_decode's ragged rows)")
+    ap.add_argument("--runs", type=int, default=2, help="runs after the compile")
     a = ap.parse_args()
-    kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(0), 4)
+    bench = _bench()
+    kq, kk, kv, kp, kl = jax.random.split(jax.random.PRNGKey(0), 5)
     q = jax.random.normal(kq, (a.batch, a.tq, a.heads, a.head_dim), jnp.bfloat16)
     k = jax.random.normal(kk, (a.batch, a.seqlen, a.kv_heads, a.head_dim), jnp.bfloat16)
     v = jax.random.normal(kv, (a.batch, a.seqlen, a.kv_heads, a.head_dim), jnp.bfloat16)
-    n = jnp.full((a.batch,), a.seqlen, jnp.int32)
+    n = (jax.random.randint(kl, (a.batch,), a.tq, a.seqlen + 1, jnp.int32) if a.ragged
+         else jnp.full((a.batch,), a.seqlen, jnp.int32))
     table = None
     if a.page_size:  # page j of the pool holds the keys of page order[j] of the dense caches
         pages = a.batch * a.seqlen // a.page_size
         order = jax.random.permutation(kp, pages)
         k, v = (x.reshape(pages, a.page_size, a.kv_heads, a.head_dim)[order] for x in (k, v))
         table = jnp.argsort(order).astype(jnp.int32).reshape(a.batch, -1)
-    f = jax.jit(lambda q, k, v, n, t: jax_flash.decode_attention(q, k, v, n, page_table=t))
+    layout = "dense" if a.page_size is None else f"paged{a.page_size}"
+    # fa3_jax runs with jax_flash's split count, as in bench_decode (its own default is one split)
+    splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen) if a.impl == "fa3_jax" else None
+    fn, why = bench.implementations(a.impl, a.tq, layout, splits)
+    if fn is None:
+        raise SystemExit(f"{a.impl} does not run this call: {why}")
+    f = jax.jit(fn)
     jax.block_until_ready(f(q, k, v, n, table))
-    jax.block_until_ready(f(q, k, v, n, table))
+    for _ in range(a.runs):
+        jax.block_until_ready(f(q, k, v, n, table))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On a GPU machine: every kernel of one decode call and its device time (Nsight Compute, duration only, clocks as
+# found), for each implementation named, at one shape (tools/profile_decode.py's arguments): where a call's time
+# goes beside the main kernel (small kernels, the combine), and, against bench_decode's time per call, how much is
+# launch gaps (Nsight Compute serialises kernels, so the sum is device time without gaps).
+#   OUT=... bash tools/decode_kernel_list.sh "jax_flash fa3_jax xla" --batch 1 --seqlen 131072 --tq 1 --heads 8 \
+#     --kv-heads 1
+# Writes $OUT/kernels-<impl>.csv (ncu's raw list) and prints the last run's kernels per implementation.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/kernel_list_out}
+mkdir -p "$OUT"
+read -r -a IMPLS <<<"$1"
+shift
+repo=$PWD
+for impl in "${IMPLS[@]}"; do
+  (cd /tmp && timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    python3 "$repo/tools/profile_decode.py" --impl "$impl" --runs 3 "$@") >"$OUT/kernels-$impl.csv" 2>"$OUT/kernels-$impl.log" \
+    || { echo "$impl: ncu failed"; tail -5 "$OUT/kernels-$impl.log"; continue; }
+  python3 "$repo/tools/decode_kernel_list.py" "$OUT/kernels-$impl.csv" --name "$impl $*"
+done
