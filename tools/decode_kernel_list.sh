@@ -5,17 +5,20 @@
 # launch gaps (Nsight Compute serialises kernels, so the sum is device time without gaps).
 #   OUT=... bash tools/decode_kernel_list.sh "jax_flash fa3_jax xla" --batch 1 --seqlen 131072 --tq 1 --heads 8 \
 #     --kv-heads 1
-# Writes $OUT/kernels-<impl>.csv (ncu's raw list) and prints the last run's kernels per implementation.
+# Installs the carried wheel (dist/*/, WHEEL to choose) and the peers (.whl/) as the other GPU scripts do
+# (tools/gpu_site.sh). Writes $OUT/kernels-<impl>.csv (ncu's raw list) and prints the last run's kernels per
+# implementation (also into $OUT/summary.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/kernel_list_out}
-mkdir -p "$OUT"
 read -r -a IMPLS <<<"$1"
 shift
+CHECK_NAME=decode_kernel_list CHECK_ARGS="${IMPLS[*]} $*"
+source tools/gpu_site.sh  # $OUT, note(), the wheel, the peers, PYTHONPATH
 repo=$PWD
 for impl in "${IMPLS[@]}"; do
   (cd /tmp && timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     python3 "$repo/tools/profile_decode.py" --impl "$impl" --runs 3 "$@") >"$OUT/kernels-$impl.csv" 2>"$OUT/kernels-$impl.log" \
     || { echo "$impl: ncu failed"; tail -5 "$OUT/kernels-$impl.log"; continue; }
-  python3 "$repo/tools/decode_kernel_list.py" "$OUT/kernels-$impl.csv" --name "$impl $*"
+  python3 "$repo/tools/decode_kernel_list.py" "$OUT/kernels-$impl.csv" --name "$impl $*" | tee -a "$SUMMARY"
 done
