@@ -27,18 +27,32 @@ import numpy as np
 import jax_flash
 
 
+SAMPLE_SECONDS = 2e-3  # back-to-back calls per timed sample: about this much device time,
+MIN_REPS = 4           # and never fewer, so the device does not wait on the host between calls
+
+
 def _time(fn, args, iters, min_time):
-    """Median seconds of fn(*args) (compiled, warmed up)."""
+    """(median seconds per call over pipelined samples, median latency of one blocking call), fn compiled and
+    warmed up. A pipelined sample dispatches the call back to back (as a training loop does) and synchronises
+    once, so it holds the device time of each call without the host round trip that the blocking latency adds;
+    the tables' times and speed-ups are the pipelined ones (as bench_attention.py's)."""
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
-    times, start = [], time.perf_counter()
-    while len(times) < iters or time.perf_counter() - start < min_time:
+    latencies = []
+    for _ in range(iters):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 10 * iters:
-            break
-    return statistics.median(times)
+        latencies.append(time.perf_counter() - t0)
+    latency = statistics.median(latencies)
+    reps = max(MIN_REPS, min(50, int(SAMPLE_SECONDS / latency)))
+    times, start = [], time.perf_counter()
+    while len(times) < iters or (time.perf_counter() - start < min_time and len(times) < 10 * iters):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times), latency
 
 
 def _train_step(attn):
@@ -94,8 +108,10 @@ def packed_rows(args, rng, progress, lengths):
         row = dict(table="packed", impl=name, batch=b, tokens=t, heads=h, head_dim=d, docs=args.docs,
                    doc_lengths=lengths, visible_pairs=pairs, visible_fraction_of_causal=pairs / causal_pairs)
         try:
-            sec = _time(_train_step(attn), (q, k, v, do), args.iters, args.min_time)
-            row.update(ms=sec * 1e3, tflops=3.5 * 4 * h * d * pairs / sec / 1e12)
+            sec, latency = _time(_train_step(attn), (q, k, v, do), args.iters, args.min_time)
+            fwd_sec, _ = _time(jax.jit(attn), (q, k, v), args.iters, args.min_time)
+            row.update(ms=sec * 1e3, latency_ms=latency * 1e3, fwd_ms=fwd_sec * 1e3,
+                       tflops=3.5 * 4 * h * d * pairs / sec / 1e12)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this is a result too
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append(row)
@@ -144,8 +160,8 @@ def modifier_rows(args, rng, progress):
                     continue
                 progress(f"modifiers: {name} causal={causal} round {rnd + 1}/{args.rounds}")
                 try:
-                    fwd_ms = _time(jax.jit(attn), (q, k, v), args.iters, args.min_time) * 1e3
-                    train_ms = _time(_train_step(attn), (q, k, v, do), args.iters, args.min_time) * 1e3
+                    fwd_ms = _time(jax.jit(attn), (q, k, v), args.iters, args.min_time)[0] * 1e3
+                    train_ms = _time(_train_step(attn), (q, k, v, do), args.iters, args.min_time)[0] * 1e3
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     continue
@@ -165,9 +181,10 @@ def modifier_rows(args, rng, progress):
 
 def markdown(rows, meta):
     lines = [f"# Packed sequences, sinks, soft-capping: {meta['device']}, jax {meta['jax_version']}, {meta['date']}",
-             "", "Forward + backward of sum(o * do), bf16, medians. TFLOP/s over the visible pairs only "
-             "(FlashAttention convention: 4 H D per pair forward, x 3.5 forward + backward). Modifiers: the best "
-             "median of several rounds over the implementations; bwd = (fwd + bwd) - fwd.", ""]
+             "", "Forward + backward of sum(o * do) (jit of grad), bf16, medians of pipelined samples (calls back to "
+             "back, one synchronisation; latency: one blocking call, host round trip included). TFLOP/s over the "
+             "visible pairs only (FlashAttention convention: 4 H D per pair forward, x 3.5 forward + backward). "
+             "Modifiers: the best median of several rounds over the implementations; bwd = (fwd + bwd) - fwd.", ""]
     for lengths in ("equal", "random"):
         packed = [r for r in rows if r["table"] == "packed" and r["doc_lengths"] == lengths]
         if not packed:
@@ -177,15 +194,16 @@ def markdown(rows, meta):
                   f"{lengths} lengths per row, {r0['heads']} heads, d{r0['head_dim']}", "",
                   f"The visible area is {r0['visible_fraction_of_causal']:.3f} of the unpacked causal one (ideal "
                   f"speed-up {1 / r0['visible_fraction_of_causal']:.1f}x).", "",
-                  "| impl | ms | TFLOP/s (visible) | time vs jax_flash packed |", "|---|---:|---:|---:|"]
+                  "| impl | fwd + bwd ms | TFLOP/s (visible) | time vs jax_flash packed | fwd ms | latency ms |",
+                  "|---|---:|---:|---:|---:|---:|"]
         base = packed[0].get("ms")
         for r in packed:
             if "ms" in r:
-                lines.append(f"| {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                             f"{r['ms'] / base:.2f}x |" if base else f"| {r['impl']} | {r['ms']:.3f} | "
-                             f"{r['tflops']:.0f} | |")
+                vs = f"{r['ms'] / base:.2f}x" if base else ""
+                lines.append(f"| {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | {vs} | {r['fwd_ms']:.3f} | "
+                             f"{r['latency_ms']:.3f} |")
             else:
-                lines.append(f"| {r['impl']} | error: {r['error']} | | |")
+                lines.append(f"| {r['impl']} | error: {r['error']} | | | | |")
         lines.append("")
     mods = [r for r in rows if r["table"] == "modifiers"]
     if mods:

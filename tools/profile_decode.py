@@ -1,6 +1,6 @@
 """One decode call at a given shape, dense or paged (a pool of pages in shuffled order), by jax_flash or a peer of
 benchmarks/bench_decode.py (the same functions), for Nsight Compute: one kernel in depth through
-tools/ncu_kernel.sh, or every kernel of a call through tools/decode_kernel_list.sh. Runs the call --runs times after
+tools/ncu_kernel.sh, or every kernel of a call through tools/kernel_list.sh. Runs the call --runs times after
 compiling it (each run's kernels the same sequence, so the last run's can be told from the compile's).
 
     SCRIPT=tools/profile_decode.py NAME=paged16 bash tools/ncu_kernel.sh flash_decode --tq 16 --page-size 16

@@ -1,8 +1,8 @@
-"""The last run's kernels of a tools/profile_decode.py call under `ncu --metrics gpu__time_duration.sum --csv`
-(tools/decode_kernel_list.sh): the call runs several times after its compile with the same kernel sequence each
+"""The last run's kernels of a profiled call (tools/profile_decode.py, tools/profile_packed.py) under `ncu --metrics gpu__time_duration.sum --csv`
+(tools/kernel_list.sh): the call runs several times after its compile with the same kernel sequence each
 time, so the last run is the shortest tail of the list that repeats just before itself (twice, where the list is
 long enough). Prints each kernel's time and their sum.
-    python3 tools/decode_kernel_list.py kernels-jax_flash.csv [--name LABEL]"""
+    python3 tools/kernel_list.py kernels-jax_flash.csv [--name LABEL]"""
 
 import argparse
 import csv

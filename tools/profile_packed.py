@@ -1,0 +1,63 @@
+"""One packed causal training step (jit of grad, as benchmarks/bench_packed.py times it) for Nsight Compute: every
+kernel of the step through tools/kernel_list.sh, or one kernel in depth through tools/ncu_kernel.sh. --impl picks
+the row of bench_packed's packed table: `packed` (jax_flash with segment ids), `rows` (the same documents as
+separate batch rows), `unpacked` (plain causal over all the tokens) or `cudnn` (jax.nn's cuDNN, unpacked causal).
+Runs the step --runs times after compiling it (each run the same kernel sequence).
+
+    SCRIPT=tools/profile_packed.py bash tools/kernel_list.sh "packed rows unpacked" --batch 4 --tokens 8192
+"""
+
+import argparse
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+
+
+def _bench():
+    """benchmarks/bench_packed.py as a module (its document ids and training step)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_packed.py")
+    spec = importlib.util.spec_from_file_location("bench_packed", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impl", default="packed", choices=("packed", "rows", "unpacked", "cudnn"))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--doc-lengths", default="equal", choices=("equal", "random"))
+    ap.add_argument("--runs", type=int, default=2, help="runs after the compile")
+    a = ap.parse_args()
+    bench = _bench()
+    b, t, h, d, n = a.batch, a.tokens, a.heads, a.head_dim, a.docs
+    rng = np.random.default_rng(0)
+    seg = jnp.asarray(bench._doc_ids(rng, b, t, n, a.doc_lengths))
+    q, k, v, do = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16) for _ in range(4))
+    if a.impl == "rows" and (a.doc_lengths != "equal" or t % n):
+        raise SystemExit("--impl rows needs documents of equal lengths that divide --tokens")
+    split = lambda x: x.reshape(b * n, t // n, *x.shape[2:])  # noqa: E731
+    attn = {
+        "packed": lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=seg),
+        "rows": lambda q, k, v: jax_flash.dot_product_attention(split(q), split(k), split(v),
+                                                                is_causal=True).reshape(b, t, h, d),
+        "unpacked": lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+    }[a.impl]
+    step = bench._train_step(attn)
+    jax.block_until_ready(step(q, k, v, do))
+    for _ in range(a.runs):
+        jax.block_until_ready(step(q, k, v, do))
+
+
+if __name__ == "__main__":
+    main()
