@@ -104,6 +104,8 @@ def packed_rows(args, rng, progress, lengths):
             lambda q, k, v: jax_flash.dot_product_attention(split(q), split(k), split(v), is_causal=True).reshape(
                 b, t, h, d), b * n * (t // n) * (t // n + 1) / 2)
     for name, (attn, pairs) in runs.items():
+        if name.split()[0] not in args.impls.split(","):
+            continue
         progress(f"packed ({lengths} lengths): {name}")
         row = dict(table="packed", impl=name, batch=b, tokens=t, heads=h, head_dim=d, docs=args.docs,
                    doc_lengths=lengths, visible_pairs=pairs, visible_fraction_of_causal=pairs / causal_pairs)
@@ -234,6 +236,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="modifiers table: rounds over the implementations")
     parser.add_argument("--tables", default="packed,modifiers")
     parser.add_argument("--doc-lengths", default="equal,random", help="equal, random or both (comma-separated)")
+    parser.add_argument("--impls", default="jax_flash,cudnn,xla",
+                        help="packed table: the implementations whose rows run (comma-separated)")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     if device.platform != "gpu":
