@@ -88,12 +88,41 @@ struct SegmentPolicy {
       *hi = imax(*hi, meta[4 * c + f + 1]);
     }
   }
-  // Keys that some row of [row_begin, row_end) may see: [*key_begin, *key_end) (a superset).
+#if defined(__CUDACC__)
+  // hull() by the lanes of a warp that call it together with the same arguments (__activemask(): a thread alone
+  // works too), a chunk per lane and round: one load deep where hull() walks the chunks one after another (a
+  // kernel's block ranges sit on the path to its first load).
+  __device__ __forceinline__ static void hull_lanes(const int32_t* meta, int chunks, int begin, int end, int f, int* lo,
+                                                    int* hi) {
+    const unsigned active = __activemask();
+    const int lanes = __popc(active);
+    const int rank = __popc(active & ((1u << (threadIdx.x % 32)) - 1u));
+    int l = INT_MAX, h = INT_MIN;
+    const int c1 = imin((end + kSegmentChunk - 1) / kSegmentChunk, chunks);
+    for (int c = imax(begin, 0) / kSegmentChunk + rank; c < c1; c += lanes) {
+      const int2 range = *reinterpret_cast<const int2*>(meta + 4 * c + f);
+      l = imin(l, range.x);
+      h = imax(h, range.y);
+    }
+    *lo = __reduce_min_sync(active, l);
+    *hi = __reduce_max_sync(active, h);
+  }
+#endif
+  // Keys that some row of [row_begin, row_end) may see: [*key_begin, *key_end) (a superset). kLanes: the lanes that
+  // call together pass the same arguments (hull_lanes), device code only.
+  template <bool kLanes = false>
   JF_HD void key_range(int row_begin, int row_end, int* key_begin, int* key_end) const {
+#if defined(__CUDA_ARCH__)
+    if constexpr (kLanes) return hull_lanes(q_meta, q_chunks, row_begin, row_end, 2, key_begin, key_end);
+#endif
     hull(q_meta, q_chunks, row_begin, row_end, 2, key_begin, key_end);
   }
-  // Rows that may see some key of [key_begin, key_end).
+  // Rows that may see some key of [key_begin, key_end) (kLanes as for key_range).
+  template <bool kLanes = false>
   JF_HD void row_range(int key_begin, int key_end, int* row_begin, int* row_end) const {
+#if defined(__CUDA_ARCH__)
+    if constexpr (kLanes) return hull_lanes(kv_meta, kv_chunks, key_begin, key_end, 2, row_begin, row_end);
+#endif
     hull(kv_meta, kv_chunks, key_begin, key_end, 2, row_begin, row_end);
   }
   // True when every row of [row_begin, row_end) and every key of [key_begin, key_end) has one and the same id.
@@ -103,7 +132,34 @@ struct SegmentPolicy {
     hull(kv_meta, kv_chunks, key_begin, key_end, 0, &klo, &khi);
     return qlo == qhi && klo == khi && qlo == klo;
   }
+#if defined(__CUDACC__)
+  // uniform() by a whole warp (every lane calls it with the same arguments): lanes 0-15 read a query chunk's id
+  // range each, lanes 16-31 a key chunk's, and two warp reductions compare them, one load deep instead of a serial
+  // walk over the chunks (a kernel's tile check sits between its S product and the softmax). Spans of more than
+  // 16 chunks a side take uniform().
+  __device__ __forceinline__ bool uniform_warp(int row_begin, int row_end, int key_begin, int key_end) const {
+    const int q0 = imax(row_begin, 0) / kSegmentChunk;
+    const int q1 = imin((row_end + kSegmentChunk - 1) / kSegmentChunk, q_chunks);
+    const int k0 = imax(key_begin, 0) / kSegmentChunk;
+    const int k1 = imin((key_end + kSegmentChunk - 1) / kSegmentChunk, kv_chunks);
+    if (q1 <= q0 || k1 <= k0) return false;  // as uniform(): an empty side is not uniform
+    if (q1 - q0 > 16 || k1 - k0 > 16) return uniform(row_begin, row_end, key_begin, key_end);
+    const int lane = threadIdx.x % 32;
+    const int c = lane < 16 ? q0 + lane : k0 + lane - 16;
+    int lo = INT_MAX, hi = INT_MIN;
+    if (c < (lane < 16 ? q1 : k1)) {
+      const int2 range = *reinterpret_cast<const int2*>((lane < 16 ? q_meta : kv_meta) + 4 * c);  // {min, max}
+      lo = range.x;
+      hi = range.y;
+    }
+    return __reduce_min_sync(0xffffffffu, lo) == __reduce_max_sync(0xffffffffu, hi);
+  }
+#endif
 };
+
+// How a tile has to be masked: not at all; by the intervals alone (no segment ids, or every id in the tile one
+// value); or per element, segment ids included.
+enum class TileMasking { kNone, kInterval, kIds };
 
 struct AttentionMask {
   CausalPolicy causal;
@@ -134,7 +190,9 @@ struct AttentionMask {
     if (j < 0 || j >= length.kv_len) *row_hi = *row_lo;
   }
 
-  // Keys that any row of [row_begin, row_end) can see: [*key_begin, *key_end) (empty if end <= begin).
+  // Keys that any row of [row_begin, row_end) can see: [*key_begin, *key_end) (empty if end <= begin). kLanes: as
+  // for SegmentPolicy::key_range.
+  template <bool kLanes = false>
   JF_HD void key_range(int row_begin, int row_end, int* key_begin, int* key_end) const {
     const int last = imin(row_end, length.q_len) - 1;
     if (last < row_begin) {
@@ -146,13 +204,14 @@ struct AttentionMask {
     *key_end = hi(last);
     if (segments.enabled()) {
       int b, e;
-      segments.key_range(row_begin, last + 1, &b, &e);
+      segments.template key_range<kLanes>(row_begin, last + 1, &b, &e);
       *key_begin = imax(*key_begin, b);
       *key_end = imin(*key_end, e);
     }
   }
 
-  // Rows that can see some key of [key_begin, key_end): [*row_begin, *row_end).
+  // Rows that can see some key of [key_begin, key_end): [*row_begin, *row_end) (kLanes as for key_range).
+  template <bool kLanes = false>
   JF_HD void row_range(int key_begin, int key_end, int* row_begin, int* row_end) const {
     if (key_begin >= length.kv_len) {
       *row_begin = 0;
@@ -163,7 +222,7 @@ struct AttentionMask {
     *row_end = imin(imin(causal.last_row(key_end), window.last_row(key_end)), length.last_row(key_end));
     if (segments.enabled()) {
       int b, e;
-      segments.row_range(key_begin, imin(key_end, length.kv_len), &b, &e);
+      segments.template row_range<kLanes>(key_begin, imin(key_end, length.kv_len), &b, &e);
       *row_begin = imax(*row_begin, b);
       *row_end = imin(*row_end, e);
     }
@@ -172,11 +231,29 @@ struct AttentionMask {
   // True when every (row, key) of the tile with row < row_limit is visible, so the kernel may skip per-element
   // masking. row_limit is the number of rows the kernel stores (seqlen_q); rows past it are never written.
   JF_HD bool tile_fully_visible(int row_begin, int row_end, int key_begin, int key_end, int row_limit) const {
+    return intervals_cover(row_begin, row_end, key_begin, key_end, row_limit) &&
+           (!segments.enabled() ||
+            segments.uniform(row_begin, imin(row_end, row_limit), key_begin, key_end));
+  }
+  // The interval masks' part of tile_fully_visible: every row below row_limit sees the whole key range.
+  JF_HD bool intervals_cover(int row_begin, int row_end, int key_begin, int key_end, int row_limit) const {
     const int last = imin(row_end, row_limit) - 1;
     if (last >= length.q_len) return false;
-    return lo(last) <= key_begin && hi(row_begin) >= key_end &&
-           (!segments.enabled() || segments.uniform(row_begin, last + 1, key_begin, key_end));
+    return lo(last) <= key_begin && hi(row_begin) >= key_end;
   }
+#if defined(__CUDACC__)
+  // What the tile needs (tile_fully_visible's question, split by mask kind), asked by a whole warp with the same
+  // arguments in every lane (SegmentPolicy::uniform_warp). A kernel asks before it waits for the tile's scores,
+  // so the id loads overlap the product.
+  __device__ __forceinline__ TileMasking tile_masking_warp(int row_begin, int row_end, int key_begin, int key_end,
+                                                           int row_limit) const {
+    if (segments.enabled() && !segments.uniform_warp(row_begin, imin(row_end, row_limit), key_begin, key_end)) {
+      return TileMasking::kIds;
+    }
+    return intervals_cover(row_begin, row_end, key_begin, key_end, row_limit) ? TileMasking::kNone
+                                                                               : TileMasking::kInterval;
+  }
+#endif
 
   // Key blocks of block_n keys, among blocks [n_begin, n_end), that every row of [row_begin, row_end) below
   // row_limit sees entirely (tile_fully_visible for each): [*full_begin, *full_end), inside [n_begin, n_end),
@@ -223,5 +300,17 @@ JF_HD AttentionMask mask_for_batch(const FlashParams& p, int b) {
   }
   return AttentionMask(p.causal, left, right, q_len, kv_len, shift, seg);
 }
+
+#if defined(__CUDACC__)
+// mask_for_batch for a kernel launched with kSegments exactly when the call has segment ids (the sm_90a kernels):
+// there the compiler may also take segments.enabled() as true, so the ids' tests carry no null checks (with
+// kSegments = false they fold away as in mask_for_batch).
+template <bool kSegments>
+__device__ __forceinline__ AttentionMask kernel_mask_for_batch(const FlashParams& p, int b) {
+  const AttentionMask mask = mask_for_batch<kSegments>(p, b);
+  if constexpr (kSegments) __builtin_assume(mask.segments.q_ids != nullptr);
+  return mask;
+}
+#endif
 
 }  // namespace jax_flash

@@ -11,22 +11,24 @@
 
 namespace jax_flash::cuda {
 
-// Key tiles [*n_begin, *n_end) of kBlockN keys that rows [m0, m0 + rows) can see (n_end <= n_begin: none).
-template <int kBlockN>
+// Key tiles [*n_begin, *n_end) of kBlockN keys that rows [m0, m0 + rows) can see (n_end <= n_begin: none). kLanes:
+// the threads of a warp that call together pass the same arguments (segment ids' chunks read a chunk per lane).
+template <int kBlockN, bool kLanes = false>
 __device__ __forceinline__ void key_tiles_for_rows(const AttentionMask& mask, const FlashParams& p, int m0, int rows,
                                                    int* n_begin, int* n_end) {
   int key_begin, key_end;
-  mask.key_range(m0, m0 + rows, &key_begin, &key_end);
+  mask.template key_range<kLanes>(m0, m0 + rows, &key_begin, &key_end);
   *n_begin = imax(key_begin, 0) / kBlockN;
   *n_end = key_end > key_begin ? (imin(key_end, p.seqlen_k) + kBlockN - 1) / kBlockN : *n_begin;
 }
 
-// Query tiles of kBlockM rows that can see keys [n0, n0 + kBlockN): m_first and their count (0: none).
-template <int kBlockN, int kBlockM>
+// Query tiles of kBlockM rows that can see keys [n0, n0 + kBlockN): m_first and their count (0: none). kLanes as
+// for key_tiles_for_rows.
+template <int kBlockN, int kBlockM, bool kLanes = false>
 __device__ __forceinline__ void query_tiles_for_keys(const AttentionMask& mask, const FlashParams& p, int n0,
                                                      int* m_first, int* m_count) {
   int row_begin, row_end;
-  mask.row_range(n0, n0 + kBlockN, &row_begin, &row_end);
+  mask.template row_range<kLanes>(n0, n0 + kBlockN, &row_begin, &row_end);
   row_end = imin(row_end, p.seqlen_q);
   *m_first = imax(row_begin, 0) / kBlockM;
   *m_count = row_end > row_begin ? (row_end + kBlockM - 1) / kBlockM - *m_first : 0;
@@ -53,7 +55,8 @@ __device__ __forceinline__ KeyBlock<T> key_block(const FlashParams& p, int n_blo
 }
 
 // A backward CTA's iterations: for each of the `group` query heads sharing kv head hk (head-major), the query
-// tiles [first, first + count) of kBlockM rows that can see keys [n0, n0 + kKeys).
+// tiles [first, first + count) of kBlockM rows that can see keys [n0, n0 + kKeys). query_tile_walk() is asked by
+// every thread of the CTA with the same arguments (key_tiles_for_rows' kLanes).
 template <int kBlockM>
 struct QueryTileWalk {
   int first;
@@ -83,7 +86,7 @@ template <int kKeys, int kBlockM>
 __device__ __forceinline__ QueryTileWalk<kBlockM> query_tile_walk(const AttentionMask& mask, const FlashParams& p,
                                                                   int n0, int hk) {
   QueryTileWalk<kBlockM> walk{0, 0, p.group_size(), hk};
-  query_tiles_for_keys<kKeys, kBlockM>(mask, p, n0, &walk.first, &walk.count);
+  query_tiles_for_keys<kKeys, kBlockM, true>(mask, p, n0, &walk.first, &walk.count);
   return walk;
 }
 

@@ -29,18 +29,19 @@ __device__ __forceinline__ void load_kv_block(T* k, T* v, uint64_t* kv_full, con
 
 // Zero in place where the mask hides the pair: entry e of column tile j of a 64-key accumulator is key
 // key0 + g + 8 (e / 2) (key0: the first of the warp's 16 keys), query query0 + 8 j + 2 t + e % 2. A select, so a
-// hidden pair is exactly 0 whatever the accumulator held (nan included). Segment ids are compared where the
-// interval admits the pair (the clamped loads stay in range elsewhere).
+// hidden pair is exactly 0 whatever the accumulator held (nan included). With `ids` (TileMasking::kIds) segment
+// ids are compared where the interval admits the pair (the clamped loads stay in range elsewhere).
 template <int kSTiles>
 __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], const AttentionMask& mask, int query0,
-                                                  int key0, int g, int t) {
+                                                  int key0, int g, int t, bool ids) {
   const SegmentPolicy& seg = mask.segments;
+  ids = ids && seg.enabled();  // (compile-time false in kernels without segment ids)
   int key_row_lo[2], key_row_hi[2];  // queries that see this thread's two keys
   int32_t key_id[2] = {0, 0};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mask.rows_seeing_key(key0 + g + 8 * r, &key_row_lo[r], &key_row_hi[r]);
-    if (seg.enabled()) key_id[r] = seg.kv_ids[imax(imin(key0 + g + 8 * r, mask.length.kv_len - 1), 0)];
+    if (ids) key_id[r] = seg.kv_ids[imax(imin(key0 + g + 8 * r, mask.length.kv_len - 1), 0)];
   }
 #pragma unroll
   for (int j = 0; j < kSTiles; ++j) {
@@ -48,7 +49,7 @@ __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], con
     for (int e = 0; e < 4; ++e) {
       const int m = query0 + 8 * j + 2 * t + (e & 1);
       bool seen = m >= key_row_lo[e >> 1] && m < key_row_hi[e >> 1];
-      if (seg.enabled()) seen = seen && seg.q_ids[imax(imin(m, mask.length.q_len - 1), 0)] == key_id[e >> 1];
+      if (ids) seen = seen && seg.q_ids[imax(imin(m, mask.length.q_len - 1), 0)] == key_id[e >> 1];
       acc[4 * j + e] = seen ? acc[4 * j + e] : 0.f;
     }
   }
@@ -57,14 +58,15 @@ __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], con
 // P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place (S^T soft-capped first, with a cap), zero where the mask
 // hides the pair (query0, key0 as for zero_hidden_pairs). With a cap, dcap receives each pair's d capped / d s =
 // 1 - tanh^2 as float16 pairs (elements 2 i, 2 i + 1 in dcap[i]; within [0, 1], float16's 2^-11 rounding is below
-// tanh.approx's error), for dscores_from_probs: no second transcendental to recover it from P^T. Returns whether
-// the tile needed masking (dscores_from_probs then zeroes the hidden pairs' dS^T too). kCap: the call has a soft
-// cap (compiled out otherwise: dcap would be live registers across the dP^T wait in every call).
+// tanh.approx's error), for dscores_from_probs: no second transcendental to recover it from P^T. Returns what the
+// tile needed of the masks (the whole warp asks, AttentionMask::tile_masking_warp; dscores_from_probs then zeroes
+// the hidden pairs' dS^T too). kCap: the call has a soft cap (compiled out otherwise: dcap would be live registers
+// across the dP^T wait in every call).
 template <int kSTiles, bool kCap>
-__device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], uint32_t (&dcap)[kSTiles * 2],
-                                                  const float2 (&lse_log2)[kSTiles], float scale_log2,
-                                                  const SoftCap& cap, const AttentionMask& mask, int query0, int key0,
-                                                  int seqlen_q, int g, int t) {
+__device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles * 4], uint32_t (&dcap)[kSTiles * 2],
+                                                         const float2 (&lse_log2)[kSTiles], float scale_log2,
+                                                         const SoftCap& cap, const AttentionMask& mask, int query0,
+                                                         int key0, int seqlen_q, int g, int t) {
   if constexpr (kCap) {
 #pragma unroll
     for (int i = 0; i < kSTiles * 2; ++i) {
@@ -82,19 +84,19 @@ __device__ __forceinline__ bool probs_from_scores(float (&acc_s)[kSTiles * 4], u
       acc_s[4 * j + e] = exp2f(acc_s[4 * j + e] * scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x));
     }
   }
-  const bool masked = !mask.tile_fully_visible(query0, query0 + kSTiles * 8, key0, key0 + kWarpRows, seqlen_q);
-  if (masked) zero_hidden_pairs<kSTiles>(acc_s, mask, query0, key0, g, t);
-  return masked;
+  const TileMasking how = mask.tile_masking_warp(query0, query0 + kSTiles * 8, key0, key0 + kWarpRows, seqlen_q);
+  if (how != TileMasking::kNone) zero_hidden_pairs<kSTiles>(acc_s, mask, query0, key0, g, t, how == TileMasking::kIds);
+  return how;
 }
 
 // dS^T = P^T * (dP^T - dsum) in place of dP^T, times probs_from_scores' dcap with a cap; in a masked tile
-// (probs_from_scores' result; the same query0, key0) exactly 0 where the mask hides the pair, as jax.nn's gradient
-// of its masking select is, even where dP^T, dsum or the score is not finite (a row whose output is nan).
+// (`how` as for probs_from_scores; the same query0, key0) exactly 0 where the mask hides the pair, as jax.nn's
+// gradient of its masking select is, even where dP^T, dsum or the score is not finite (a row whose output is nan).
 template <int kSTiles, bool kCap>
 __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4], const float (&acc_s)[kSTiles * 4],
                                                    const float2 (&dsum)[kSTiles], const uint32_t (&dcap)[kSTiles * 2],
-                                                   bool masked, const AttentionMask& mask, int query0, int key0, int g,
-                                                   int t) {
+                                                   TileMasking how, const AttentionMask& mask, int query0, int key0,
+                                                   int g, int t) {
 #pragma unroll
   for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -110,7 +112,7 @@ __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4],
       acc_dp[2 * i + 1] *= d.y;
     }
   }
-  if (masked) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t);
+  if (how != TileMasking::kNone) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t, how == TileMasking::kIds);
 }
 
 // Epilogue: dK = scale * acc_dk, dV = acc_dv for this thread's keys row0 + g (+8) below `keys`, columns

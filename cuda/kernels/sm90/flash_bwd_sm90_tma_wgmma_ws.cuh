@@ -24,7 +24,7 @@ namespace jax_flash::cuda::sm90 {
 inline constexpr int kDqWriterWarp = 1;  // producer warp that issues the dQ reductions
 
 // kDeterministic: the key blocks add into each dQ tile in ascending order (FlashParams::deterministic).
-// kSegments: the call has segment ids (false: their tests are compiled out, see mask_for_batch).
+// kSegments: the call has segment ids (false: their tests are compiled out; true: their null checks, see kernel_mask_for_batch).
 // kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0).
 template <typename T, typename Traits, bool kDeterministic, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
 
-  const AttentionMask mask = mask_for_batch<kSegments>(p, b);
+  const AttentionMask mask = kernel_mask_for_batch<kSegments>(p, b);
   const SoftCap cap(p);
 
   const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
@@ -263,15 +263,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wgmma_wait<1>();
     fence_regs(acc_s);
     uint32_t dcap[kSTiles * 2];  // with a soft cap: 1 - tanh^2 of the pairs (float16)
-    const bool masked = probs_from_scores<kSTiles, kSoftCap>(acc_s, dcap, lse_log2, p.scale_log2, cap, mask, m0,
-                                                             n0 + key_row0, p.seqlen_q, g, t);
+    const TileMasking how = probs_from_scores<kSTiles, kSoftCap>(acc_s, dcap, lse_log2, p.scale_log2, cap, mask, m0,
+                                                                 n0 + key_row0, p.seqlen_q, g, t);
     // dS^T = P^T * (dP^T - dsum) (times 1 - tanh^2 with a cap).
     float2 dsum[kSTiles];
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kBM + 8 * j + 2 * t) * sizeof(float));
     wgmma_wait<0>();
     fence_regs(acc_dp);
-    dscores_from_probs<kSTiles, kSoftCap>(acc_dp, acc_s, dsum, dcap, masked, mask, m0, n0 + key_row0, g, t);
+    dscores_from_probs<kSTiles, kSoftCap>(acc_dp, acc_s, dsum, dcap, how, mask, m0, n0 + key_row0, g, t);
     // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
     uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
 #pragma unroll

@@ -24,7 +24,7 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// kSegments: the call has segment ids (false: their tests are compiled out of the consumers, see mask_for_batch).
+// kSegments: the call has segment ids (false: their tests are compiled out of the consumers; true: their null checks, see kernel_mask_for_batch).
 // kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0).
 template <typename T, typename Traits, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   typename Mainloop::KVState kv;  // ring position of the next key tile
   typename Mainloop::QState q;
   for_each_tile([&](const FwdTile& tile) {
-    const AttentionMask mask = mask_for_batch<kSegments>(p, tile.b);
+    const AttentionMask mask = kernel_mask_for_batch<kSegments>(p, tile.b);
     const int m0 = tile.m_block * Traits::kBlockM;
     const int rows_valid = imin(Traits::kBlockM, p.seqlen_q - m0);
     int n_begin;

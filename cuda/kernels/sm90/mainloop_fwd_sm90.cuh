@@ -101,10 +101,11 @@ struct FwdMainloop {
     smem.v_ring.init(kConsumerWarps);
   }
 
-  // The key tiles [*n_begin, *n_begin + count) that some row of the query block starting at m0 sees.
+  // The key tiles [*n_begin, *n_begin + count) that some row of the query block starting at m0 sees (the threads
+  // of a warp that ask together ask for the same m0: the producer thread alone, or a consumer warp).
   __device__ __forceinline__ int key_tiles(const AttentionMask& mask, int m0, int* n_begin) const {
     int n_end;
-    key_tiles_for_rows<kBN>(mask, p, m0, imin(kBM, p.seqlen_q - m0), n_begin, &n_end);
+    key_tiles_for_rows<kBN, true>(mask, p, m0, imin(kBM, p.seqlen_q - m0), n_begin, &n_end);
     return imax(n_end - *n_begin, 0);
   }
 
@@ -171,26 +172,36 @@ struct FwdMainloop {
       sm90::issue_pv<kBN, kD, T>(acc.o, a_p, smem_addr(smem.v[slot]), kKVColBlockBytes);
     };
 
-    // Soft-caps S (with a cap: S becomes tanh(pre * S), the logits' scale folds post in), masks it (only warps whose
-    // 16 rows, from row0, do not see the whole key tile from n0), then the online-softmax update: S becomes exp2
-    // values, the running max and sum move on; returns the factors that rescale O for rows g and g + 8. The running
-    // max is kept in the units of S (tanh values with a cap; the end of mma() turns it back into raw logits).
+    // What the warp's 16 rows (from row0) need of key tile n0's masks, in a masked step (`masked`, a compile-time
+    // bool; unmasked steps need nothing). Asked right after the tile's S product is issued.
+    auto masking = [&](auto masked, int row0, int n0) {
+      if constexpr (decltype(masked)::value) {
+        return mask.tile_masking_warp(row0, row0 + kWarpRows, n0, n0 + kBN, p.seqlen_q);
+      } else {
+        return TileMasking::kNone;
+      }
+    };
+
+    // Soft-caps S (with a cap: S becomes tanh(pre * S), the logits' scale folds post in), masks it as `how` says
+    // (masking()'s answer for row0, n0), then the online-softmax update: S becomes exp2 values, the running max
+    // and sum move on; returns the factors that rescale O for rows g and g + 8. The running max is kept in the
+    // units of S (tanh values with a cap; the end of mma() turns it back into raw logits).
     const SoftCap cap(p);
     const float score_log2 = kSoftCap ? cap.post * p.scale_log2 : p.scale_log2;
     const SegmentPolicy& seg = mask.segments;
-    auto softmax = [&](auto masked, int row0, int n0, float (&correction)[2]) {
+    auto softmax = [&](auto masked, TileMasking how, int row0, int n0, float (&correction)[2]) {
       if constexpr (kSoftCap) {
 #pragma unroll
         for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = cap.tanh_of(acc_s[i]);
       }
-      if (masked && !mask.tile_fully_visible(row0, row0 + kWarpRows, n0, n0 + kBN, p.seqlen_q)) {
+      if (masked && how != TileMasking::kNone) {
         int lo[2], hi[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           lo[r] = mask.lo(row0 + g + 8 * r);
           hi[r] = mask.hi(row0 + g + 8 * r);
         }
-        if (seg.enabled()) {  // ids tested where the interval lets the pair through (in range there)
+        if (seg.enabled() && how == TileMasking::kIds) {  // ids tested where the interval lets the pair through (in range there)
           int32_t id[2];
 #pragma unroll
           for (int r = 0; r < 2; ++r) id[r] = seg.q_ids[imin(row0 + g + 8 * r, p.seqlen_q - 1)];
@@ -211,6 +222,7 @@ struct FwdMainloop {
         } else {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
+            if (seg.enabled()) acc.seen[r] |= imax(lo[r], n0) < imin(hi[r], n0 + kBN);  // one id: the interval's
 #pragma unroll
             for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -276,10 +288,11 @@ struct FwdMainloop {
     wgmma_fence();
     issue_s(kv.slot());
     pingpong.end_issue();
+    const TileMasking how0 = masking(std::true_type{}, row0, n_begin * kBN);
     wgmma_wait<0>();
     fence_regs(acc_s);
     if (lane0) smem.k_ring.consumer_release(kv);
-    softmax(std::true_type{}, row0, n_begin * kBN, correction);
+    softmax(std::true_type{}, how0, row0, n_begin * kBN, correction);
     convert_p();
 
     // Key tiles [full_begin, full_end) (from n_begin; the first one, already done, excluded) are visible to every
@@ -298,10 +311,12 @@ struct FwdMainloop {
       issue_s(ki.slot());
       issue_pv(kp.slot());
       pingpong.end_issue();
+      const int n0 = (n_begin + i) * kBN;
+      const TileMasking how = masking(masked, row0, n0);
       wgmma_wait<1>();  // S_i done; PV_{i-1} may still run
       fence_regs(acc_s);
       if (lane0) smem.k_ring.consumer_release(ki);
-      softmax(masked, row0, (n_begin + i) * kBN, correction);
+      softmax(masked, how, row0, n0, correction);
       wgmma_wait<0>();  // PV_{i-1} done: O and P's registers are free
       fence_regs(acc.o);
       fence_regs(a_p);
