@@ -161,13 +161,17 @@ KERNEL_CASES = {
     "rows128_softcap_ragged": dict(batch=3, rows=16, hq=8, hkv=1, d=128, capacity=3000, lengths=(3000, 1, 1777),
                                    softcap=20.0),
     # one split per sequence (a capacity under 256 keys): ragged batches whose blocks take the sequences longest
-    # first (ties in batch order; the mma.sync kernel, and the wgmma one at 64 packed rows), and one of more than
-    # 256 sequences, which keeps the batch order
+    # first (ties in batch order; the mma.sync kernel, and the wgmma one at 64 packed rows; up to 64 sequences, the
+    # longest-first limit), and larger ones, which keep the batch order
     "one_split_ragged_b40": dict(batch=40, rows=1, hq=4, hkv=2, d=64, capacity=200,
                                  lengths=tuple(1 + (i * 7) % 13 * 15 for i in range(40))),
     "one_split_rows64_ragged_b24": dict(batch=24, rows=8, hq=16, hkv=2, d=128, capacity=250,
                                         lengths=tuple(250 - (i * 11) % 9 * 25 for i in range(24))),
     "one_split_equal_b5": dict(batch=5, rows=2, hq=8, hkv=2, d=128, capacity=160, lengths=(150,) * 5),
+    "one_split_ragged_b64": dict(batch=64, rows=1, hq=4, hkv=1, d=64, capacity=120,
+                                 lengths=tuple(120 - (i * 37) % 119 for i in range(64))),
+    "one_split_ragged_b65": dict(batch=65, rows=1, hq=4, hkv=1, d=64, capacity=120,
+                                 lengths=tuple(1 + (i * 29) % 120 for i in range(65))),
     "one_split_ragged_b300": dict(batch=300, rows=1, hq=2, hkv=1, d=64, capacity=64,
                                   lengths=tuple(1 + (i * 5) % 64 for i in range(300))),
 }
