@@ -11,6 +11,9 @@ visible, so a packed run and an unpacked one are comparable per useful FLOP):
 
 Writes <out>/<name>.json (rows + meta: device, jax version, date) and <name>.md (the tables), and prints progress.
     python3 benchmarks/bench_packed.py [--out DIR] [--tokens 8192] [--docs 8] [--batch 4]
+Without a GPU the run is a smoke run: tiny sizes (unless given) through the whole pipeline on the CPU kernels,
+its files in <temp dir>/jax_flash_bench/ (SMOKE_OUT) unless --out says otherwise; its timings are not performance
+numbers.
 """
 
 import argparse
@@ -18,6 +21,7 @@ import datetime
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -26,6 +30,13 @@ import numpy as np
 
 import jax_flash
 
+
+SMOKE_OUT = os.path.join(tempfile.gettempdir(), "jax_flash_bench")  # default --out without a GPU
+# Sizes: a GPU run's, and a smoke run's (no GPU) where the command line gives none.
+GPU_SIZES = dict(batch=4, tokens=8192, docs=8, heads=16, head_dim=128, mod_shape="4x4096x16x128", iters=10,
+                 min_time=0.3, rounds=3)
+SMOKE_SIZES = dict(batch=1, tokens=64, docs=4, heads=2, head_dim=64, mod_shape="1x64x2x64", iters=2, min_time=0.0,
+                   rounds=1)
 
 SAMPLE_SECONDS = 2e-3  # back-to-back calls per timed sample: about this much device time,
 MIN_REPS = 4           # and never fewer, so the device does not wait on the host between calls
@@ -133,7 +144,7 @@ def _tokamax_softcap(cap, causal):
 
 
 def modifier_rows(args, rng, progress):
-    b, t, h, d = 4, 4096, 16, 128
+    b, t, h, d = (int(x) for x in args.mod_shape.split("x"))
     q, k, v, do = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16) for _ in range(4))
     sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
     rows = []
@@ -181,9 +192,15 @@ def modifier_rows(args, rng, progress):
     return rows
 
 
+def _rate(x):
+    """TFLOP/s: whole numbers from 10 up, three significant digits below (a smoke run's are far below 1)."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.3g}"
+
+
 def markdown(rows, meta):
     lines = [f"# Packed sequences, sinks, soft-capping: {meta['device']}, jax {meta['jax_version']}, {meta['date']}",
-             "", "Forward + backward of sum(o * do) (jit of grad), bf16, medians of pipelined samples (calls back to "
+             "", ("Smoke run without a GPU: the timings are not performance numbers. " if meta.get("smoke") else "") +
+             "Forward + backward of sum(o * do) (jit of grad), bf16, medians of pipelined samples (calls back to "
              "back, one synchronisation; latency: one blocking call, host round trip included). TFLOP/s over the "
              "visible pairs only (FlashAttention convention: 4 H D per pair forward, x 3.5 forward + backward). "
              "Modifiers: the best median of several rounds over the implementations; bwd = (fwd + bwd) - fwd.", ""]
@@ -202,19 +219,21 @@ def markdown(rows, meta):
         for r in packed:
             if "ms" in r:
                 vs = f"{r['ms'] / base:.2f}x" if base else ""
-                lines.append(f"| {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | {vs} | {r['fwd_ms']:.3f} | "
+                lines.append(f"| {r['impl']} | {r['ms']:.3f} | {_rate(r['tflops'])} | {vs} | {r['fwd_ms']:.3f} | "
                              f"{r['latency_ms']:.3f} |")
             else:
                 lines.append(f"| {r['impl']} | error: {r['error']} | | | | |")
         lines.append("")
     mods = [r for r in rows if r["table"] == "modifiers"]
     if mods:
-        lines += ["## Sinks and soft cap against the plain kernel: 4 x 4096 x 16 x 128", "",
+        m0 = mods[0]
+        lines += [f"## Sinks and soft cap against the plain kernel: {m0['batch']} x {m0['tokens']} x {m0['heads']} x "
+                  f"{m0['head_dim']}", "",
                   "| impl | causal | fwd ms | fwd TFLOP/s | fwd vs plain | bwd ms | bwd vs plain |",
                   "|---|---|---:|---:|---:|---:|---:|"]
         for r in mods:
             if "fwd_ms" in r:
-                lines.append(f"| {r['impl']} | {r['causal']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | "
+                lines.append(f"| {r['impl']} | {r['causal']} | {r['fwd_ms']:.3f} | {_rate(r['fwd_tflops'])} | "
                              f"{r.get('fwd_vs_plain', float('nan')):.3f} | {r['bwd_ms']:.3f} | "
                              f"{r.get('bwd_vs_plain', float('nan')):.3f} |")
             else:
@@ -224,25 +243,35 @@ def markdown(rows, meta):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=None,
+                        help=f"results directory (default: benchmarks/results/ on a GPU; without one {SMOKE_OUT})")
     parser.add_argument("--name", default=None, help="file stem (default packed-<device>-<date>)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--min-time", type=float, default=0.3)
-    parser.add_argument("--rounds", type=int, default=3, help="modifiers table: rounds over the implementations")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--docs", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--head-dim", type=int)
+    parser.add_argument("--mod-shape", help="modifiers table: BxTxHxD (default 4x4096x16x128 on a GPU)")
+    parser.add_argument("--iters", type=int)
+    parser.add_argument("--min-time", type=float)
+    parser.add_argument("--rounds", type=int, help="modifiers table: rounds over the implementations")
     parser.add_argument("--tables", default="packed,modifiers")
     parser.add_argument("--doc-lengths", default="equal,random", help="equal, random or both (comma-separated)")
     parser.add_argument("--impls", default="jax_flash,cudnn,xla",
                         help="packed table: the implementations whose rows run (comma-separated)")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
-    if device.platform != "gpu":
-        raise SystemExit("bench_packed.py times the CUDA kernels: run it on a GPU")
-    meta = dict(device=device.device_kind, jax_version=jax.__version__, date=datetime.date.today().isoformat())
+    on_gpu = device.platform == "gpu"
+    for key, value in (GPU_SIZES if on_gpu else SMOKE_SIZES).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = "benchmarks/results" if on_gpu else SMOKE_OUT
+    if not on_gpu:
+        print(f"No GPU: a smoke run on the {device.platform.upper()} (timings are not performance numbers), "
+              f"results in {args.out}", flush=True)
+    meta = dict(device=device.device_kind, jax_version=jax.__version__, date=datetime.date.today().isoformat(),
+                smoke=not on_gpu)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     progress = lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)  # noqa: E731
@@ -261,6 +290,7 @@ def main(argv=None):
     with open(stem + ".md", "w") as f:
         f.write(text)
     print(text)
+    return 0
 
 
 if __name__ == "__main__":
