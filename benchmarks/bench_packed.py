@@ -18,10 +18,9 @@ numbers.
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
-import statistics
-import tempfile
 import time
 
 import jax
@@ -31,39 +30,30 @@ import numpy as np
 import jax_flash
 
 
-SMOKE_OUT = os.path.join(tempfile.gettempdir(), "jax_flash_bench")  # default --out without a GPU
+def _bench_attention():
+    """benchmarks/bench_attention.py as a module: its pipelined timer, smoke-run directory and rate format."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_attention.py")
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_ATTENTION = _bench_attention()
+SMOKE_OUT = _ATTENTION.SMOKE_OUT  # default --out without a GPU
 # Sizes: a GPU run's, and a smoke run's (no GPU) where the command line gives none.
 GPU_SIZES = dict(batch=4, tokens=8192, docs=8, heads=16, head_dim=128, mod_shape="4x4096x16x128", iters=10,
                  min_time=0.3, rounds=3)
 SMOKE_SIZES = dict(batch=1, tokens=64, docs=4, heads=2, head_dim=64, mod_shape="1x64x2x64", iters=2, min_time=0.0,
                    rounds=1)
 
-SAMPLE_SECONDS = 2e-3  # back-to-back calls per timed sample: about this much device time,
-MIN_REPS = 4           # and never fewer, so the device does not wait on the host between calls
-
 
 def _time(fn, args, iters, min_time):
-    """(median seconds per call over pipelined samples, median latency of one blocking call), fn compiled and
-    warmed up. A pipelined sample dispatches the call back to back (as a training loop does) and synchronises
-    once, so it holds the device time of each call without the host round trip that the blocking latency adds;
-    the tables' times and speed-ups are the pipelined ones (as bench_attention.py's)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    latencies = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        latencies.append(time.perf_counter() - t0)
-    latency = statistics.median(latencies)
-    reps = max(MIN_REPS, min(50, int(SAMPLE_SECONDS / latency)))
-    times, start = [], time.perf_counter()
-    while len(times) < iters or (time.perf_counter() - start < min_time and len(times) < 10 * iters):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times), latency
+    """(median seconds per call over pipelined samples, median latency of one blocking call) after two warm-up
+    calls: bench_attention.py's time_fn. A pipelined sample dispatches the call back to back (as a training loop
+    does) and synchronises once, so it holds the device time of each call without the host round trip that the
+    blocking latency adds; the tables' times and speed-ups are the pipelined ones."""
+    return _ATTENTION.time_fn(fn, args, 2, iters, min_time)
 
 
 def _train_step(attn):
@@ -192,11 +182,6 @@ def modifier_rows(args, rng, progress):
     return rows
 
 
-def _rate(x):
-    """TFLOP/s: whole numbers from 10 up, three significant digits below (a smoke run's are far below 1)."""
-    return f"{x:.0f}" if x >= 10 else f"{x:.3g}"
-
-
 def markdown(rows, meta):
     lines = [f"# Packed sequences, sinks, soft-capping: {meta['device']}, jax {meta['jax_version']}, {meta['date']}",
              "", ("Smoke run without a GPU: the timings are not performance numbers. " if meta.get("smoke") else "") +
@@ -219,7 +204,8 @@ def markdown(rows, meta):
         for r in packed:
             if "ms" in r:
                 vs = f"{r['ms'] / base:.2f}x" if base else ""
-                lines.append(f"| {r['impl']} | {r['ms']:.3f} | {_rate(r['tflops'])} | {vs} | {r['fwd_ms']:.3f} | "
+                rate = _ATTENTION.fmt_rate(r["tflops"])
+                lines.append(f"| {r['impl']} | {r['ms']:.3f} | {rate} | {vs} | {r['fwd_ms']:.3f} | "
                              f"{r['latency_ms']:.3f} |")
             else:
                 lines.append(f"| {r['impl']} | error: {r['error']} | | | | |")
@@ -233,7 +219,8 @@ def markdown(rows, meta):
                   "|---|---|---:|---:|---:|---:|---:|"]
         for r in mods:
             if "fwd_ms" in r:
-                lines.append(f"| {r['impl']} | {r['causal']} | {r['fwd_ms']:.3f} | {_rate(r['fwd_tflops'])} | "
+                rate = _ATTENTION.fmt_rate(r["fwd_tflops"])
+                lines.append(f"| {r['impl']} | {r['causal']} | {r['fwd_ms']:.3f} | {rate} | "
                              f"{r.get('fwd_vs_plain', float('nan')):.3f} | {r['bwd_ms']:.3f} | "
                              f"{r.get('bwd_vs_plain', float('nan')):.3f} |")
             else:

@@ -24,7 +24,8 @@ namespace jax_flash::cuda::sm90 {
 inline constexpr int kDqWriterWarp = 1;  // producer warp that issues the dQ reductions
 
 // kDeterministic: the key blocks add into each dQ tile in ascending order (FlashParams::deterministic).
-// kSegments: the call has segment ids (false: their tests are compiled out; true: their null checks, see kernel_mask_for_batch).
+// kSegments: the call has segment ids (false: their tests are compiled out; true: their null checks, see
+// kernel_mask_for_batch).
 // kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0).
 template <typename T, typename Traits, bool kDeterministic, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)

@@ -29,7 +29,8 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// kSegments: the call has segment ids (false: their tests are compiled out; true: their null checks, see kernel_mask_for_batch).
+// kSegments: the call has segment ids (false: their tests are compiled out; true: their null checks, see
+// kernel_mask_for_batch).
 // kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0).
 template <typename T, typename Traits, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, 1) __cluster_dims__(Traits::kClusterSize, 1, 1)

@@ -201,7 +201,7 @@ struct FwdMainloop {
           lo[r] = mask.lo(row0 + g + 8 * r);
           hi[r] = mask.hi(row0 + g + 8 * r);
         }
-        if (seg.enabled() && how == TileMasking::kIds) {  // ids tested where the interval lets the pair through (in range there)
+        if (seg.enabled() && how == TileMasking::kIds) {  // ids tested where the interval lets the pair through
           int32_t id[2];
 #pragma unroll
           for (int r = 0; r < 2; ++r) id[r] = seg.q_ids[imin(row0 + g + 8 * r, p.seqlen_q - 1)];
