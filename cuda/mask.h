@@ -243,8 +243,8 @@ struct AttentionMask {
   }
 #if defined(__CUDACC__)
   // What the tile needs (tile_fully_visible's question, split by mask kind), asked by a whole warp with the same
-  // arguments in every lane (SegmentPolicy::uniform_warp). A kernel asks before it waits for the tile's scores,
-  // so the id loads overlap the product.
+  // arguments in every lane (SegmentPolicy::uniform_warp). The sm_90a forward asks before it waits for the tile's
+  // scores, so the id loads overlap the product (the backward asks after, where that spilled less).
   __device__ __forceinline__ TileMasking tile_masking_warp(int row_begin, int row_end, int key_begin, int key_end,
                                                            int row_limit) const {
     if (segments.enabled() && !segments.uniform_warp(row_begin, imin(row_end, row_limit), key_begin, key_end)) {
