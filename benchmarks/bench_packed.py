@@ -18,10 +18,11 @@ numbers.
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
+import runpy
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +31,9 @@ import numpy as np
 import jax_flash
 
 
-def _bench_attention():
-    """benchmarks/bench_attention.py as a module: its pipelined timer, smoke-run directory and rate format."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_attention.py")
-    spec = importlib.util.spec_from_file_location("bench_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_ATTENTION = _bench_attention()
+# bench_attention.py's functions: its pipelined timer, smoke-run directory and rate format.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ATTENTION = types.SimpleNamespace(**runpy.run_path(os.path.join(_HERE, "bench_attention.py")))
 SMOKE_OUT = _ATTENTION.SMOKE_OUT  # default --out without a GPU
 # Sizes: a GPU run's, and a smoke run's (no GPU) where the command line gives none.
 GPU_SIZES = dict(batch=4, tokens=8192, docs=8, heads=16, head_dim=128, mod_shape="4x4096x16x128", iters=10,
