@@ -70,6 +70,11 @@ struct FlashParams {
   const int32_t* kv_segment_ids;
   const int32_t* q_segment_meta;
   const int32_t* kv_segment_meta;
+  // [batch, seqlen_q, 2] / [batch, seqlen_k, 2]: each position's run, the positions of the other side with its id
+  // ([first, last + 1)), for batch elements whose ids are contiguous runs in the same order; a first row's first
+  // bound of -1 marks a batch element whose ids are not (mask.h: RunPolicy, segment_runs_exact). Null with the ids.
+  const int32_t* q_segment_runs;
+  const int32_t* kv_segment_runs;
 
   // Score modifiers. Logit soft-capping (softcap_pre = 0: none): the kernels replace each raw score s = q.k by
   // softcap_post * tanh(softcap_pre * s), with softcap_pre = scale / c and softcap_post = c / scale, so that the

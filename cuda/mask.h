@@ -17,10 +17,15 @@
 // q_ids[i] == kv_ids[j]. SegmentPolicy narrows the block ranges above with per-16-position chunk metadata (the id
 // range of each chunk, and the keys / rows whose chunks' id ranges meet it: no static number of segments), calls a
 // tile fully visible only when every id in it is one value, and leaves the kernels one per-element test (same()).
+// Packed training data usually has a simpler shape: each id is one contiguous run of positions, in the same order for
+// queries and keys. Then row i sees exactly the keys of its own run, an interval whose ends never decrease with i, and
+// RunPolicy hands the kernels the ids as that interval (per-row bounds from jax_flash._ffi.segment_runs): they take
+// such a batch element as they take a window, with whole runs of unmasked key tiles and no id tests at all.
 #pragma once
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_params.h"  // JF_HD
 
@@ -157,6 +162,55 @@ struct SegmentPolicy {
 #endif
 };
 
+// Segment ids whose every id is one contiguous run of positions on each side, the runs in the same order (checked
+// per batch element by jax_flash._ffi.segment_runs): row i sees key j only if j lies in [q_run[i].x, q_run[i].y),
+// the keys whose id is row i's, and key j is seen only by rows [kv_run[j].x, kv_run[j].y). Both bounds never
+// decrease along the positions, so this is an interval policy like the ones above and replaces SegmentPolicy for
+// such a batch element (disabled when q_run is null). Arrays of {x, y} int32 pairs. AttentionMask asks with its
+// lengths as the bound n: a row at or past q_len (a key at or past kv_len) reads the last valid pair, whose value
+// the other masks then discard (no pointers past the policy's two: the sm_90a forward's consumers have no register
+// to spare).
+struct RunPolicy {
+  const int32_t* q_run = nullptr;  // [seqlen_q][2] of one batch element
+  const int32_t* kv_run = nullptr;  // [seqlen_k][2]
+
+  JF_HD bool enabled() const { return q_run != nullptr; }
+  // Pair i of `run` (i clamped to [0, n), n <= the array's length; index 0 when n <= 0): one 8-byte load on the
+  // device.
+  JF_HD static void pair(const int32_t* run, int i, int n, int* x, int* y) {
+    i = imax(imin(i, n - 1), 0);
+#if defined(__CUDA_ARCH__)
+    const int2 v = *reinterpret_cast<const int2*>(run + 2 * i);
+    *x = v.x;
+    *y = v.y;
+#else
+    *x = run[2 * i];
+    *y = run[2 * i + 1];
+#endif
+  }
+  JF_HD void keys_of_row(int i, int q_len, int* lo, int* hi) const { pair(q_run, i, q_len, lo, hi); }
+  JF_HD void rows_of_key(int j, int kv_len, int* lo, int* hi) const { pair(kv_run, j, kv_len, lo, hi); }
+  // The smallest row that sees key c or a later key (0 <= c < kv_len).
+  JF_HD int first_row(int c, int kv_len) const {
+    int lo, hi;
+    rows_of_key(c, kv_len, &lo, &hi);
+    return lo;
+  }
+  // One past the largest row that sees a key below c (c <= kv_len).
+  JF_HD int last_row(int c, int kv_len) const {
+    if (c <= 0) return 0;
+    int lo, hi;
+    rows_of_key(c - 1, kv_len, &lo, &hi);
+    return hi;
+  }
+};
+
+// True when batch element b's segment ids are contiguous runs (RunPolicy): segment_runs marks a batch element whose
+// ids are not with -1 in its first row's first bound.
+JF_HD bool segment_runs_exact(const FlashParams& p, int b) {
+  return p.q_segment_runs != nullptr && p.q_segment_runs[int64_t(b) * p.seqlen_q * 2] >= 0;
+}
+
 // How a tile has to be masked: not at all; by the intervals alone (no segment ids, or every id in the tile one
 // value); or per element, segment ids included.
 enum class TileMasking { kNone, kInterval, kIds };
@@ -166,17 +220,37 @@ struct AttentionMask {
   WindowPolicy window;
   LengthPolicy length;
   SegmentPolicy segments;
+  RunPolicy runs;
 
   // shift: the global position of local row 0 minus that of local key 0 (0 for a whole sequence).
   JF_HD AttentionMask(bool is_causal, int window_left, int window_right, int q_len, int kv_len, int shift = 0,
-                      SegmentPolicy seg = SegmentPolicy{})
-      : causal{is_causal, shift}, window{window_left, window_right, shift}, length{q_len, kv_len}, segments(seg) {}
+                      SegmentPolicy seg = SegmentPolicy{}, RunPolicy run = RunPolicy{})
+      : causal{is_causal, shift},
+        window{window_left, window_right, shift},
+        length{q_len, kv_len},
+        segments(seg),
+        runs(run) {}
 
   JF_HD bool row_valid(int i) const { return i < length.q_len; }
-  // lo(i), hi(i): the interval the masks other than segment ids leave row i.
-  JF_HD int lo(int i) const { return imax(imax(causal.lo(i), window.lo(i)), imax(length.lo(i), 0)); }
+  // lo(i), hi(i): the interval the masks other than segment ids (SegmentPolicy) leave row i.
+  JF_HD int lo(int i) const {
+    int l = imax(imax(causal.lo(i), window.lo(i)), imax(length.lo(i), 0));
+    if (runs.enabled()) {
+      int rl, rh;
+      runs.keys_of_row(i, length.q_len, &rl, &rh);
+      l = imax(l, rl);
+    }
+    return l;
+  }
   JF_HD int hi(int i) const {
-    return row_valid(i) ? imin(imin(causal.hi(i), window.hi(i)), length.hi(i)) : 0;
+    if (!row_valid(i)) return 0;
+    int h = imin(imin(causal.hi(i), window.hi(i)), length.hi(i));
+    if (runs.enabled()) {
+      int rl, rh;
+      runs.keys_of_row(i, length.q_len, &rl, &rh);
+      h = imin(h, rh);
+    }
+    return h;
   }
   JF_HD bool visible(int i, int j) const {
     return j >= lo(i) && j < hi(i) && (!segments.enabled() || segments.same(i, j));
@@ -187,6 +261,12 @@ struct AttentionMask {
     *row_lo = imax(causal.enabled ? j - causal.shift : 0, window.right >= 0 ? j - window.shift - window.right : 0);
     *row_lo = imax(*row_lo, 0);
     *row_hi = imin(length.q_len, window.left >= 0 ? j - window.shift + window.left + 1 : INT_MAX);
+    if (runs.enabled()) {
+      int rl, rh;
+      runs.rows_of_key(j, length.kv_len, &rl, &rh);
+      *row_lo = imax(*row_lo, rl);
+      *row_hi = imin(*row_hi, rh);
+    }
     if (j < 0 || j >= length.kv_len) *row_hi = *row_lo;
   }
 
@@ -220,6 +300,10 @@ struct AttentionMask {
     }
     *row_begin = imax(imax(causal.first_row(key_begin), window.first_row(key_begin)), 0);
     *row_end = imin(imin(causal.last_row(key_end), window.last_row(key_end)), length.last_row(key_end));
+    if (runs.enabled()) {
+      *row_begin = imax(*row_begin, runs.first_row(imax(key_begin, 0), length.kv_len));
+      *row_end = imin(*row_end, runs.last_row(imin(key_end, length.kv_len), length.kv_len));
+    }
     if (segments.enabled()) {
       int b, e;
       segments.template row_range<kLanes>(key_begin, imin(key_end, length.kv_len), &b, &e);
@@ -271,13 +355,18 @@ struct AttentionMask {
   }
 };
 
+// How a mask takes a call's segment ids: not at all (kNone, for a caller launched only when the call has none);
+// as ids (kIds: SegmentPolicy); as runs (kRuns: RunPolicy, for a batch element whose ids segment_runs_exact says
+// are runs); or as runs where they are and as ids elsewhere (kAuto).
+enum class SegmentMode { kNone, kIds, kRuns, kAuto };
+
 // The mask of batch element b in local indices: the global lengths less the offsets, clamped to [0, seqlen]; the
 // diagonal shifted by q_offset - kv_offset. A window side that no (row, key) pair of the call can reach becomes
-// unbounded, so such calls take the kernels' unmasked paths. kSegments = false, for a caller launched only when
-// the call has no segment ids (p.q_segment_ids null), gives a mask whose segment tests fold away at compile time:
-// the ids' pointers and chunk counts otherwise stay live across a kernel's main loop (the sm_90a d128 kernels
-// spilled 112-460 bytes with them).
-template <bool kSegments = true>
+// unbounded, so such calls take the kernels' unmasked paths. The segment ids as kMode says (none if the call has
+// none). A fixed kMode lets a kernel compile only its policy's tests: the other policy's pointers stay null at
+// compile time (the ids' pointers and chunk counts live across a main loop spilled the sm_90a d128 kernels by
+// 112-460 bytes).
+template <SegmentMode kMode = SegmentMode::kIds>
 JF_HD AttentionMask mask_for_batch(const FlashParams& p, int b) {
   const int q_off = p.q_offsets[b];
   const int kv_off = p.kv_offsets[b];
@@ -290,25 +379,57 @@ JF_HD AttentionMask mask_for_batch(const FlashParams& p, int b) {
   const int left = p.window_left >= 0 && q_len - 1 + shift - p.window_left <= 0 ? -1 : p.window_left;
   const int right = p.window_right >= 0 && shift + p.window_right >= kv_len - 1 ? -1 : p.window_right;
   SegmentPolicy seg;
-  if (kSegments && p.q_segment_ids != nullptr) {
-    seg.q_chunks = (p.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
-    seg.kv_chunks = (p.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
-    seg.q_ids = p.q_segment_ids + int64_t(b) * p.seqlen_q;
-    seg.kv_ids = p.kv_segment_ids + int64_t(b) * p.seqlen_k;
-    seg.q_meta = p.q_segment_meta + int64_t(b) * seg.q_chunks * 4;
-    seg.kv_meta = p.kv_segment_meta + int64_t(b) * seg.kv_chunks * 4;
+  RunPolicy run;
+  if (kMode != SegmentMode::kNone && p.q_segment_ids != nullptr) {
+    const bool runs = kMode == SegmentMode::kRuns || (kMode == SegmentMode::kAuto && segment_runs_exact(p, b));
+    if (runs) {
+      run.q_run = p.q_segment_runs + int64_t(b) * p.seqlen_q * 2;
+      run.kv_run = p.kv_segment_runs + int64_t(b) * p.seqlen_k * 2;
+    } else {
+      seg.q_chunks = (p.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
+      seg.kv_chunks = (p.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
+      seg.q_ids = p.q_segment_ids + int64_t(b) * p.seqlen_q;
+      seg.kv_ids = p.kv_segment_ids + int64_t(b) * p.seqlen_k;
+      seg.q_meta = p.q_segment_meta + int64_t(b) * seg.q_chunks * 4;
+      seg.kv_meta = p.kv_segment_meta + int64_t(b) * seg.kv_chunks * 4;
+    }
   }
-  return AttentionMask(p.causal, left, right, q_len, kv_len, shift, seg);
+  return AttentionMask(p.causal, left, right, q_len, kv_len, shift, seg, run);
 }
 
 #if defined(__CUDACC__)
-// mask_for_batch for a kernel launched with kSegments exactly when the call has segment ids (the sm_90a kernels):
-// there the compiler may also take segments.enabled() as true, so the ids' tests carry no null checks (with
-// kSegments = false they fold away as in mask_for_batch).
-template <bool kSegments>
+// For a kernel launched with kSegments exactly when the call has segment ids (the sm_90a kernels): calls
+// fn(mode) with mode a std::integral_constant<SegmentMode, ...>: kNone without ids, else kRuns or kIds as batch
+// element b's ids are runs or not. fn's body is compiled once per mode, so each copy carries one policy's code only.
+template <bool kSegments, typename Fn>
+__device__ __forceinline__ void with_segment_mode(const FlashParams& p, int b, Fn&& fn) {
+  using Mode = SegmentMode;
+  if constexpr (!kSegments) {
+    fn(std::integral_constant<Mode, Mode::kNone>{});
+  } else if (segment_runs_exact(p, b)) {
+    fn(std::integral_constant<Mode, Mode::kRuns>{});
+  } else {
+    fn(std::integral_constant<Mode, Mode::kIds>{});
+  }
+}
+
+// For a kernel compiled for one segment mode and launched once per mode (the sm_90a forward's persistent grids):
+// whether it takes batch element b (kNone: every one).
+template <SegmentMode kMode>
+JF_HD bool segment_mode_takes(const FlashParams& p, int b) {
+  if constexpr (kMode == SegmentMode::kRuns) return segment_runs_exact(p, b);
+  if constexpr (kMode == SegmentMode::kIds) return !segment_runs_exact(p, b);
+  return true;
+}
+
+// mask_for_batch in a kernel compiled for one segment mode (with_segment_mode's fn, or segment_mode_takes): there the
+// compiler may also take the mode's policy as enabled, so its tests carry no null checks (the other policy's fold
+// away).
+template <SegmentMode kMode>
 __device__ __forceinline__ AttentionMask kernel_mask_for_batch(const FlashParams& p, int b) {
-  const AttentionMask mask = mask_for_batch<kSegments>(p, b);
-  if constexpr (kSegments) __builtin_assume(mask.segments.q_ids != nullptr);
+  const AttentionMask mask = mask_for_batch<kMode>(p, b);
+  if constexpr (kMode == SegmentMode::kIds) __builtin_assume(mask.segments.q_ids != nullptr);
+  if constexpr (kMode == SegmentMode::kRuns) __builtin_assume(mask.runs.q_run != nullptr);
   return mask;
 }
 #endif

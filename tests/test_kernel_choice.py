@@ -55,7 +55,7 @@ def test_handler_rejects_an_unknown_kernel_attribute(platform):
                                               jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
     none_i, none_f = (jax.device_put(jnp.zeros((1, 1), t), device) for t in (jnp.int32, jnp.float32))
     with pytest.raises(Exception, match="kernel must be 0"):
-        jax.block_until_ready(call(q, q, q, lens, lens, 0 * lens, 0 * lens, none_i, none_i, none_i, none_i, none_f,
+        jax.block_until_ready(call(q, q, q, lens, lens, 0 * lens, 0 * lens, *[none_i] * 6, none_f,
                                    scale=np.float32(0.125), is_causal=False, window_left=np.int64(-1),
                                    window_right=np.int64(-1), softcap=np.float32(0), has_segments=False,
                                    has_sinks=False, kernel=np.int32(7)))
@@ -64,6 +64,7 @@ def test_handler_rejects_an_unknown_kernel_attribute(platform):
 BAD_OPERANDS = {
     "q_segment_ids": (dict(q_seg=(1, 7)), "q_segment_ids has shape (1, 7), expected batch x seqlen_q = 8"),
     "kv_segment_meta": (dict(kv_meta=(1, 1, 3)), "kv_segment_meta has shape (1, 1, 3)"),
+    "q_segment_runs": (dict(q_runs=(1, 8)), "q_segment_runs has shape (1, 8), expected batch x seqlen_q x 2 = 16"),
     "sinks": (dict(sinks=(1, 3)), "sinks has shape (1, 3), expected batch x heads_q = 2"),
     "softcap": (dict(softcap=-1.0), "logits_soft_cap must be finite and > 0"),
 }
@@ -72,7 +73,7 @@ BAD_OPERANDS = {
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 @pytest.mark.parametrize("name", BAD_OPERANDS)
 def test_handler_rejects_bad_option_operands(platform, name):
-    """The forward handler checks the segment-id, metadata and sinks operands and the soft cap itself (a caller
+    """The forward handler checks the segment-id, metadata, runs and sinks operands and the soft cap itself (a caller
     of the raw target gets an error, never a read out of bounds)."""
     if platform == "gpu" and not jax_flash.cuda_available():
         pytest.skip("needs a CUDA GPU and jax_flash's CUDA kernels")
@@ -80,10 +81,11 @@ def test_handler_rejects_bad_option_operands(platform, name):
     bad, message = BAD_OPERANDS[name]
     q = jax.device_put(jnp.ones((1, 8, 2, 64), jnp.bfloat16), device)
     lens = jax.device_put(jnp.full((1,), 8, jnp.int32), device)
-    shapes = dict(q_seg=(1, 8), kv_seg=(1, 8), q_meta=(1, 1, 4), kv_meta=(1, 1, 4), sinks=(1, 2))
+    shapes = dict(q_seg=(1, 8), kv_seg=(1, 8), q_meta=(1, 1, 4), kv_meta=(1, 1, 4), q_runs=(1, 8, 2),
+                  kv_runs=(1, 8, 2), sinks=(1, 2))
     shapes.update({n: x for n, x in bad.items() if n != "softcap"})
     ops = [jax.device_put(jnp.zeros(shapes[n], jnp.float32 if n == "sinks" else jnp.int32), device)
-           for n in ("q_seg", "kv_seg", "q_meta", "kv_meta", "sinks")]
+           for n in ("q_seg", "kv_seg", "q_meta", "kv_meta", "q_runs", "kv_runs", "sinks")]
     call = jax.ffi.ffi_call(_ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                               jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
     with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")):

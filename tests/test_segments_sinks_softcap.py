@@ -32,6 +32,11 @@ def _segments(rng, batch, length, kind):
         if kind == "packed":  # documents of random lengths, ids counting up
             cuts = np.sort(rng.choice(np.arange(1, length), size=min(4 + b, length - 1), replace=False))
             rows.append(np.searchsorted(cuts, np.arange(length), side="right"))
+        elif kind == "mixed":  # even rows packed (runs: the kernels' interval path), odd rows with the first
+            # document's id again at the end (not runs: the id path)
+            cuts = np.sort(rng.choice(np.arange(1, length), size=min(4 + b, length - 1), replace=False))
+            row = np.searchsorted(cuts, np.arange(length), side="right")
+            rows.append(np.where(row == row.max(), 0, row) if b % 2 else row)
         elif kind == "one":
             rows.append(np.zeros(length, int))
         elif kind == "sorted":  # 5 documents of random lengths (the same count for both sides of a call)
@@ -63,6 +68,12 @@ CASES = {
                                            segments="packed", sinks=True, softcap=20.0),
     "packed_long_d256_noncausal": dict(batch=1, t=300, s=300, n=2, k=1, h=256, segments="packed"),
     "packed_sq_ne_sk_d128": dict(batch=2, t=200, s=450, n=4, k=2, h=128, segments="packed_kv_longer"),
+    # Batch elements whose ids are runs (interval path) beside ones whose ids are not (id path), in one call.
+    "mixed_runs_and_ids_window": dict(batch=3, t=300, s=300, n=2, k=1, h=64, window=(90, 20), segments="mixed"),
+    "mixed_runs_and_ids_causal_d128": dict(batch=2, t=400, s=400, n=2, k=2, h=128, is_causal=True,
+                                           segments="mixed"),
+    "runs_sq_ne_sk_causal_window": dict(batch=2, t=130, s=300, n=2, k=1, h=64, is_causal=True, window=(100, 0),
+                                        segments="packed_kv_longer"),
     # Soft cap over key tiles that every row sees (the kernels' unmasked steps): logits of standard deviation ~1,
     # and amplified ones (amp: q's scale) whose capped logits reach +-30 and beyond c/2, with weights that underflow;
     # head dims 64 (the three-warpgroup forward without a mask), 128 and 256.
@@ -195,6 +206,49 @@ def test_segment_metadata():
                     expect = ((meets[0] * 16, min((meets[-1] + 1) * 16, other.shape[-1])) if meets
                               else (np.iinfo(np.int32).max, 0))
                     assert tuple(meta[b, c, 2:]) == expect
+
+
+def test_segment_runs():
+    """Each position's run on the other side ([first, last + 1) of the positions holding its id) and the batch
+    elements whose ids are runs (the rest marked -1 at [0, 0]), against a direct numpy computation."""
+    from jax_flash._ffi import segment_runs
+
+    def expect(mine, other):
+        bounds, ok = [], True
+        for x in mine:
+            where = np.flatnonzero(other == x)
+            ok &= where.size > 0 and where.size == (where[-1] - where[0] + 1 if where.size else 0)
+            bounds.append((where[0], where[-1] + 1) if where.size else (0, 0))
+        bounds = np.array(bounds)
+        return bounds, ok and bool((np.diff(bounds, axis=0) >= 0).all())
+
+    packed = np.repeat([1, 2, 3, 0], [5, 3, 7, 2])  # documents, then padding (id 0)
+    cases = [
+        (packed, packed, True),
+        (np.repeat([1, 2, 3], [4, 4, 4]), np.repeat([1, 2, 3], [2, 6, 5]), True),  # Sq != Sk, runs on both sides
+        (np.repeat([1, 2, 1], [4, 4, 4]), np.repeat([1, 2, 1], [4, 4, 4]), False),  # id 1 in two runs
+        (np.repeat([1, 2, 3], [4, 4, 4]), np.repeat([1, 3], [6, 6]), False),  # a row whose id has no key
+        (np.repeat([1, 2], [4, 4]), np.repeat([2, 1], [4, 4]), False),  # runs in other orders: not monotone
+        (np.array([7]), np.array([7, 7, 7]), True),
+    ]
+    for q_ids, kv_ids, runs in cases:
+        q_runs, kv_runs = (np.asarray(x) for x in segment_runs(jnp.asarray(q_ids[None], jnp.int32),
+                                                               jnp.asarray(kv_ids[None], jnp.int32)))
+        (q_want, q_ok), (kv_want, kv_ok) = expect(q_ids, kv_ids), expect(kv_ids, q_ids)
+        assert (q_ok and kv_ok) == runs
+        assert q_runs.shape == (1, len(q_ids), 2) and kv_runs.shape == (1, len(kv_ids), 2)
+        if runs:
+            np.testing.assert_array_equal(q_runs[0], q_want)
+        else:
+            assert q_runs[0, 0, 0] == -1
+            np.testing.assert_array_equal(q_runs[0, 1:], q_want[1:])
+        np.testing.assert_array_equal(kv_runs[0], kv_want)
+    # Leading dims: each batch element decides for itself; rank-1 ids (rank-3 inputs) work too.
+    two = jnp.asarray(np.stack([packed, np.where(packed == 0, 1, packed)]), jnp.int32)  # the second: id 1 twice
+    q_runs, _ = segment_runs(two, two)
+    assert q_runs[0, 0, 0] == 0 and q_runs[1, 0, 0] == -1
+    q_runs, kv_runs = segment_runs(jnp.asarray(packed, jnp.int32), jnp.asarray(packed, jnp.int32))
+    assert q_runs.shape == (len(packed), 2) and kv_runs.shape == (len(packed), 2)
 
 
 @pytest.mark.parametrize("name", ["all_combined", "packed_padding_ids", "sinks_lengths_dead_rows"])

@@ -3,7 +3,7 @@
 # installed to /tmp/jf_<name>; every round runs bench_packed.py (TABLES, default the packed table) under each build
 # in turn, one build later each round; then prints per row the median over rounds of each build's time and its ratio
 # to the first build (also in $OUT/packed_ab.txt; the per-run tables under $OUT/runs/).
-#   OUT=... [WHEEL_PYTHON=1] bash tools/packed_ab.sh "nameA nameB" [ROUNDS=2] [extra bench_packed.py flags]
+#   OUT=... [WHEEL_PYTHON="main" | 1] bash tools/packed_ab.sh "nameA nameB" [ROUNDS=2] [extra bench_packed.py flags]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 names=$1; rounds=${2:-2}; shift $(( $# < 2 ? $# : 2 ))
@@ -14,9 +14,12 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 for n in $names; do
   rm -rf "/tmp/jf_$n"  # pip --target keeps an existing package (a warm machine)
   python3 -m pip install -q --no-index --no-deps --target "/tmp/jf_$n" "dist/$n"/*.whl 2>&1 | grep -v WARNING
-  # The working tree's Python over each build's (builds that differ in kernels only), unless WHEEL_PYTHON=1: each
-  # wheel's own (builds whose Python and FFI operands differ).
-  [ "${WHEEL_PYTHON:-0}" = 1 ] || cp jax_flash/*.py "/tmp/jf_$n/jax_flash/"
+  # The working tree's Python over each build's (builds that differ in kernels only), except for the builds named in
+  # WHEEL_PYTHON (or all with WHEEL_PYTHON=1), which keep their wheel's own (builds whose Python and FFI differ).
+  case " ${WHEEL_PYTHON:-} " in
+    " 1 " | *" $n "*) ;;
+    *) cp jax_flash/*.py "/tmp/jf_$n/jax_flash/" ;;
+  esac
 done
 read -r -a builds <<<"$names"
 nb=${#builds[@]}

@@ -663,7 +663,7 @@ void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
   const int q0 = qb * kFwdBlockQ;
   const int nq = std::min(kFwdBlockQ, p.seqlen_q - q0);
   const int nqp = RoundUp(nq, kMR);
-  const AttentionMask mask = mask_for_batch(p, b);
+  const AttentionMask mask = mask_for_batch<SegmentMode::kAuto>(p, b);
 
   const int64_t q_rs = p.q_row_stride(), kv_rs = p.kv_row_stride();
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
@@ -840,7 +840,7 @@ void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdScratch& 
   const int64_t kv_off = b * p.kv_batch_stride() + int64_t(k0) * kv_rs + int64_t(kvh) * D;
   T* dk = static_cast<T*>(p.dk) + kv_off;
   T* dv = static_cast<T*>(p.dv) + kv_off;
-  const AttentionMask mask = mask_for_batch(p, b);
+  const AttentionMask mask = mask_for_batch<SegmentMode::kAuto>(p, b);
 
   // Keys at or past seen_end, the end of the last row's visible keys (hi() never decreases), are seen by no row:
   // they are not loaded, so that their K and V never reach dQ, and get zero dK/dV.
@@ -902,7 +902,7 @@ void BackwardFusedItem(const FlashParams& p, int64_t item, BwdScratch& w) {
     std::fill(dqa, dqa + int64_t(p.seqlen_q) * p.head_dim_rounded, 0.0f);
   }
   for (int k0 = 0; k0 < p.seqlen_k; k0 += w.bk) BackwardKeyBlock<T, true>(p, b, kvh, k0, w);
-  const AttentionMask mask = mask_for_batch(p, b);
+  const AttentionMask mask = mask_for_batch<SegmentMode::kAuto>(p, b);
   for (int g = 0; g < G; ++g) {
     const int h = kvh * G + g;
     const int64_t off = b * p.q_batch_stride() + int64_t(h) * D;
@@ -935,7 +935,7 @@ void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
   const int q0 = qb * kBwdBlockQ;
   const int nq = std::min(kBwdBlockQ, p.seqlen_q - q0);
   const int nqp = RoundUp(nq, kMR);
-  const AttentionMask mask = mask_for_batch(p, b);
+  const AttentionMask mask = mask_for_batch<SegmentMode::kAuto>(p, b);
   const int64_t q_off = b * p.q_batch_stride() + int64_t(q0) * q_rs + int64_t(h) * D;
   float* __restrict dqa = w.dq.data();
   std::fill(dqa, dqa + size_t(nqp) * ldd, 0.0f);

@@ -27,7 +27,9 @@ ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_offsets,
                                ffi::Buffer<ffi::S32> kv_offsets, ffi::Buffer<ffi::S32> q_seg,
                                ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_seg_meta,
-                               ffi::Buffer<ffi::S32> kv_seg_meta, ffi::Buffer<ffi::F32> sinks, float scale,
+                               ffi::Buffer<ffi::S32> kv_seg_meta,
+                               ffi::Buffer<ffi::S32> q_seg_runs, ffi::Buffer<ffi::S32> kv_seg_runs,
+                               ffi::Buffer<ffi::F32> sinks, float scale,
                                bool is_causal, int64_t window_left, int64_t window_right, float softcap,
                                bool has_segments, bool has_sinks, int32_t kernel, ffi::Result<ffi::AnyBuffer> o,
                                ffi::Result<ffi::Buffer<ffi::F32>> lse) {
@@ -39,7 +41,8 @@ ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
       e.failure()) {
     return e;
   }
-  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, has_segments, softcap, &p);
+  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, q_seg_runs, kv_seg_runs, has_segments,
+                                  softcap, &p);
       e.failure()) {
     return e;
   }
@@ -55,7 +58,9 @@ ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_offsets,
                                 ffi::Buffer<ffi::S32> kv_offsets, ffi::Buffer<ffi::S32> q_seg,
                                 ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_seg_meta,
-                                ffi::Buffer<ffi::S32> kv_seg_meta, float scale, bool is_causal,
+                                ffi::Buffer<ffi::S32> kv_seg_meta,
+                                ffi::Buffer<ffi::S32> q_seg_runs, ffi::Buffer<ffi::S32> kv_seg_runs, float scale,
+                                bool is_causal,
                                 int64_t window_left, int64_t window_right, float softcap, bool has_segments,
                                 bool deterministic, int32_t kernel,
                                 ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -71,7 +76,8 @@ ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
       e.failure()) {
     return e;
   }
-  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, has_segments, softcap, &p);
+  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, q_seg_runs, kv_seg_runs, has_segments,
+                                  softcap, &p);
       e.failure()) {
     return e;
   }

@@ -22,6 +22,7 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                 ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_offsets,
                                 ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
                                 ffi::Buffer<ffi::S32> q_seg_meta, ffi::Buffer<ffi::S32> kv_seg_meta,
+                                ffi::Buffer<ffi::S32> q_seg_runs, ffi::Buffer<ffi::S32> kv_seg_runs,
                                 ffi::Buffer<ffi::F32> sinks, float scale, bool is_causal, int64_t window_left,
                                 int64_t window_right, float softcap, bool has_segments, bool has_sinks,
                                 int32_t kernel, ffi::Result<ffi::AnyBuffer> o,
@@ -34,7 +35,8 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
       e.failure()) {
     return e;
   }
-  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, has_segments, softcap, &p);
+  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, q_seg_runs, kv_seg_runs, has_segments,
+                                  softcap, &p);
       e.failure()) {
     return e;
   }
@@ -54,7 +56,8 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
                                  ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
                                  ffi::Buffer<ffi::S32> q_offsets, ffi::Buffer<ffi::S32> kv_offsets,
                                  ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
-                                 ffi::Buffer<ffi::S32> q_seg_meta, ffi::Buffer<ffi::S32> kv_seg_meta, float scale,
+                                 ffi::Buffer<ffi::S32> q_seg_meta, ffi::Buffer<ffi::S32> kv_seg_meta,
+                                 ffi::Buffer<ffi::S32> q_seg_runs, ffi::Buffer<ffi::S32> kv_seg_runs, float scale,
                                  bool is_causal, int64_t window_left, int64_t window_right, float softcap,
                                  bool has_segments, bool deterministic, int32_t kernel,
                                  ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -69,7 +72,8 @@ ffi::Error FlashBackwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
       e.failure()) {
     return e;
   }
-  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, has_segments, softcap, &p);
+  if (auto e = FillScoreModifiers(q_seg, kv_seg, q_seg_meta, kv_seg_meta, q_seg_runs, kv_seg_runs, has_segments,
+                                  softcap, &p);
       e.failure()) {
     return e;
   }

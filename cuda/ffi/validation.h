@@ -144,8 +144,10 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
 // the soft cap (0: none). After FillCommonParams.
 inline ffi::Error FillScoreModifiers(ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
                                      ffi::Buffer<ffi::S32> q_meta, ffi::Buffer<ffi::S32> kv_meta,
+                                     ffi::Buffer<ffi::S32> q_runs, ffi::Buffer<ffi::S32> kv_runs,
                                      bool has_segments, float softcap, FlashParams* p) {
   p->q_segment_ids = p->kv_segment_ids = p->q_segment_meta = p->kv_segment_meta = nullptr;
+  p->q_segment_runs = p->kv_segment_runs = nullptr;
   if (has_segments) {
     const int64_t b = p->batch;
     const int64_t q_chunks = (p->seqlen_q + 15) / 16, kv_chunks = (p->seqlen_k + 15) / 16;
@@ -157,7 +159,9 @@ inline ffi::Error FillScoreModifiers(ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ff
     } checks[] = {{&q_seg, b * p->seqlen_q, "q_segment_ids", "batch x seqlen_q"},
                   {&kv_seg, b * p->seqlen_k, "kv_segment_ids", "batch x seqlen_k"},
                   {&q_meta, b * q_chunks * 4, "q_segment_meta", "batch x ceil(seqlen_q / 16) x 4"},
-                  {&kv_meta, b * kv_chunks * 4, "kv_segment_meta", "batch x ceil(seqlen_k / 16) x 4"}};
+                  {&kv_meta, b * kv_chunks * 4, "kv_segment_meta", "batch x ceil(seqlen_k / 16) x 4"},
+                  {&q_runs, b * p->seqlen_q * 2, "q_segment_runs", "batch x seqlen_q x 2"},
+                  {&kv_runs, b * p->seqlen_k * 2, "kv_segment_runs", "batch x seqlen_k x 2"}};
     for (const auto& c : checks) {
       if (static_cast<int64_t>(c.buf->element_count()) != c.expect) {
         return Invalid(std::string(c.name) + " has shape " + ShapeString(c.buf->dimensions()) + ", expected " +
@@ -168,6 +172,8 @@ inline ffi::Error FillScoreModifiers(ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ff
     p->kv_segment_ids = kv_seg.typed_data();
     p->q_segment_meta = q_meta.typed_data();
     p->kv_segment_meta = kv_meta.typed_data();
+    p->q_segment_runs = q_runs.typed_data();
+    p->kv_segment_runs = kv_runs.typed_data();
   }
   if (!std::isfinite(softcap) || softcap < 0.f) return Invalid("logits_soft_cap must be finite and > 0 (0: none)");
   p->softcap_pre = softcap > 0.f ? p->scale / softcap : 0.f;
@@ -387,7 +393,7 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   p->lse_partial = lse_partial->typed_data();
   // Soft cap and sinks as the attention targets (no segment ids in decode).
   ffi::Buffer<ffi::S32> none = kv_lens;
-  if (auto e = FillScoreModifiers(none, none, none, none, false, softcap, p); e.failure()) return e;
+  if (auto e = FillScoreModifiers(none, none, none, none, none, none, false, softcap, p); e.failure()) return e;
   return FillSinks(sinks, has_sinks, p);
 }
 
@@ -406,6 +412,8 @@ auto BindForward(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_ids [..., Sk] (if has_segments)
       .template Arg<ffi::Buffer<ffi::S32>>()           // q_segment_meta [..., ceil(Sq / 16), 4] (if has_segments)
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_meta [..., ceil(Sk / 16), 4] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_segment_runs [..., Sq, 2] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_runs [..., Sk, 2] (if has_segments)
       .template Arg<ffi::Buffer<ffi::F32>>()           // sinks [..., Hq] (if has_sinks)
       .template Attr<float>("scale")                   // logit scale
       .template Attr<bool>("is_causal")                // top-left aligned causal mask
@@ -435,6 +443,8 @@ auto BindBackward(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_ids [..., Sk] (if has_segments)
       .template Arg<ffi::Buffer<ffi::S32>>()           // q_segment_meta [..., ceil(Sq / 16), 4] (if has_segments)
       .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_meta [..., ceil(Sk / 16), 4] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // q_segment_runs [..., Sq, 2] (if has_segments)
+      .template Arg<ffi::Buffer<ffi::S32>>()           // kv_segment_runs [..., Sk, 2] (if has_segments)
       .template Attr<float>("scale")                   // logit scale
       .template Attr<bool>("is_causal")                // top-left aligned causal mask
       .template Attr<int64_t>("window_left")           // -1 unbounded

@@ -3,6 +3,7 @@
 // any. Built and run by tests/test_mask.py.
 #include <cstdio>
 #include <initializer_list>
+#include <vector>
 
 #include "mask.h"
 
@@ -17,79 +18,136 @@ int main() {
     }
   };
   constexpr int kRows = 12, kKeys = 12;
+  // Every range a kernel derives from `mask` agrees with mask.visible() on the kRows x kKeys positions.
+  auto check_ranges = [&](const AttentionMask& mask, int causal, int left, int right, int q_len, int kv_len) {
+    for (int j = -1; j < kKeys; ++j) {
+      int row_lo, row_hi;
+      mask.rows_seeing_key(j, &row_lo, &row_hi);
+      for (int i = 0; i < kRows; ++i) {
+        ++cases;
+        const bool visible = j >= 0 && mask.visible(i, j);
+        if (visible != (i >= row_lo && i < row_hi)) {
+          fail("rows_seeing_key", causal, left, right, q_len, kv_len, i, j);
+        }
+      }
+    }
+    // key_range / row_range over-approximate: every visible (row, key) lies inside them.
+    for (int i = 0; i < kRows; ++i) {
+      int key_begin, key_end;
+      mask.key_range(i, i + 1, &key_begin, &key_end);
+      for (int j = 0; j < kKeys; ++j) {
+        if (mask.visible(i, j) && (j < key_begin || j >= key_end)) {
+          fail("key_range", causal, left, right, q_len, kv_len, i, j);
+        }
+      }
+    }
+    for (int j = 0; j < kKeys; ++j) {
+      int row_begin, row_end;
+      mask.row_range(j, j + 1, &row_begin, &row_end);
+      for (int i = 0; i < kRows; ++i) {
+        if (mask.visible(i, j) && (i < row_begin || i >= row_end)) {
+          fail("row_range", causal, left, right, q_len, kv_len, i, j);
+        }
+      }
+    }
+    // unmasked_blocks: inside [n_begin, n_end), every (row, key) of its blocks visible, and exactly the
+    // blocks tile_fully_visible accepts.
+    for (int block_n = 1; block_n <= 4; ++block_n) {
+      for (int row_begin = 0; row_begin < kRows; row_begin += 2) {
+        for (int rows = 1; rows <= 5; rows += 2) {
+          for (int n_begin = 0; n_begin * block_n <= kKeys; ++n_begin) {
+            for (int n_end = n_begin; n_end * block_n <= kKeys + block_n; ++n_end) {
+              const int row_end = row_begin + rows, row_limit = kRows - 1;
+              int full_begin, full_end;
+              mask.unmasked_blocks(row_begin, row_end, row_limit, block_n, n_begin, n_end, &full_begin,
+                                   &full_end);
+              ++cases;
+              if (full_begin < n_begin || full_end > n_end || full_end < full_begin) {
+                fail("unmasked_blocks range", causal, left, right, q_len, kv_len, row_begin, n_begin);
+              }
+              for (int n = n_begin; n < n_end; ++n) {
+                const bool inside = n >= full_begin && n < full_end;
+                if (inside != mask.tile_fully_visible(row_begin, row_end, n * block_n, (n + 1) * block_n,
+                                                      row_limit)) {
+                  fail("unmasked_blocks vs tile_fully_visible", causal, left, right, q_len, kv_len,
+                       row_begin, n * block_n);
+                }
+                for (int i = row_begin; inside && i < row_end && i < row_limit; ++i) {
+                  for (int j = n * block_n; j < (n + 1) * block_n; ++j) {
+                    if (!mask.visible(i, j)) {
+                      fail("unmasked_blocks", causal, left, right, q_len, kv_len, i, j);
+                    }
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  };
   for (int causal = 0; causal < 2; ++causal) {
     for (int left = -1; left < 6; ++left) {
       for (int right = -1; right < 6; ++right) {
         for (int q_len = 0; q_len <= kRows; q_len += 3) {
           for (int kv_len = 0; kv_len <= kKeys; kv_len += 4) {
            for (int shift : {-7, -3, 0, 2, 5}) {  // the diagonal shift of a part of a longer sequence
-            const AttentionMask mask(causal, left, right, q_len, kv_len, shift);
-            for (int j = -1; j < kKeys; ++j) {
-              int row_lo, row_hi;
-              mask.rows_seeing_key(j, &row_lo, &row_hi);
-              for (int i = 0; i < kRows; ++i) {
-                ++cases;
-                const bool visible = j >= 0 && mask.visible(i, j);
-                if (visible != (i >= row_lo && i < row_hi)) {
-                  fail("rows_seeing_key", causal, left, right, q_len, kv_len, i, j);
-                }
-              }
+            check_ranges(AttentionMask(causal, left, right, q_len, kv_len, shift), causal, left, right, q_len,
+                         kv_len);
+           }
+          }
+        }
+      }
+    }
+  }
+  // Segment ids as runs (RunPolicy: the per-position bounds jax_flash._ffi.segment_runs gives ids whose every id is
+  // one run on each side, in the same order): visible() is "same id" and the other masks, and every range agrees.
+  {
+    const std::vector<std::vector<int>> q_docs = {{12}, {3, 5, 4}, {1, 1, 4, 6}, {5, 2, 5}};  // run lengths
+    const std::vector<std::vector<int>> kv_docs = {{12}, {2, 6, 4}, {4, 1, 2, 5}, {1, 10, 1}};
+    for (size_t l = 0; l < q_docs.size(); ++l) {
+      std::vector<int> q_id, kv_id;
+      for (size_t d = 0; d < q_docs[l].size(); ++d) q_id.insert(q_id.end(), q_docs[l][d], int(d));
+      for (size_t d = 0; d < kv_docs[l].size(); ++d) kv_id.insert(kv_id.end(), kv_docs[l][d], int(d));
+      auto runs_of = [](const std::vector<int>& mine, const std::vector<int>& other) {
+        std::vector<int32_t> run;
+        for (int x : mine) {
+          int first = -1, last = -1;
+          for (int o = 0; o < int(other.size()); ++o) {
+            if (other[o] == x) {
+              if (first < 0) first = o;
+              last = o;
             }
-            // key_range / row_range over-approximate: every visible (row, key) lies inside them.
-            for (int i = 0; i < kRows; ++i) {
-              int key_begin, key_end;
-              mask.key_range(i, i + 1, &key_begin, &key_end);
-              for (int j = 0; j < kKeys; ++j) {
-                if (mask.visible(i, j) && (j < key_begin || j >= key_end)) {
-                  fail("key_range", causal, left, right, q_len, kv_len, i, j);
-                }
-              }
-            }
-            for (int j = 0; j < kKeys; ++j) {
-              int row_begin, row_end;
-              mask.row_range(j, j + 1, &row_begin, &row_end);
-              for (int i = 0; i < kRows; ++i) {
-                if (mask.visible(i, j) && (i < row_begin || i >= row_end)) {
-                  fail("row_range", causal, left, right, q_len, kv_len, i, j);
-                }
-              }
-            }
-            // unmasked_blocks: inside [n_begin, n_end), every (row, key) of its blocks visible, and exactly the
-            // blocks tile_fully_visible accepts.
-            for (int block_n = 1; block_n <= 4; ++block_n) {
-              for (int row_begin = 0; row_begin < kRows; row_begin += 2) {
-                for (int rows = 1; rows <= 5; rows += 2) {
-                  for (int n_begin = 0; n_begin * block_n <= kKeys; ++n_begin) {
-                    for (int n_end = n_begin; n_end * block_n <= kKeys + block_n; ++n_end) {
-                      const int row_end = row_begin + rows, row_limit = kRows - 1;
-                      int full_begin, full_end;
-                      mask.unmasked_blocks(row_begin, row_end, row_limit, block_n, n_begin, n_end, &full_begin,
-                                           &full_end);
+          }
+          run.push_back(first);
+          run.push_back(last + 1);
+        }
+        return run;
+      };
+      const std::vector<int32_t> q_run = runs_of(q_id, kv_id), kv_run = runs_of(kv_id, q_id);
+      jax_flash::RunPolicy run;
+      run.q_run = q_run.data();
+      run.kv_run = kv_run.data();
+      for (int causal = 0; causal < 2; ++causal) {
+        for (int left = -1; left < 6; left += 2) {
+          for (int right = -1; right < 6; right += 3) {
+            for (int q_len = 0; q_len <= kRows; q_len += 4) {
+              for (int kv_len = 0; kv_len <= kKeys; kv_len += 5) {
+                for (int shift : {-3, 0, 2}) {
+                  const AttentionMask base(causal, left, right, q_len, kv_len, shift);
+                  const AttentionMask mask(causal, left, right, q_len, kv_len, shift, jax_flash::SegmentPolicy{}, run);
+                  for (int i = 0; i < kRows; ++i) {
+                    for (int j = 0; j < kKeys; ++j) {
                       ++cases;
-                      if (full_begin < n_begin || full_end > n_end || full_end < full_begin) {
-                        fail("unmasked_blocks range", causal, left, right, q_len, kv_len, row_begin, n_begin);
-                      }
-                      for (int n = n_begin; n < n_end; ++n) {
-                        const bool inside = n >= full_begin && n < full_end;
-                        if (inside != mask.tile_fully_visible(row_begin, row_end, n * block_n, (n + 1) * block_n,
-                                                              row_limit)) {
-                          fail("unmasked_blocks vs tile_fully_visible", causal, left, right, q_len, kv_len,
-                               row_begin, n * block_n);
-                        }
-                        for (int i = row_begin; inside && i < row_end && i < row_limit; ++i) {
-                          for (int j = n * block_n; j < (n + 1) * block_n; ++j) {
-                            if (!mask.visible(i, j)) {
-                              fail("unmasked_blocks", causal, left, right, q_len, kv_len, i, j);
-                            }
-                          }
-                        }
+                      if (mask.visible(i, j) != (base.visible(i, j) && q_id[i] == kv_id[j])) {
+                        fail("runs visible", causal, left, right, q_len, kv_len, i, j);
                       }
                     }
                   }
+                  check_ranges(mask, causal, left, right, q_len, kv_len);
                 }
               }
             }
-           }
           }
         }
       }

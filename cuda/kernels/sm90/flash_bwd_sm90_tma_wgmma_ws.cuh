@@ -24,8 +24,8 @@ namespace jax_flash::cuda::sm90 {
 inline constexpr int kDqWriterWarp = 1;  // producer warp that issues the dQ reductions
 
 // kDeterministic: the key blocks add into each dQ tile in ascending order (FlashParams::deterministic).
-// kSegments: the call has segment ids (false: their tests are compiled out; true: their null checks, see
-// kernel_mask_for_batch).
+// kSegments: the call has segment ids (false: their tests are compiled out; true: each batch element takes them as
+// runs or as ids, see with_segment_mode and kernel_mask_for_batch).
 // kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0).
 template <typename T, typename Traits, bool kDeterministic, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -54,323 +54,329 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
 
-  const AttentionMask mask = kernel_mask_for_batch<kSegments>(p, b);
-  const SoftCap cap(p);
+  // A batch element whose segment ids are contiguous runs takes them as per-row key intervals (RunPolicy), the
+  // others as ids: one copy of the body per policy (with_segment_mode).
+  with_segment_mode<kSegments>(p, b, [&](auto segment_mode) {
+    const AttentionMask mask = kernel_mask_for_batch<decltype(segment_mode)::value>(p, b);
+    const SoftCap cap(p);
 
-  const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
+    const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
 
-  const auto walk = query_tile_walk<kBN, kBM>(mask, p, n0, hk);
-  const int iters = walk.iters();
-  if (iters == 0) {  // no query sees these keys: zero gradients
-    zero_kv_grads<Traits::kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
-    return;
-  }
+    const auto walk = query_tile_walk<kBN, kBM>(mask, p, n0, hk);
+    const int iters = walk.iters();
+    if (iters == 0) {  // no query sees these keys: zero gradients
+      zero_kv_grads<Traits::kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
+      return;
+    }
 
-  constexpr int kConsumerThreads = Traits::kConsumerWarpgroups * kWarpgroupThreads;
-  // Q and dO of query tile `it` share ring use `it` (PipelineState{it}); K and V load once (kv_full).
-  using QdOState = PipelineState<kStages>;
-  if (tid == 0) {
-    mbar_init(&smem.kv_full, 1);
-    smem.qdo_ring.init(kConsumerThreads);  // every consumer thread releases a stage after its last read of it
-    mbar_init_fence();
-  }
-  __syncthreads();
+    constexpr int kConsumerThreads = Traits::kConsumerWarpgroups * kWarpgroupThreads;
+    // Q and dO of query tile `it` share ring use `it` (PipelineState{it}); K and V load once (kv_full).
+    using QdOState = PipelineState<kStages>;
+    if (tid == 0) {
+      mbar_init(&smem.kv_full, 1);
+      smem.qdo_ring.init(kConsumerThreads);  // every consumer thread releases a stage after its last read of it
+      mbar_init_fence();
+    }
+    __syncthreads();
 
-  const int warpgroup = tid / kWarpgroupThreads;
-  if (warpgroup == 0) {
-    // ---- producer: thread 0 issues the TMA loads, the writer warp the dQ reductions -------------------------
-    setmaxnreg_dec<Traits::kProducerRegs>();
-    if (tid / kWarpSize == kDqWriterWarp) {
-      const int lane = tid % kWarpSize;
-      const bool lane0 = lane == 0;
-      // Deterministic dQ: the key blocks that see query tile m_block add into it in ascending order; this block's
-      // turn comes when the tile's semaphore equals the number of such key blocks before it.
-      auto key_blocks_before = [&](int m_block) {
-        int count = 0;
-        for (int base = 0; base < n_block; base += kWarpSize) {
-          const int n = base + lane;
-          bool sees = false;
-          if (n < n_block) {
-            int mf, mc;
-            query_tiles_for_keys<kBN, kBM>(mask, p, n * kBN, &mf, &mc);
-            sees = mf <= m_block && m_block < mf + mc;
-          }
-          count += __popc(__ballot_sync(0xffffffffu, sees));
-        }
-        return count;
-      };
-#pragma unroll
-      for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
-      auto pos = walk.start();
-      for (int it = 0; it < iters; ++it, walk.advance(pos)) {
-        int32_t* semaphore = nullptr;
-        if constexpr (kDeterministic) {
-          const int m_block = pos.row0 / kBM;
-          const int turn = key_blocks_before(m_block);
-          semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + pos.head) * p.seqlen_q + m_block;
-          if (lane0) {
-            while (ld_acquire_gpu(semaphore) != turn) {
+    const int warpgroup = tid / kWarpgroupThreads;
+    if (warpgroup == 0) {
+      // ---- producer: thread 0 issues the TMA loads, the writer warp the dQ reductions -------------------------
+      setmaxnreg_dec<Traits::kProducerRegs>();
+      if (tid / kWarpSize == kDqWriterWarp) {
+        const int lane = tid % kWarpSize;
+        const bool lane0 = lane == 0;
+        // Deterministic dQ: the key blocks that see query tile m_block add into it in ascending order; this block's
+        // turn comes when the tile's semaphore equals the number of such key blocks before it.
+        auto key_blocks_before = [&](int m_block) {
+          int count = 0;
+          for (int base = 0; base < n_block; base += kWarpSize) {
+            const int n = base + lane;
+            bool sees = false;
+            if (n < n_block) {
+              int mf, mc;
+              query_tiles_for_keys<kBN, kBM>(mask, p, n * kBN, &mf, &mc);
+              sees = mf <= m_block && m_block < mf + mc;
             }
+            count += __popc(__ballot_sync(0xffffffffu, sees));
           }
-          __syncwarp();
-        }
-        // The query tile's dQ in dq_accum (DqFragmentOrder: warpgroup wg's part starts wg * kDqWgBytes in).
-        float* dq_tile = p.dq_accum_of(b, pos.head) + int64_t(pos.row0) * kD;
+          return count;
+        };
 #pragma unroll
         for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
-          named_barrier_sync(kDqFullBarrier + wg, kDqWgThreads);
-          if (lane0) {
-            bulk_reduce_add_f32(dq_tile + wg * kDqRows * kDqCols, smem.dq[wg], Traits::kDqWgBytes);
-            bulk_commit_group();
-          }
+          named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
         }
-        if constexpr (kDeterministic) {  // the adds have landed before the next key block's turn
-          if (lane0) {
-            bulk_wait_group<0>();
-            fence_proxy_async_global();
-            red_release_gpu_add(semaphore, 1);
+        auto pos = walk.start();
+        for (int it = 0; it < iters; ++it, walk.advance(pos)) {
+          int32_t* semaphore = nullptr;
+          if constexpr (kDeterministic) {
+            const int m_block = pos.row0 / kBM;
+            const int turn = key_blocks_before(m_block);
+            semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + pos.head) * p.seqlen_q + m_block;
+            if (lane0) {
+              while (ld_acquire_gpu(semaphore) != turn) {
+              }
+            }
+            __syncwarp();
           }
-          __syncwarp();
-          if (it + 1 < iters) {
+          // The query tile's dQ in dq_accum (DqFragmentOrder: warpgroup wg's part starts wg * kDqWgBytes in).
+          float* dq_tile = p.dq_accum_of(b, pos.head) + int64_t(pos.row0) * kD;
 #pragma unroll
-            for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
-              named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
+          for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
+            named_barrier_sync(kDqFullBarrier + wg, kDqWgThreads);
+            if (lane0) {
+              bulk_reduce_add_f32(dq_tile + wg * kDqRows * kDqCols, smem.dq[wg], Traits::kDqWgBytes);
+              bulk_commit_group();
             }
           }
-        } else if (it + 1 < iters) {  // each warpgroup's buffer is free as soon as its own reduction has read it
-          static_assert(Traits::kConsumerWarpgroups == 2, "one pending group after the first warpgroup's");
-          if (lane0) bulk_wait_group_read<1>();
-          __syncwarp();
-          named_barrier_arrive(kDqEmptyBarrier, kDqWgThreads);
-          if (lane0) bulk_wait_group_read<0>();
-          __syncwarp();
-          named_barrier_arrive(kDqEmptyBarrier + 1, kDqWgThreads);
+          if constexpr (kDeterministic) {  // the adds have landed before the next key block's turn
+            if (lane0) {
+              bulk_wait_group<0>();
+              fence_proxy_async_global();
+              red_release_gpu_add(semaphore, 1);
+            }
+            __syncwarp();
+            if (it + 1 < iters) {
+#pragma unroll
+              for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
+                named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
+              }
+            }
+          } else if (it + 1 < iters) {  // each warpgroup's buffer is free as soon as its own reduction has read it
+            static_assert(Traits::kConsumerWarpgroups == 2, "one pending group after the first warpgroup's");
+            if (lane0) bulk_wait_group_read<1>();
+            __syncwarp();
+            named_barrier_arrive(kDqEmptyBarrier, kDqWgThreads);
+            if (lane0) bulk_wait_group_read<0>();
+            __syncwarp();
+            named_barrier_arrive(kDqEmptyBarrier + 1, kDqWgThreads);
+          }
         }
-      }
-      if (lane0) bulk_wait_group<0>();  // the reductions are complete before the CTA exits
-    } else if (tid == 0) {
-      prefetch_tensor_map(&tm_q);
-      prefetch_tensor_map(&tm_k);
-      prefetch_tensor_map(&tm_v);
-      prefetch_tensor_map(&tm_do);
-      load_kv_block<kBN, Traits::kColBlocks>(smem.k, smem.v, &smem.kv_full, &tm_k, &tm_v, n0, hk, b);
-      auto pos = walk.start();
+        if (lane0) bulk_wait_group<0>();  // the reductions are complete before the CTA exits
+      } else if (tid == 0) {
+        prefetch_tensor_map(&tm_q);
+        prefetch_tensor_map(&tm_k);
+        prefetch_tensor_map(&tm_v);
+        prefetch_tensor_map(&tm_do);
+        load_kv_block<kBN, Traits::kColBlocks>(smem.k, smem.v, &smem.kv_full, &tm_k, &tm_v, n0, hk, b);
+        auto pos = walk.start();
 #pragma unroll 1  // one thread issuing loads: unrolling only costs its 24 registers
-      for (int it = 0; it < iters; ++it, walk.advance(pos)) {
-        const QdOState qdo{it};
-        const int s = qdo.slot();
-        const int h = pos.head;
-        const int m0 = pos.row0;
-        smem.qdo_ring.producer_acquire(qdo, Traits::kQdOBytes);
-        uint64_t* full = smem.qdo_ring.full_barrier(qdo);
+        for (int it = 0; it < iters; ++it, walk.advance(pos)) {
+          const QdOState qdo{it};
+          const int s = qdo.slot();
+          const int h = pos.head;
+          const int m0 = pos.row0;
+          smem.qdo_ring.producer_acquire(qdo, Traits::kQdOBytes);
+          uint64_t* full = smem.qdo_ring.full_barrier(qdo);
 #pragma unroll
-        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, full, cb * kColBlock, m0, h, b);
-          tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, full, cb * kColBlock, m0, h, b);
+          for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+            tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, full, cb * kColBlock, m0, h, b);
+            tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, full, cb * kColBlock, m0, h, b);
+          }
+          // Row statistics of the tile's rows (padded to whole tiles: rows past seqlen_q hold 0, which makes their
+          // dS^T and dV terms 0 since their Q and dO load as zeros).
+          bulk_load_1d(smem.stats[s], p.lse_log2_of(b, h) + m0, Traits::kStatsBytes, full);
+          bulk_load_1d(smem.stats[s] + kBM, p.dsum_of(b, h) + m0, Traits::kStatsBytes, full);
         }
-        // Row statistics of the tile's rows (padded to whole tiles: rows past seqlen_q hold 0, which makes their
-        // dS^T and dV terms 0 since their Q and dO load as zeros).
-        bulk_load_1d(smem.stats[s], p.lse_log2_of(b, h) + m0, Traits::kStatsBytes, full);
-        bulk_load_1d(smem.stats[s] + kBM, p.dsum_of(b, h) + m0, Traits::kStatsBytes, full);
       }
+      return;
     }
-    return;
-  }
 
-  // ---- consumers -----------------------------------------------------------------------------------------------
-  setmaxnreg_inc<Traits::kConsumerRegs>();
-  const int cw = warp_uniform(warpgroup - 1);  // keys [64 cw, 64 cw + 64) of the block
-  const int wg_tid = tid % kWarpgroupThreads;
-  const int warp = wg_tid / kWarpSize;
-  const int lane = tid % kWarpSize;
-  const int g = lane / 4;
-  const int t = lane % 4;
-  const int key_row0 = cw * kWgmmaM + warp * kWarpRows;  // first of this warp's 16 keys inside the block
+    // ---- consumers -----------------------------------------------------------------------------------------------
+    setmaxnreg_inc<Traits::kConsumerRegs>();
+    const int cw = warp_uniform(warpgroup - 1);  // keys [64 cw, 64 cw + 64) of the block
+    const int wg_tid = tid % kWarpgroupThreads;
+    const int warp = wg_tid / kWarpSize;
+    const int lane = tid % kWarpSize;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int key_row0 = cw * kWgmmaM + warp * kWarpRows;  // first of this warp's 16 keys inside the block
 
-  float acc_dk[kDTiles * 4];
-  float acc_dv[kDTiles * 4];
+    float acc_dk[kDTiles * 4];
+    float acc_dv[kDTiles * 4];
 #pragma unroll
-  for (int i = 0; i < kDTiles * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    for (int i = 0; i < kDTiles * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
-  // Shared-memory descriptors, built once and advanced by compile-time offsets (k-steps) and stage strides.
-  // K-major operands step 32 bytes inside a 128-byte row per k-step and one column block (kKVColBlockBytes,
-  // kQColBlockBytes) per 64 elements; N-major ones step 16 rows (kNMajorStep) per k-step, their 64-wide blocks
-  // the leading offset apart.
-  constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
-  constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
-  constexpr uint32_t kQdOStageBytes = sizeof(smem.q[0]);
-  constexpr uint32_t kDsBufferBytes = sizeof(smem.ds[0]);
-  constexpr uint32_t kNMajorStep = kWgmmaK * kSwizzleBytes;
-  constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;
-  static_assert(sizeof(smem.dout[0]) == kQdOStageBytes, "Q and dO stages have one size");
-  const uint32_t k_rows = smem_addr(smem.k) + cw * kWgmmaM * kSwizzleBytes;  // this warpgroup's 64 keys
-  const uint32_t v_rows = smem_addr(smem.v) + cw * kWgmmaM * kSwizzleBytes;
-  // dQ = dS K, B = K read N-major: columns [dq_col0, +kDqCols), their 64-wide block, then bytes into the row.
-  const int dq_col0 = Traits::kDqSplitRows ? 0 : cw * kDqCols;
-  const uint32_t k_cols = smem_addr(smem.k) + (dq_col0 / kColBlock) * kKVColBlockBytes +
-                          (dq_col0 % kColBlock) * sizeof(T);
-  const uint64_t desc_k_rows = make_desc_sw128(k_rows, kKMajorLeadingBytes);          // A of S^T
-  const uint64_t desc_v_rows = make_desc_sw128(v_rows, kKMajorLeadingBytes);          // A of dP^T
-  const uint64_t desc_k_cols = make_desc_sw128(k_cols, kKVColBlockBytes);             // B of dQ
-  const uint64_t desc_q_k = make_desc_sw128(smem_addr(smem.q[0]), kKMajorLeadingBytes);      // B of S^T
-  const uint64_t desc_do_k = make_desc_sw128(smem_addr(smem.dout[0]), kKMajorLeadingBytes);  // B of dP^T
-  const uint64_t desc_q_n = make_desc_sw128(smem_addr(smem.q[0]), kQColBlockBytes);          // B of dK
-  const uint64_t desc_do_n = make_desc_sw128(smem_addr(smem.dout[0]), kQColBlockBytes);      // B of dV
-  // A of dQ (M-major): dS^T's 64-query column block of this warpgroup's dQ rows (the only one with 64 queries).
-  constexpr uint32_t kDsColBlockBytes = kBN * kSwizzleBytes;
-  const uint64_t desc_ds = make_desc_sw128(
-      smem_addr(smem.ds[0]) + (Traits::kDqSplitRows ? cw * kDsColBlockBytes : 0), kDsColBlockBytes);
-  // dS^T stores with stmatrix: 16 queries (two 8-column tiles) per step, step kk at pair kk % 4 of its 64-query
-  // column block (smem_layout.h gives the lane addresses).
-  const uint32_t ds_lane = stmatrix_x4_lane_offset(key_row0, lane);
-  // dQ stores (DqFragmentOrder): column tile j of this thread's accumulator is float4 j * 128 + wg_tid.
-  const uint32_t dq_thread = smem_addr(smem.dq[cw]) + wg_tid * sizeof(float4);
-  mbar_wait(&smem.kv_full, 0);
+    // Shared-memory descriptors, built once and advanced by compile-time offsets (k-steps) and stage strides.
+    // K-major operands step 32 bytes inside a 128-byte row per k-step and one column block (kKVColBlockBytes,
+    // kQColBlockBytes) per 64 elements; N-major ones step 16 rows (kNMajorStep) per k-step, their 64-wide blocks
+    // the leading offset apart.
+    constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
+    constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
+    constexpr uint32_t kQdOStageBytes = sizeof(smem.q[0]);
+    constexpr uint32_t kDsBufferBytes = sizeof(smem.ds[0]);
+    constexpr uint32_t kNMajorStep = kWgmmaK * kSwizzleBytes;
+    constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;
+    static_assert(sizeof(smem.dout[0]) == kQdOStageBytes, "Q and dO stages have one size");
+    const uint32_t k_rows = smem_addr(smem.k) + cw * kWgmmaM * kSwizzleBytes;  // this warpgroup's 64 keys
+    const uint32_t v_rows = smem_addr(smem.v) + cw * kWgmmaM * kSwizzleBytes;
+    // dQ = dS K, B = K read N-major: columns [dq_col0, +kDqCols), their 64-wide block, then bytes into the row.
+    const int dq_col0 = Traits::kDqSplitRows ? 0 : cw * kDqCols;
+    const uint32_t k_cols = smem_addr(smem.k) + (dq_col0 / kColBlock) * kKVColBlockBytes +
+                            (dq_col0 % kColBlock) * sizeof(T);
+    const uint64_t desc_k_rows = make_desc_sw128(k_rows, kKMajorLeadingBytes);          // A of S^T
+    const uint64_t desc_v_rows = make_desc_sw128(v_rows, kKMajorLeadingBytes);          // A of dP^T
+    const uint64_t desc_k_cols = make_desc_sw128(k_cols, kKVColBlockBytes);             // B of dQ
+    const uint64_t desc_q_k = make_desc_sw128(smem_addr(smem.q[0]), kKMajorLeadingBytes);      // B of S^T
+    const uint64_t desc_do_k = make_desc_sw128(smem_addr(smem.dout[0]), kKMajorLeadingBytes);  // B of dP^T
+    const uint64_t desc_q_n = make_desc_sw128(smem_addr(smem.q[0]), kQColBlockBytes);          // B of dK
+    const uint64_t desc_do_n = make_desc_sw128(smem_addr(smem.dout[0]), kQColBlockBytes);      // B of dV
+    // A of dQ (M-major): dS^T's 64-query column block of this warpgroup's dQ rows (the only one with 64 queries).
+    constexpr uint32_t kDsColBlockBytes = kBN * kSwizzleBytes;
+    const uint64_t desc_ds = make_desc_sw128(
+        smem_addr(smem.ds[0]) + (Traits::kDqSplitRows ? cw * kDsColBlockBytes : 0), kDsColBlockBytes);
+    // dS^T stores with stmatrix: 16 queries (two 8-column tiles) per step, step kk at pair kk % 4 of its 64-query
+    // column block (smem_layout.h gives the lane addresses).
+    const uint32_t ds_lane = stmatrix_x4_lane_offset(key_row0, lane);
+    // dQ stores (DqFragmentOrder): column tile j of this thread's accumulator is float4 j * 128 + wg_tid.
+    const uint32_t dq_thread = smem_addr(smem.dq[cw]) + wg_tid * sizeof(float4);
+    mbar_wait(&smem.kv_full, 0);
 
-  auto pos = walk.start();
-  for (int it = 0; it < iters; ++it, walk.advance(pos)) {
-    const QdOState qdo{it};
-    const int m0 = pos.row0;
-    const uint32_t stage_off = qdo.slot() * kQdOStageBytes;
+    auto pos = walk.start();
+    for (int it = 0; it < iters; ++it, walk.advance(pos)) {
+      const QdOState qdo{it};
+      const int m0 = pos.row0;
+      const uint32_t stage_off = qdo.slot() * kQdOStageBytes;
 
-    // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory; two groups
-    // so the exponentials of S^T run under the dP^T GEMM.
-    float acc_s[kSTiles * 4];
-    float acc_dp[kSTiles * 4];
-    smem.qdo_ring.consumer_wait(qdo);
-    // acc (64 x kBM) = A B^T over the head dim: A = 64 rows of K or V, B = the Q or dO tile.
-    auto issue_rows_times_tile = [&](float (&acc)[kSTiles * 4], uint64_t a_desc, uint64_t b_desc) {
+      // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory; two groups
+      // so the exponentials of S^T run under the dP^T GEMM.
+      float acc_s[kSTiles * 4];
+      float acc_dp[kSTiles * 4];
+      smem.qdo_ring.consumer_wait(qdo);
+      // acc (64 x kBM) = A B^T over the head dim: A = 64 rows of K or V, B = the Q or dO tile.
+      auto issue_rows_times_tile = [&](float (&acc)[kSTiles * 4], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
-      for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
-        const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
-        const uint32_t cb = kk / kKStepsPerColBlock;
-        Wgmma<kBM, T, 0>::ss(acc, desc_advance(a_desc, cb * kKVColBlockBytes + off),
-                             desc_advance(b_desc, cb * kQColBlockBytes + off), kk > 0);
+        for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
+          const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
+          const uint32_t cb = kk / kKStepsPerColBlock;
+          Wgmma<kBM, T, 0>::ss(acc, desc_advance(a_desc, cb * kKVColBlockBytes + off),
+                               desc_advance(b_desc, cb * kQColBlockBytes + off), kk > 0);
+        }
+        wgmma_commit();
+      };
+      wgmma_fence();
+      issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
+      issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
+
+      // This thread's queries 8 j + 2 t, +1: lse * log2(e) as pairs (dsum is read later, to keep registers free).
+      const uint32_t stats = smem_addr(smem.stats[qdo.slot()]);
+      float2 lse_log2[kSTiles];
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
+
+      // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; element e of column tile j is key g + 8 (e / 2),
+      // query 8 j + 2 t + e % 2.
+      wgmma_wait<1>();
+      fence_regs(acc_s);
+      uint32_t dcap[kSTiles * 2];  // with a soft cap: 1 - tanh^2 of the pairs (float16)
+      const TileMasking how = probs_from_scores<kSTiles, kSoftCap>(acc_s, dcap, lse_log2, p.scale_log2, cap, mask, m0,
+                                                                   n0 + key_row0, p.seqlen_q, g, t);
+      // dS^T = P^T * (dP^T - dsum) (times 1 - tanh^2 with a cap).
+      float2 dsum[kSTiles];
+#pragma unroll
+      for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kBM + 8 * j + 2 * t) * sizeof(float));
+      wgmma_wait<0>();
+      fence_regs(acc_dp);
+      dscores_from_probs<kSTiles, kSoftCap>(acc_dp, acc_s, dsum, dcap, how, mask, m0, n0 + key_row0, g, t);
+      // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
+      uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
+#pragma unroll
+      for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) {
+          a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
+          a_ds[kk][q4] = ET::pack(acc_dp[8 * kk + 2 * q4], acc_dp[8 * kk + 2 * q4 + 1]);
+        }
+      }
+
+      // dV += P^T dO (B read N-major) runs while dS^T is stored and the warpgroups meet.
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+        Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
       }
       wgmma_commit();
-    };
-    wgmma_fence();
-    issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
-    issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
 
-    // This thread's queries 8 j + 2 t, +1: lse * log2(e) as pairs (dsum is read later, to keep registers free).
-    const uint32_t stats = smem_addr(smem.stats[qdo.slot()]);
-    float2 lse_log2[kSTiles];
+      // dS^T -> shared memory ([64-query column block][key][64 queries], 128-byte swizzled rows) for dQ; fragment
+      // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
+      const uint32_t ds_base = smem_addr(smem.ds[it & 1]);
 #pragma unroll
-    for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
-
-    // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; element e of column tile j is key g + 8 (e / 2),
-    // query 8 j + 2 t + e % 2.
-    wgmma_wait<1>();
-    fence_regs(acc_s);
-    uint32_t dcap[kSTiles * 2];  // with a soft cap: 1 - tanh^2 of the pairs (float16)
-    const TileMasking how = probs_from_scores<kSTiles, kSoftCap>(acc_s, dcap, lse_log2, p.scale_log2, cap, mask, m0,
-                                                                 n0 + key_row0, p.seqlen_q, g, t);
-    // dS^T = P^T * (dP^T - dsum) (times 1 - tanh^2 with a cap).
-    float2 dsum[kSTiles];
-#pragma unroll
-    for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kBM + 8 * j + 2 * t) * sizeof(float));
-    wgmma_wait<0>();
-    fence_regs(acc_dp);
-    dscores_from_probs<kSTiles, kSoftCap>(acc_dp, acc_s, dsum, dcap, how, mask, m0, n0 + key_row0, g, t);
-    // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
-    uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
-#pragma unroll
-    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-#pragma unroll
-      for (int q4 = 0; q4 < 4; ++q4) {
-        a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
-        a_ds[kk][q4] = ET::pack(acc_dp[8 * kk + 2 * q4], acc_dp[8 * kk + 2 * q4 + 1]);
+      for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+        constexpr int kStepsPerColBlock = kColBlock / kWgmmaK;  // 16-query steps in a 64-query column block
+        const uint32_t addr = ds_base + (kk / kStepsPerColBlock) * kDsColBlockBytes +
+                              stmatrix_x4_pair_offset(ds_lane, kk % kStepsPerColBlock);
+        stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
       }
+      fence_proxy_async_smem();
+      named_barrier_sync(kDsBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
+
+      // dQ (kDqRows x kDqCols of this warpgroup) = dS K over all kBN keys: A = dS read M-major from dS^T, B = K
+      // read N-major. Then dK += dS^T Q (B = Q read N-major).
+      float acc_dq[kDqTiles * 4];
+      const uint64_t desc_ds_cur = desc_advance(desc_ds, (it & 1) * kDsBufferBytes);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+        Wgmma<kDqCols, T, 1>::template ss<1>(acc_dq, desc_advance(desc_ds_cur, kk * kNMajorStep),
+                                             desc_advance(desc_k_cols, kk * kNMajorStep), kk > 0);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+        Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], desc_advance(desc_q_n, stage_off + kk * kNMajorStep), 1);
+      }
+      wgmma_commit();
+
+      // dQ -> shared memory (float32, DqFragmentOrder) while dK runs; the writer warp adds it to the accumulator.
+      wgmma_wait<1>();
+      fence_regs(acc_dv);
+      fence_regs(a_p);
+      fence_regs(acc_dq);
+      named_barrier_sync(kDqEmptyBarrier + cw, kDqWgThreads);
+#pragma unroll
+      for (int j = 0; j < kDqTiles; ++j) {
+        st_shared_f32x4(dq_thread + j * kWarpgroupThreads * sizeof(float4), acc_dq[4 * j], acc_dq[4 * j + 1],
+                        acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
+      }
+      fence_proxy_async_smem();
+      named_barrier_arrive(kDqFullBarrier + cw, kDqWgThreads);
+
+      wgmma_wait<0>();
+      fence_regs(acc_dk);
+      fence_regs(a_ds);
+      smem.qdo_ring.consumer_release(qdo);  // its wgmma reads and statistics loads are done
     }
 
-    // dV += P^T dO (B read N-major) runs while dS^T is stored and the warpgroups meet.
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-      Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
-    }
-    wgmma_commit();
-
-    // dS^T -> shared memory ([64-query column block][key][64 queries], 128-byte swizzled rows) for dQ; fragment
-    // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
-    const uint32_t ds_base = smem_addr(smem.ds[it & 1]);
-#pragma unroll
-    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-      constexpr int kStepsPerColBlock = kColBlock / kWgmmaK;  // 16-query steps in a 64-query column block
-      const uint32_t addr = ds_base + (kk / kStepsPerColBlock) * kDsColBlockBytes +
-                            stmatrix_x4_pair_offset(ds_lane, kk % kStepsPerColBlock);
-      stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
-    }
+    // Epilogue: dK = scale * dS^T Q and dV = P^T dO leave through shared memory. Once both warpgroups' last products
+    // are done (dQ reads every key's K), each warpgroup writes its 64 keys into the K and V tiles with stmatrix (the
+    // 128-byte-swizzled TMA layout they were loaded in) and one of its threads stores them with TMA (rows past
+    // seqlen_k and columns past head_dim are clipped by the tensor maps).
+    // (Indices re-read from threadIdx / blockIdx here: keeping them live through the loop costs registers.)
+    named_barrier_sync(kDsBarrier, kConsumerThreads);
+    const int e_cw = warp_uniform(int(threadIdx.x) / kWarpgroupThreads - 1);
+    const int e_warp = (threadIdx.x / kWarpSize) % 4;
+    const uint32_t kv_lane_offset =
+        e_cw * kWgmmaM * kSwizzleBytes + stmatrix_x4_lane_offset(e_warp * kWarpRows, threadIdx.x % kWarpSize);
+    constexpr uint32_t kColBlockBytes = kBN * kSwizzleBytes;  // one 64-column block of the K or V tile
+    const float scale = p.scale;
+    stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(smem.k) + kv_lane_offset, kColBlockBytes, acc_dk,
+                                       [scale](float x, int) { return x * scale; });
+    stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(smem.v) + kv_lane_offset, kColBlockBytes, acc_dv,
+                                       [](float x, int) { return x; });
     fence_proxy_async_smem();
-    named_barrier_sync(kDsBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
-
-    // dQ (kDqRows x kDqCols of this warpgroup) = dS K over all kBN keys: A = dS read M-major from dS^T, B = K
-    // read N-major. Then dK += dS^T Q (B = Q read N-major).
-    float acc_dq[kDqTiles * 4];
-    const uint64_t desc_ds_cur = desc_advance(desc_ds, (it & 1) * kDsBufferBytes);
-    wgmma_fence();
+    named_barrier_sync(kKvStoreBarrier + e_cw, kWarpgroupThreads);
+    if (threadIdx.x % kWarpgroupThreads == 0) {
+      const int row0 = blockIdx.x * kBN + e_cw * kWgmmaM;
 #pragma unroll
-    for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
-      Wgmma<kDqCols, T, 1>::template ss<1>(acc_dq, desc_advance(desc_ds_cur, kk * kNMajorStep),
-                                           desc_advance(desc_k_cols, kk * kNMajorStep), kk > 0);
+      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+        const int tile_off = cb * kBN * kColBlock + e_cw * kWgmmaM * kColBlock;
+        tma_store_4d(&tm_dk, smem.k + tile_off, cb * kColBlock, row0, blockIdx.y, blockIdx.z);
+        tma_store_4d(&tm_dv, smem.v + tile_off, cb * kColBlock, row0, blockIdx.y, blockIdx.z);
+      }
+      bulk_commit_group();
+      bulk_wait_group<0>();  // shared memory outlives the stores
     }
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-      Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], desc_advance(desc_q_n, stage_off + kk * kNMajorStep), 1);
-    }
-    wgmma_commit();
-
-    // dQ -> shared memory (float32, DqFragmentOrder) while dK runs; the writer warp adds it to the accumulator.
-    wgmma_wait<1>();
-    fence_regs(acc_dv);
-    fence_regs(a_p);
-    fence_regs(acc_dq);
-    named_barrier_sync(kDqEmptyBarrier + cw, kDqWgThreads);
-#pragma unroll
-    for (int j = 0; j < kDqTiles; ++j) {
-      st_shared_f32x4(dq_thread + j * kWarpgroupThreads * sizeof(float4), acc_dq[4 * j], acc_dq[4 * j + 1],
-                      acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
-    }
-    fence_proxy_async_smem();
-    named_barrier_arrive(kDqFullBarrier + cw, kDqWgThreads);
-
-    wgmma_wait<0>();
-    fence_regs(acc_dk);
-    fence_regs(a_ds);
-    smem.qdo_ring.consumer_release(qdo);  // its wgmma reads and statistics loads are done
-  }
-
-  // Epilogue: dK = scale * dS^T Q and dV = P^T dO leave through shared memory. Once both warpgroups' last products
-  // are done (dQ reads every key's K), each warpgroup writes its 64 keys into the K and V tiles with stmatrix (the
-  // 128-byte-swizzled TMA layout they were loaded in) and one of its threads stores them with TMA (rows past
-  // seqlen_k and columns past head_dim are clipped by the tensor maps).
-  // (Indices re-read from threadIdx / blockIdx here: keeping them live through the loop costs registers.)
-  named_barrier_sync(kDsBarrier, kConsumerThreads);
-  const int e_cw = warp_uniform(int(threadIdx.x) / kWarpgroupThreads - 1);
-  const int e_warp = (threadIdx.x / kWarpSize) % 4;
-  const uint32_t kv_lane_offset =
-      e_cw * kWgmmaM * kSwizzleBytes + stmatrix_x4_lane_offset(e_warp * kWarpRows, threadIdx.x % kWarpSize);
-  constexpr uint32_t kColBlockBytes = kBN * kSwizzleBytes;  // one 64-column block of the K or V tile
-  const float scale = p.scale;
-  stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(smem.k) + kv_lane_offset, kColBlockBytes, acc_dk,
-                                     [scale](float x, int) { return x * scale; });
-  stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(smem.v) + kv_lane_offset, kColBlockBytes, acc_dv,
-                                     [](float x, int) { return x; });
-  fence_proxy_async_smem();
-  named_barrier_sync(kKvStoreBarrier + e_cw, kWarpgroupThreads);
-  if (threadIdx.x % kWarpgroupThreads == 0) {
-    const int row0 = blockIdx.x * kBN + e_cw * kWgmmaM;
-#pragma unroll
-    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-      const int tile_off = cb * kBN * kColBlock + e_cw * kWgmmaM * kColBlock;
-      tma_store_4d(&tm_dk, smem.k + tile_off, cb * kColBlock, row0, blockIdx.y, blockIdx.z);
-      tma_store_4d(&tm_dv, smem.v + tile_off, cb * kColBlock, row0, blockIdx.y, blockIdx.z);
-    }
-    bulk_commit_group();
-    bulk_wait_group<0>();  // shared memory outlives the stores
-  }
+  });
 #else
   __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0
 #endif

@@ -24,10 +24,11 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// kSegments: the call has segment ids (false: their tests are compiled out of the consumers; true: their null
-// checks, see kernel_mask_for_batch).
+// kSegments: how the tiles' masks take the call's segment ids (SegmentMode: kNone, the call has none and their tests
+// are compiled out; kRuns or kIds, the kernel takes only the tiles of batch elements whose ids are runs, or are not,
+// segment_mode_takes: a call with ids runs one grid of each).
 // kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0).
-template <typename T, typename Traits, bool kSegments, bool kSoftCap>
+template <typename T, typename Traits, SegmentMode kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -43,14 +44,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = threadIdx.x;
 
   // Calls fn(tile) for each tile of this CTA in order: every unit c, c + gridDim.x, ... when persistent, else the
-  // one unit blockIdx.x (the grid then has a CTA per unit).
+  // one unit blockIdx.x (the grid then has a CTA per unit). Tiles of batch elements that take the other segment
+  // policy are the other grid's.
   auto for_each_tile = [&](auto&& fn) {
+    auto visit = [&](const FwdTile& tile) {
+      if (segment_mode_takes<kSegments>(p, tile.b)) fn(tile);
+    };
     if constexpr (Traits::kPersistent) {
       for (int u = blockIdx.x; u < sched.units; u += gridDim.x) {
-        for (int k = 0; k < sched.tiles(u); ++k) fn(sched.tile(u, k));
+        for (int k = 0; k < sched.tiles(u); ++k) visit(sched.tile(u, k));
       }
     } else {
-      for (int k = 0; k < sched.tiles(blockIdx.x); ++k) fn(sched.tile(blockIdx.x, k));
+      for (int k = 0; k < sched.tiles(blockIdx.x); ++k) visit(sched.tile(blockIdx.x, k));
     }
   };
 
@@ -63,7 +68,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warpgroup = tid / kWarpgroupThreads;
   if (warpgroup == 0) {  // producer
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (tid == 0) mainloop.load(&tm_q, &tm_k, &tm_v, for_each_tile);
+    if (tid == 0) mainloop.template load<kSegments>(&tm_q, &tm_k, &tm_v, for_each_tile);
     return;
   }
 

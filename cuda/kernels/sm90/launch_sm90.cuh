@@ -97,7 +97,7 @@ cudaError_t resident_ctas(int threads, int smem_bytes, int* ctas) {
       ctas);
 }
 
-template <typename T, typename TileTraits, bool kSegments, bool kSoftCap>
+template <typename T, typename TileTraits, SegmentMode kSegments, bool kSoftCap>
 cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, TileTraits>;
   constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits, kSegments, kSoftCap>;
@@ -136,7 +136,7 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
 // The forward of head-dim class kD: its wide-tile variant (FwdWideTraitsSm90) where one exists for attention
 // without a window mask, either unmasked or causal over at least kCausalMinRows query rows; else its default tiles.
 // Segment-id tests and the soft cap are compiled in only for calls that have them.
-template <typename T, int kD, bool kSegments, bool kSoftCap>
+template <typename T, int kD, SegmentMode kSegments, bool kSoftCap>
 cudaError_t launch_fwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
   if constexpr (FwdWideTraitsSm90<kD>::kAvailable) {
     const bool long_causal = p.causal && p.seqlen_q >= FwdWideTraitsSm90<kD>::kCausalMinRows;
@@ -147,11 +147,22 @@ cudaError_t launch_fwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
   return launch_fwd_sm90_tiles<T, FwdTraitsSm90<kD>, kSegments, kSoftCap>(p, stream);
 }
 
+// A call with segment ids runs two persistent grids over the same tiles, one per segment policy (the kernel takes
+// the tiles of its policy's batch elements and passes over the others' at the cost of a flag load each): one body
+// with both policies, switched per tile, holds both in one consumer loop (d128: 80/192 B of spills against 4/16).
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   return with_static_flags(
-      [&](auto segments, auto soft_cap) {
-        return launch_fwd_sm90_variant<T, kD, decltype(segments)::value, decltype(soft_cap)::value>(p, stream);
+      [&](auto segments, auto soft_cap) -> cudaError_t {
+        constexpr bool kCap = decltype(soft_cap)::value;
+        if constexpr (!decltype(segments)::value) {
+          return launch_fwd_sm90_variant<T, kD, SegmentMode::kNone, kCap>(p, stream);
+        } else {
+          if (cudaError_t e = launch_fwd_sm90_variant<T, kD, SegmentMode::kRuns, kCap>(p, stream); e != cudaSuccess) {
+            return e;
+          }
+          return launch_fwd_sm90_variant<T, kD, SegmentMode::kIds, kCap>(p, stream);
+        }
       },
       p.q_segment_ids != nullptr, SoftCap(p).enabled());
 }

@@ -110,7 +110,8 @@ struct FwdMainloop {
   }
 
   // ---- producer role: one thread issues every load, tile after tile --------------------------------------------
-  template <typename ForEachTile>
+  // kSegments as for the kernel: the tiles' masks are the consumers'.
+  template <SegmentMode kSegments, typename ForEachTile>
   __device__ __forceinline__ void load(const CUtensorMap* tm_q, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                        ForEachTile&& for_each_tile) const {
     prefetch_tensor_map(tm_q);
@@ -121,7 +122,7 @@ struct FwdMainloop {
     for_each_tile([&](const FwdTile& tile) {
       const int m0 = tile.m_block * kBM;
       int n_begin;
-      const int n_tiles = key_tiles(mask_for_batch(p, tile.b), m0, &n_begin);
+      const int n_tiles = key_tiles(kernel_mask_for_batch<kSegments>(p, tile.b), m0, &n_begin);
       if (n_tiles == 0) return;
       const int hk = tile.h / p.group_size();
       smem.q_ring.producer_acquire(q, Traits::kQBytes);  // the consumers are done with the previous tile's Q
