@@ -160,8 +160,10 @@ def segment_metadata(q_segment_ids, kv_segment_ids):
 
 
 def _runs_of(ids, other):
-    """For each position of ids [N, T]: the positions of other [N, S] holding its id, as [first, last + 1) (0, 0 when
-    none), and whether they are contiguous (and not none)."""
+    """For each position of ids [N, T]: the positions of other [N, S] holding its id, as [first, last + 1), and
+    whether they are contiguous. An id that other lacks gets an empty interval [x, x) at x = the largest end before
+    it (0 at the start), so the bounds can still rise along the positions (a part of a sequence whose ids reach
+    into the other side's neighbouring parts: sharding, ring attention, prefill chunks)."""
     order = jnp.argsort(other, axis=-1, stable=True).astype(jnp.int32)  # equal ids keep their positions' order
     ordered = jnp.take_along_axis(other, order, axis=-1)
     # Unrolled binary search: the default while loop reads its predicate back to the host each step on a GPU (13
@@ -174,9 +176,10 @@ def _runs_of(ids, other):
     first_pos = jnp.take_along_axis(order, jnp.minimum(begin, last), axis=-1)
     last_pos = jnp.take_along_axis(order, jnp.clip(end - 1, 0, last), axis=-1)
     found = end > begin
-    lo = jnp.where(found, first_pos, 0)
     hi = jnp.where(found, last_pos + 1, 0)
-    return lo, hi, found & (hi - lo == end - begin)
+    hi = jnp.where(found, hi, jax.lax.cummax(hi, axis=hi.ndim - 1))
+    lo = jnp.where(found, first_pos, hi)
+    return lo, hi, ~found | (hi - lo == end - begin)
 
 
 def segment_runs(q_segment_ids, kv_segment_ids):
@@ -184,9 +187,10 @@ def segment_runs(q_segment_ids, kv_segment_ids):
 
     q_segment_ids int32 [..., T], kv_segment_ids int32 [..., S] -> (q_runs [..., T, 2], kv_runs [..., S, 2]),
     int32. q_runs[..., i, :] = [first, last + 1): the key positions holding row i's id; kv_runs likewise the rows
-    holding key j's id. A batch element whose ids are runs (every id of either side occurs on the other, in one
-    contiguous run of positions on each side, and the bounds never decrease along the positions, as packed
-    documents are) sees exactly these intervals, and the kernels take it as an interval mask: no per-tile id tests.
+    holding key j's id (an id the other side lacks: an empty interval, see _runs_of). A batch element whose ids
+    are runs (every id in one contiguous run of positions on each side, and the bounds never decreasing along the
+    positions, as packed documents are, whole or in parts) sees exactly these intervals, and the kernels take it as
+    an interval mask: no per-tile id tests.
     Any other batch element is marked with q_runs[..., 0, 0] = -1 and takes the ids (segment_metadata). Cost: two
     sorts of the ids and their binary searches per batch element.
     """

@@ -214,11 +214,15 @@ def test_segment_runs():
     from jax_flash._ffi import segment_runs
 
     def expect(mine, other):
-        bounds, ok = [], True
+        bounds, ok, end = [], True, 0
         for x in mine:
             where = np.flatnonzero(other == x)
-            ok &= where.size > 0 and where.size == (where[-1] - where[0] + 1 if where.size else 0)
-            bounds.append((where[0], where[-1] + 1) if where.size else (0, 0))
+            if where.size:  # [first, last + 1), contiguous or not
+                ok &= where.size == where[-1] - where[0] + 1
+                bounds.append((where[0], where[-1] + 1))
+                end = max(end, where[-1] + 1)
+            else:  # an id the other side lacks: empty, at the largest end so far
+                bounds.append((end, end))
         bounds = np.array(bounds)
         return bounds, ok and bool((np.diff(bounds, axis=0) >= 0).all())
 
@@ -227,7 +231,10 @@ def test_segment_runs():
         (packed, packed, True),
         (np.repeat([1, 2, 3], [4, 4, 4]), np.repeat([1, 2, 3], [2, 6, 5]), True),  # Sq != Sk, runs on both sides
         (np.repeat([1, 2, 1], [4, 4, 4]), np.repeat([1, 2, 1], [4, 4, 4]), False),  # id 1 in two runs
-        (np.repeat([1, 2, 3], [4, 4, 4]), np.repeat([1, 3], [6, 6]), False),  # a row whose id has no key
+        (np.repeat([1, 2, 3], [4, 4, 4]), np.repeat([1, 3], [6, 6]), True),  # a row whose id has no key: empty
+        (np.repeat([2, 3], [4, 4]), np.repeat([1, 2, 3, 4], [2, 2, 2, 2]), True),  # a part of the sequence (sharding)
+        (np.repeat([2, 9, 3], [3, 2, 3]), np.repeat([2, 3], [4, 4]), True),  # an id in the middle missing on kv
+        (np.repeat([1, 2], [4, 4]), np.repeat([2, 5, 1], [3, 2, 3]), False),  # runs present, in other orders
         (np.repeat([1, 2], [4, 4]), np.repeat([2, 1], [4, 4]), False),  # runs in other orders: not monotone
         (np.array([7]), np.array([7, 7, 7]), True),
     ]

@@ -92,17 +92,17 @@ DECODE_CASES = [
 ]
 
 
-def decode():
+def decode(kernels=("auto", "sm80"), cases=slice(None)):
     """Each case on the default decode kernels and forced onto the sm_80-class (mma.sync) one, which an H100/H200
     runs by default only up to 32 packed rows."""
-    for kernel in ("auto", "sm80"):
+    for kernel in kernels:
         with jax_flash.force_kernel(kernel):
-            decode_cases(kernel)
+            decode_cases(kernel, cases)
 
 
-def decode_cases(kernel):
+def decode_cases(kernel, cases):
     rng = np.random.default_rng(1)
-    for b, tq, hq, hkv, d, cap, page_size, splits, kw in DECODE_CASES:
+    for b, tq, hq, hkv, d, cap, page_size, splits, kw in DECODE_CASES[cases]:
         kw = dict(kw)
         if kw.pop("sinks", False):
             kw["sinks"] = jnp.asarray(rng.standard_normal(hq), jnp.float32)
@@ -130,7 +130,15 @@ def decode_cases(kernel):
 
 
 if __name__ == "__main__":
-    import sys
-    if "--decode-only" not in sys.argv:
+    import argparse
+    ap = argparse.ArgumentParser(description="small calls for compute-sanitizer")
+    ap.add_argument("--decode-only", action="store_true", help="skip the attention calls")
+    ap.add_argument("--decode-kernel", choices=("auto", "sm80"), action="append",
+                    help="decode kernels to run (default both; repeatable)")
+    ap.add_argument("--decode-cases", default=":", metavar="START:STOP",
+                    help="a slice of DECODE_CASES (racecheck in several smaller processes)")
+    a = ap.parse_args()
+    if not a.decode_only:
         main()
-    decode()
+    start, stop = (int(x) if x else None for x in a.decode_cases.split(":"))
+    decode(tuple(a.decode_kernel or ("auto", "sm80")), slice(start, stop))

@@ -12,6 +12,11 @@ constexpr int RowTiles(int rows) {
 // Splits of a key range the combine kernel merges (its weights sit in shared memory).
 inline constexpr int kMaxDecodeSplits = 1024;
 
+// Batches of one split per sequence take their sequences longest first up to this many sequences (each block ranks
+// the batch's lengths: batch^2 / threads comparisons; split_mainloop.cuh batch_element). dec16 ranked up to 256:
+// on an H200 the ragged B 64 rows gained 8-33 % but the B 256 ones lost 18-37 % to the ranking every block redoes.
+inline constexpr int kLongestFirstMaxBatch = 64;
+
 // Keys per K/V tile and pipeline depth by head-dim class.
 constexpr int BlockN(int kd) { return kd <= 128 ? 64 : 32; }
 inline constexpr int kStages = 3;

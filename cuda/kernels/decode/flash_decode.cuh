@@ -73,8 +73,9 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
 
   const int split = blockIdx.x;
   const int hk = blockIdx.y;
-  const int b = blockIdx.z;
   const int tid = threadIdx.x;
+  // the K ring is free until the stream starts
+  const int b = batch_element<Traits::kBlockN, Traits::kThreads>(p, blockIdx.z, reinterpret_cast<int*>(smem.k), tid);
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
   const int g = lane / 4;

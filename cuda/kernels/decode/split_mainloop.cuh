@@ -18,6 +18,7 @@
 #include "score_mod.h"
 #include "kernels/common/element_traits.cuh"
 #include "kernels/common/warp_reduce.cuh"
+#include "kernels/decode/decode_traits.h"
 #include "kernels/sm80/utils_sm80.cuh"
 #include "kernels/sm90/pipeline.h"  // PipelineState: plain ring counting, no sm_90 instructions
 
@@ -63,7 +64,43 @@ __device__ __forceinline__ void row_keys(const FlashParams& p, const DecodeRange
 // Key tiles of kBlockN keys in a range.
 template <int kBlockN>
 __device__ __forceinline__ int range_tiles(const DecodeRange& r) {
-  return r.hi > r.lo ? (r.hi - r.lo + kBlockN - 1) / kBlockN : 0;
+  return r.hi > r.lo ? (r.hi - r.lo - 1) / kBlockN + 1 : 0;  // no wrap for ranges near INT32_MAX keys
+}
+
+// The batch element that the blocks of grid index z (blockIdx.z) compute. In launch order z is the slowest index, so
+// with one split per sequence (num_splits == 1: the grid's blocks are whole sequences, more blocks than the GPU
+// holds at once) a long sequence late in a ragged batch would start when most blocks are done and leave a tail. For
+// batches of 2 to kLongestFirstMaxBatch sequences the blocks take the sequences longest first (by key tiles; ties in
+// batch order, so equal lengths keep it): each block ranks the batch's tile counts from shared memory
+// (batch^2 / kThreads comparisons per thread; skipped when every sequence has as many tiles) and takes the sequence
+// of rank z. Otherwise z itself. Every thread calls this; `scratch` holds batch + 1 ints of shared memory that
+// nothing else uses until the call returns.
+template <int kBlockN, int kThreads>
+__device__ __forceinline__ int batch_element(const FlashParams& p, int z, int* scratch, int tid) {
+  if (p.num_splits != 1 || p.batch < 2 || p.batch > kLongestFirstMaxBatch) return z;
+  const int first = range_tiles<kBlockN>(decode_range(p, 0));
+  bool uniform = true;
+  for (int j = tid; j < p.batch; j += kThreads) {
+    scratch[j] = range_tiles<kBlockN>(decode_range(p, j));
+    uniform = uniform && scratch[j] == first;
+  }
+  if (__syncthreads_and(uniform)) return z;  // equal lengths: the batch order is the longest-first order
+  int found = -1;
+  for (int i = tid; i < p.batch; i += kThreads) {
+    const int mine = scratch[i];
+    int rank = 0;  // sequences before i: more tiles, or as many and earlier in the batch
+    for (int j = 0; j < p.batch; ++j) {
+      const int other = scratch[j];
+      rank += int(other > mine) + int(other == mine && j < i);
+    }
+    if (rank == z) found = i;  // ranks are a permutation of 0 .. batch - 1: one thread finds it
+  }
+  __syncthreads();  // every read of the tile counts is done before the one write below
+  if (found >= 0) scratch[0] = found;
+  __syncthreads();
+  const int b = scratch[0];
+  __syncthreads();  // scratch is free again
+  return b;
 }
 
 // The key tiles [begin, end) of split `split` of a batch element's range (FlashParams::balance_splits): equal shares
@@ -180,6 +217,8 @@ struct SplitSmem {
         k(q + Traits::kRows * Traits::kD),
         v(k + Traits::kStages * Traits::kBlockN * Traits::kD),
         pool_row(reinterpret_cast<int(*)[Traits::kBlockN]>(v + Traits::kStages * Traits::kBlockN * Traits::kD)) {}
+  static_assert(Traits::kStages * Traits::kBlockN * Traits::kD * int(sizeof(T)) >= (kLongestFirstMaxBatch + 1) * 4,
+                "batch_element's scratch lies in the K ring");
   __device__ __forceinline__ T* k_stage(int s) const { return k + s * Traits::kBlockN * Traits::kD; }
   __device__ __forceinline__ T* v_stage(int s) const { return v + s * Traits::kBlockN * Traits::kD; }
 };

@@ -75,8 +75,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
   const int rows = group * p.seqlen_q;  // packed rows of this kv head, all in this block
   const int split = blockIdx.x;
   const int hk = blockIdx.y;
-  const int b = blockIdx.z;
   const int tid = threadIdx.x;
+  // the K ring is free until the stream starts
+  const int b = decode::batch_element<kBN, Traits::kThreads>(p, blockIdx.z, reinterpret_cast<int*>(smem.k), tid);
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
   const int g = lane / 4;
