@@ -51,9 +51,11 @@ def _time(fn, args, iters, min_time):
 
 
 def _train_step(attn):
-    """jit(grad) of sum(attn(q, k, v) * do) w.r.t. q, k, v: one forward and one backward."""
-    def loss(q, k, v, do):
-        return jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+    """jit(grad) of sum(attn(q, k, v, *rest) * do) w.r.t. q, k, v: one forward and one backward. rest (the segment
+    ids) are arguments of the step, as in a training loop where every batch brings its own packing, so the work
+    that derives the kernels' operands from them is timed too (as closure constants XLA would fold it away)."""
+    def loss(q, k, v, do, *rest):
+        return jnp.sum(attn(q, k, v, *rest).astype(jnp.float32) * do.astype(jnp.float32))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
@@ -76,28 +78,35 @@ def packed_rows(args, rng, progress, lengths):
     causal_pairs = b * t * (t + 1) / 2
     same = ids[:, :, None] == ids[:, None, :]
     packed_pairs = float(np.tril(same).sum())
-    dense_mask = jnp.asarray(np.tril(same)[:, None])  # [B, 1, T, T]
+    tril = jnp.asarray(np.tril(np.ones((t, t), bool)))
+
+    def dense_mask(seg):  # [B, 1, T, T], built in the step from the ids as a user of jax.nn would
+        return ((seg[:, :, None] == seg[:, None, :]) & tril)[:, None]
+
+    # Every function takes the ids (traced, see _train_step), the ones that do not need them too.
     runs = {
-        "jax_flash packed (segment ids)": (lambda q, k, v: jax_flash.dot_product_attention(
+        "jax_flash packed (segment ids)": (lambda q, k, v, seg: jax_flash.dot_product_attention(
             q, k, v, is_causal=True, q_segment_ids=seg), packed_pairs),
-        "jax_flash unpacked causal": (lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True),
+        "jax_flash unpacked causal": (lambda q, k, v, seg: jax_flash.dot_product_attention(q, k, v, is_causal=True),
                                       causal_pairs),
-        "cudnn dense mask": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense_mask,
-                                                                           implementation="cudnn"), packed_pairs),
-        "cudnn unpacked causal": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+        "cudnn dense mask": (lambda q, k, v, seg: jax.nn.dot_product_attention(q, k, v, mask=dense_mask(seg),
                                                                                 implementation="cudnn"),
+                             packed_pairs),
+        "cudnn unpacked causal": (lambda q, k, v, seg: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                                     implementation="cudnn"),
                                   causal_pairs),
     }
     if lengths == "equal":  # (the same cost either way; it needs B x H x T x T float32 logits)
-        runs["xla dense mask"] = (lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, mask=dense_mask, implementation="xla"), packed_pairs)
+        runs["xla dense mask"] = (lambda q, k, v, seg: jax.nn.dot_product_attention(
+            q, k, v, mask=dense_mask(seg), implementation="xla"), packed_pairs)
     rows = []
     if lengths == "equal":  # the same documents as separate batch rows: the ceiling for packing's efficiency
         n = args.docs
         split = lambda x: x.reshape(b * n, t // n, *x.shape[2:])  # noqa: E731
         runs[f"jax_flash {b * n} x {t // n} causal (documents as rows)"] = (
-            lambda q, k, v: jax_flash.dot_product_attention(split(q), split(k), split(v), is_causal=True).reshape(
-                b, t, h, d), b * n * (t // n) * (t // n + 1) / 2)
+            lambda q, k, v, seg: jax_flash.dot_product_attention(split(q), split(k), split(v),
+                                                                 is_causal=True).reshape(b, t, h, d),
+            b * n * (t // n) * (t // n + 1) / 2)
     for name, (attn, pairs) in runs.items():
         if name.split()[0] not in args.impls.split(","):
             continue
@@ -105,8 +114,8 @@ def packed_rows(args, rng, progress, lengths):
         row = dict(table="packed", impl=name, batch=b, tokens=t, heads=h, head_dim=d, docs=args.docs,
                    doc_lengths=lengths, visible_pairs=pairs, visible_fraction_of_causal=pairs / causal_pairs)
         try:
-            sec, latency = _time(_train_step(attn), (q, k, v, do), args.iters, args.min_time)
-            fwd_sec, _ = _time(jax.jit(attn), (q, k, v), args.iters, args.min_time)
+            sec, latency = _time(_train_step(attn), (q, k, v, do, seg), args.iters, args.min_time)
+            fwd_sec, _ = _time(jax.jit(attn), (q, k, v, seg), args.iters, args.min_time)
             row.update(ms=sec * 1e3, latency_ms=latency * 1e3, fwd_ms=fwd_sec * 1e3,
                        tflops=3.5 * 4 * h * d * pairs / sec / 1e12)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this is a result too

@@ -44,17 +44,17 @@ def main():
     if a.impl == "rows" and (a.doc_lengths != "equal" or t % n):
         raise SystemExit("--impl rows needs documents of equal lengths that divide --tokens")
     split = lambda x: x.reshape(b * n, t // n, *x.shape[2:])  # noqa: E731
-    attn = {
-        "packed": lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=seg),
-        "rows": lambda q, k, v: jax_flash.dot_product_attention(split(q), split(k), split(v),
-                                                                is_causal=True).reshape(b, t, h, d),
-        "unpacked": lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True),
-        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+    attn = {  # each takes the ids as an argument of the step (bench_packed's _train_step), used or not
+        "packed": lambda q, k, v, seg: jax_flash.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=seg),
+        "rows": lambda q, k, v, seg: jax_flash.dot_product_attention(split(q), split(k), split(v),
+                                                                     is_causal=True).reshape(b, t, h, d),
+        "unpacked": lambda q, k, v, seg: jax_flash.dot_product_attention(q, k, v, is_causal=True),
+        "cudnn": lambda q, k, v, seg: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
     }[a.impl]
     step = bench._train_step(attn)
-    jax.block_until_ready(step(q, k, v, do))
+    jax.block_until_ready(step(q, k, v, do, seg))
     for _ in range(a.runs):
-        jax.block_until_ready(step(q, k, v, do))
+        jax.block_until_ready(step(q, k, v, do, seg))
 
 
 if __name__ == "__main__":
