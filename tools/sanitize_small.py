@@ -42,9 +42,10 @@ def _options(rng, b, sq, sk, hq, kw):
     return kw
 
 
-def main():
+def main(cases=slice(None)):
     rng = np.random.default_rng(0)
-    for (b, sq, sk, hq, hkv, d, kw), kernel in [(c, "auto") for c in CASES] + [(c, "sm80") for c in CASES[-3:]]:
+    calls = [(c, "auto") for c in CASES] + [(c, "sm80") for c in CASES[-3:]]
+    for (b, sq, sk, hq, hkv, d, kw), kernel in calls[cases]:
         kw = _options(rng, b, sq, sk, hq, kw)
         for dtype in (jnp.bfloat16, jnp.float16):
             q = jnp.asarray(rng.standard_normal((b, sq, hq, d)), dtype)
@@ -133,12 +134,19 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="small calls for compute-sanitizer")
     ap.add_argument("--decode-only", action="store_true", help="skip the attention calls")
+    ap.add_argument("--cases", default=":", metavar="START:STOP",
+                    help="a slice of the attention calls (CASES on the default kernels, then the last three forced "
+                         "onto the sm_80-class ones)")
     ap.add_argument("--decode-kernel", choices=("auto", "sm80"), action="append",
                     help="decode kernels to run (default both; repeatable)")
     ap.add_argument("--decode-cases", default=":", metavar="START:STOP",
                     help="a slice of DECODE_CASES (racecheck in several smaller processes)")
     a = ap.parse_args()
+
+    def cut(text):
+        start, stop = (int(x) if x else None for x in text.split(":"))
+        return slice(start, stop)
+
     if not a.decode_only:
-        main()
-    start, stop = (int(x) if x else None for x in a.decode_cases.split(":"))
-    decode(tuple(a.decode_kernel or ("auto", "sm80")), slice(start, stop))
+        main(cut(a.cases))
+    decode(tuple(a.decode_kernel or ("auto", "sm80")), cut(a.decode_cases))
