@@ -181,8 +181,9 @@ def _id_groups(q_ids, kv_ids):
     group = (_barrier(jnp.cumsum(_barrier(starts.astype(jnp.int32)), axis=-1)) - 1
              + jnp.arange(n, dtype=jnp.int32)[:, None] * width)
     group = group.reshape(-1)
-    is_kv = (order < s).reshape(-1)
-    pos = jnp.where(order < s, order, order - s).reshape(-1)  # position on its own side
+    is_kv = order < s
+    pos = jnp.where(is_kv, order, order - s).reshape(-1)  # position on its own side
+    is_kv = is_kv.reshape(-1)
     groups = n * width
 
     def side_stats(on_side):  # per group: first, last position and count of the group's positions on that side

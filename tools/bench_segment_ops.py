@@ -31,16 +31,6 @@ def _time(fn, *args, reps=20, samples=7):
     return statistics.median(out)
 
 
-def _old_runs_of(ids, other):  # segment_runs' binary-search version (before session 24), for comparison
-    order = jnp.argsort(other, axis=-1, stable=True).astype(jnp.int32)
-    ordered = jnp.take_along_axis(other, order, axis=-1)
-    search = jax.vmap(lambda a, v, side: jnp.searchsorted(a, v, side=side, method="scan_unrolled"),
-                      in_axes=(0, 0, None))
-    begin = search(ordered, ids, "left").astype(jnp.int32)
-    end = search(ordered, ids, "right").astype(jnp.int32)
-    return begin, end
-
-
 def _stages(ids):
     """segment_runs cut after each of its stages (prefixes), to find a slow one."""
     def prefix(stage, x):
@@ -87,7 +77,6 @@ def main():
     pieces = {
         "segment_runs (as built)": (jax.jit(lambda x: _ffi.segment_runs(x, x)), ids),
         "segment_metadata": (jax.jit(lambda x: _ffi.segment_metadata(x, x)), ids),
-        "old binary-search runs (one side)": (jax.jit(lambda x: _old_runs_of(x, x)), ids),
         "argsort stable [B, 2T]": (jax.jit(lambda x: jnp.argsort(x, axis=-1, stable=True)), both),
         "argsort unstable [B, 2T]": (jax.jit(lambda x: jnp.argsort(x, axis=-1, stable=False)), both),
         "sort [B, 2T]": (jax.jit(lambda x: jnp.sort(x, axis=-1)), both),
