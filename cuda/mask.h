@@ -19,7 +19,7 @@
 // tile fully visible only when every id in it is one value, and leaves the kernels one per-element test (same()).
 // Packed training data usually has a simpler shape: each id is one contiguous run of positions, in the same order for
 // queries and keys. Then row i sees exactly the keys of its own run, an interval whose ends never decrease with i, and
-// RunPolicy hands the kernels the ids as that interval (per-row bounds from jax_flash._ffi.segment_runs): they take
+// RunPolicy hands the kernels the ids as that interval (per-row bounds from the segment_operands target): they take
 // such a batch element as they take a window, with whole runs of unmasked key tiles and no id tests at all.
 #pragma once
 
@@ -70,7 +70,7 @@ struct LengthPolicy {
 // Row i sees key j only if q_ids[i] == kv_ids[j] (disabled when q_ids is null). Chunk c of the query rows (rows
 // [16 c, 16 c + 16)) has metadata q_meta[4 c ..]: {id min, id max, first key, end key}, the keys [first, end) being
 // the hull of the key chunks whose id ranges meet the chunk's; kv_meta likewise for key chunks, with rows. Built by
-// jax_flash._ffi.segment_metadata. Callers pass rows below seqlen_q and keys below seqlen_k to same().
+// the segment_operands target (segment_operands.h). Callers pass rows below seqlen_q and keys below seqlen_k to same().
 inline constexpr int kSegmentChunk = 16;
 struct SegmentPolicy {
   const int32_t* q_ids = nullptr;  // [seqlen_q] of one batch element
@@ -163,7 +163,7 @@ struct SegmentPolicy {
 };
 
 // Segment ids whose every id is one contiguous run of positions on each side, the runs in the same order (checked
-// per batch element by jax_flash._ffi.segment_runs): row i sees key j only if j lies in [q_run[i].x, q_run[i].y),
+// per batch element by the segment_operands target): row i sees key j only if j lies in [q_run[i].x, q_run[i].y),
 // the keys whose id is row i's, and key j is seen only by rows [kv_run[j].x, kv_run[j].y). Both bounds never
 // decrease along the positions, so this is an interval policy like the ones above and replaces SegmentPolicy for
 // such a batch element (disabled when q_run is null). Arrays of {x, y} int32 pairs. AttentionMask asks with its
@@ -205,8 +205,8 @@ struct RunPolicy {
   }
 };
 
-// True when batch element b's segment ids are contiguous runs (RunPolicy): segment_runs marks a batch element whose
-// ids are not with -1 in its first row's first bound.
+// True when batch element b's segment ids are contiguous runs (RunPolicy): the segment_operands target marks a batch
+// element whose ids are not with -1 in its first row's first bound.
 JF_HD bool segment_runs_exact(const FlashParams& p, int b) {
   return p.q_segment_runs != nullptr && p.q_segment_runs[int64_t(b) * p.seqlen_q * 2] >= 0;
 }

@@ -2,7 +2,7 @@
 
 Two nanobind extensions carry the handlers: ``_jax_flash_cpu`` (always built) and ``_jax_flash_cuda`` (absent
 from a CPU-only build). Each exposes ``registrations()``, a dict {target name: capsule} for the targets
-``jax_flash_fwd`` and ``jax_flash_bwd``, and the CUDA one also ``jax_flash_decode``.
+``jax_flash_fwd``, ``jax_flash_bwd`` and ``jax_flash_segment_operands``, and the CUDA one also ``jax_flash_decode``.
 
 Array arguments have layout [..., seq, heads, head_dim]; the handlers fold every leading dimension into one batch
 dimension, so ``vmap_method="broadcast_all"`` (which prepends the mapped axis to every argument, the int32 length
@@ -36,6 +36,7 @@ except ImportError:
 FWD_TARGET = "jax_flash_fwd"
 BWD_TARGET = "jax_flash_bwd"
 DECODE_TARGET = "jax_flash_decode"  # CUDA only
+SEGMENTS_TARGET = "jax_flash_segment_operands"
 
 for _name, _capsule in _jax_flash_cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
@@ -117,139 +118,40 @@ def _attrs(scale, is_causal, window_left, window_right, softcap, has_segments):
 
 #: Positions per chunk of the segment metadata (kSegmentChunk in cuda/mask.h).
 SEGMENT_CHUNK = 16
-_INT32_MAX = np.iinfo(np.int32).max
+#: Runs of equal ids per side and batch element that segment_operands still takes as intervals (kMaxSegmentRuns
+#: in cuda/segment_operands.h); a batch element with more takes the per-tile id tests.
+MAX_SEGMENT_RUNS = 2048
 
 
-def _chunk_id_ranges(ids):
-    """ids int32 [..., S] -> (min, max) int32 [..., ceil(S / 16)] over each chunk of 16 positions."""
-    length = ids.shape[-1]
-    pad = -length % SEGMENT_CHUNK
-    shape = (*ids.shape[:-1], (length + pad) // SEGMENT_CHUNK, SEGMENT_CHUNK)
-    widths = [(0, 0)] * (ids.ndim - 1) + [(0, pad)]
-    lo = jnp.pad(ids, widths, constant_values=_INT32_MAX).reshape(shape)
-    hi = jnp.pad(ids, widths, constant_values=-_INT32_MAX - 1).reshape(shape)
-    return lo.min(-1), hi.max(-1)
+def segment_operands(q_segment_ids, kv_segment_ids):
+    """The kernels' operands derived from segment ids (cuda/segment_operands.h), by the target SEGMENTS_TARGET.
 
-
-def segment_metadata(q_segment_ids, kv_segment_ids):
-    """The kernels' per-chunk metadata of segment ids (SegmentPolicy in cuda/mask.h).
-
-    q_segment_ids int32 [..., T], kv_segment_ids int32 [..., S] -> (q_meta [..., ceil(T / 16), 4], kv_meta
-    [..., ceil(S / 16), 4]), int32. For query chunk c (rows [16 c, 16 c + 16)): the smallest and largest id of its
-    rows, then [first, end): the hull of the keys whose 16-key chunks have an id range meeting chunk c's
-    ([INT32_MAX, 0) when none does); kv_meta likewise with the roles swapped. The kernels skip key (query) tiles
-    outside these ranges, so a packed batch costs about its visible area whatever the number of segments, and
-    treat a tile whose ids are all one value as unmasked. Cost: one pass over the (T / 16) x (S / 16) chunk pairs.
-    """
-    q_min, q_max = _chunk_id_ranges(q_segment_ids)
-    k_min, k_max = _chunk_id_ranges(kv_segment_ids)
-    meet = (q_min[..., :, None] <= k_max[..., None, :]) & (k_min[..., None, :] <= q_max[..., :, None])
-
-    def hull(meet, length):  # meet [..., A, B] -> [first, end) positions along B for each A
-        idx = jnp.arange(meet.shape[-1], dtype=jnp.int32)
-        first = jnp.min(jnp.where(meet, idx, _INT32_MAX), axis=-1)
-        last = jnp.max(jnp.where(meet, idx, -1), axis=-1)
-        found = last >= 0
-        return (jnp.where(found, first * SEGMENT_CHUNK, _INT32_MAX).astype(jnp.int32),
-                jnp.where(found, jnp.minimum((last + 1) * SEGMENT_CHUNK, length), 0).astype(jnp.int32))
-
-    key_first, key_end = hull(meet, kv_segment_ids.shape[-1])
-    row_first, row_end = hull(jnp.swapaxes(meet, -1, -2), q_segment_ids.shape[-1])
-    return (jnp.stack([q_min, q_max, key_first, key_end], axis=-1),
-            jnp.stack([k_min, k_max, row_first, row_end], axis=-1))
-
-
-def _barrier(x):
-    """x materialised: XLA neither fuses its producers into its consumers nor the reverse (a cumulative reduction
-    fused with what feeds it ran as a quadratic window on the GPU)."""
-    return jax.lax.optimization_barrier(x)
-
-
-def _id_groups(q_ids, kv_ids):
-    """Per position of q_ids [N, T] and kv_ids [N, S]: the first and last position of its id on the other side and
-    how many positions hold it there ((first, last, count) = (INT32_MAX, -1, 0) when none), as (q_stats, kv_stats),
-    each a tuple of three [N, T] / [N, S] arrays. One stable sort of both sides' ids per batch element groups equal
-    ids; each group's bounds and counts are segment reductions, gathered back to the group's positions. (Binary
-    searches into the sorted ids instead cost ~1.4 ms at 4 x 8192 on an H200: XLA fused their dependent gathers.)"""
-    n, t = q_ids.shape
-    s = kv_ids.shape[-1]
-    width = s + t
-    keys = jnp.concatenate([kv_ids, q_ids], axis=-1)  # [N, S + T]: kv positions, then q positions
-    order = jnp.argsort(keys, axis=-1, stable=True).astype(jnp.int32)
-    sorted_keys = jnp.take_along_axis(keys, order, axis=-1)
-    starts = jnp.concatenate([jnp.ones((n, 1), bool), sorted_keys[:, 1:] != sorted_keys[:, :-1]], axis=-1)
-    group = (_barrier(jnp.cumsum(_barrier(starts.astype(jnp.int32)), axis=-1)) - 1
-             + jnp.arange(n, dtype=jnp.int32)[:, None] * width)
-    group = group.reshape(-1)
-    is_kv = order < s
-    pos = jnp.where(is_kv, order, order - s).reshape(-1)  # position on its own side
-    is_kv = is_kv.reshape(-1)
-    groups = n * width
-
-    def side_stats(on_side):  # per group: first, last position and count of the group's positions on that side
-        first = jax.ops.segment_min(jnp.where(on_side, pos, _INT32_MAX), group, groups, indices_are_sorted=True)
-        last = jax.ops.segment_max(jnp.where(on_side, pos, -1), group, groups, indices_are_sorted=True)
-        count = jax.ops.segment_sum(on_side.astype(jnp.int32), group, groups, indices_are_sorted=True)
-        return first[group], last[group], count[group]  # back to the sorted positions
-
-    kv_side, q_side = side_stats(is_kv), side_stats(~is_kv)
-    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, width)).reshape(-1)
-    flat_order = order.reshape(-1)
-
-    def unsort(x):  # sorted positions -> [N, S + T] in the concatenated order
-        return jnp.zeros((n, width), jnp.int32).at[rows, flat_order].set(x, unique_indices=True)
-
-    # q positions take the kv side's stats of their group, kv positions the q side's.
-    q_stats = tuple(unsort(x)[:, s:] for x in kv_side)
-    kv_stats = tuple(unsort(x)[:, :s] for x in q_side)
-    return q_stats, kv_stats
-
-
-def _runs_from_stats(first, last, count):
-    """[first, last + 1) per position from _id_groups' stats, and whether those positions are contiguous. An id the
-    other side lacks gets an empty interval [x, x) at x = the largest end before it (0 at the start), so the bounds
-    can still rise along the positions (a part of a sequence whose ids reach into the other side's neighbouring
-    parts: sharding, ring attention, prefill chunks)."""
-    found = count > 0
-    hi = jnp.where(found, last + 1, 0)
-    # The running max between optimization barriers: fused with its producers, XLA ran the cumulative max's
-    # reduce-window (and an associative_scan's slices) per element, ~1-2 ms at 4 x 8192 on an H200.
-    running = _barrier(jax.lax.cummax(_barrier(hi), axis=hi.ndim - 1))
-    hi = jnp.where(found, hi, running)
-    lo = jnp.where(found, first, hi)
-    return lo, hi, ~found | (hi - lo == count)
-
-
-def segment_runs(q_segment_ids, kv_segment_ids):
-    """Segment ids as runs, for the kernels' RunPolicy (cuda/mask.h).
-
-    q_segment_ids int32 [..., T], kv_segment_ids int32 [..., S] -> (q_runs [..., T, 2], kv_runs [..., S, 2]),
-    int32. q_runs[..., i, :] = [first, last + 1): the key positions holding row i's id; kv_runs likewise the rows
-    holding key j's id (an id the other side lacks: an empty interval, see _runs_from_stats). A batch element whose ids
-    are runs (every id in one contiguous run of positions on each side, and the bounds never decreasing along the
-    positions, as packed documents are, whole or in parts) sees exactly these intervals, and the kernels take it as
-    an interval mask: no per-tile id tests.
-    Any other batch element is marked with q_runs[..., 0, 0] = -1 and takes the ids (segment_metadata). Cost: one
-    sort of both sides' ids per batch element and a few segment reductions and scatters (_id_groups).
+    q_segment_ids int32 [..., T], kv_segment_ids int32 [..., S] (same leading dims) -> (q_meta [..., ceil(T / 16),
+    4], kv_meta [..., ceil(S / 16), 4], q_runs [..., T, 2], kv_runs [..., S, 2]), int32:
+    - q_meta (SegmentPolicy in cuda/mask.h): for query chunk c (rows [16 c, 16 c + 16)) the smallest and largest id
+      of its rows, then [first, end): the hull of the keys whose 16-key chunks have an id range meeting chunk c's
+      ([INT32_MAX, 0) when none does); kv_meta likewise with the roles swapped. The kernels skip key (query) tiles
+      outside these ranges, so a packed batch costs about its visible area whatever the number of segments.
+    - q_runs (RunPolicy): [first, last + 1) of the keys holding row i's id (an id no key holds: the empty interval
+      [x, x) at the largest end of the rows before it, 0 at the start); kv_runs likewise. A batch element whose
+      every id is one contiguous run of positions on the other side with bounds never decreasing along the positions
+      (packed documents, whole or in parts: sharding, ring attention, prefill chunks), and with at most
+      MAX_SEGMENT_RUNS runs of equal ids per side, takes these as an interval mask: no per-tile id tests. Any other
+      batch element gets -1 in every entry of both and takes the ids with the metadata.
+    Cost: on a GPU two small kernels (a block per batch element for the runs, a thread per 16-position chunk for the
+    metadata, whose work grows as (T / 16) x (S / 16)); on the CPU one pass per batch element.
     """
     lead = q_segment_ids.shape[:-1]
-    q_ids = q_segment_ids.reshape(-1, q_segment_ids.shape[-1])
-    kv_ids = kv_segment_ids.reshape(-1, kv_segment_ids.shape[-1])
-    q_stats, kv_stats = _id_groups(q_ids, kv_ids)
-    q_lo, q_hi, q_ok = _runs_from_stats(*q_stats)
-    kv_lo, kv_hi, kv_ok = _runs_from_stats(*kv_stats)
-
-    def rising(x):
-        return jnp.all(x[:, 1:] >= x[:, :-1], axis=-1)
-
-    exact = (jnp.all(q_ok, axis=-1) & jnp.all(kv_ok, axis=-1) & rising(q_lo) & rising(q_hi) & rising(kv_lo)
-             & rising(kv_hi))
-    q_lo = q_lo.at[:, 0].set(jnp.where(_barrier(exact), q_lo[:, 0], -1))
-    # (materialised before the interleave: its concatenate fusion otherwise took in the row-wide checks above and
-    # recomputed them per element, ~0.5 ms at 4 x 8192 on an H200)
-    q_lo, q_hi, kv_lo, kv_hi = _barrier((q_lo, q_hi, kv_lo, kv_hi))
-    return (jnp.stack([q_lo, q_hi], axis=-1).reshape(*lead, -1, 2),
-            jnp.stack([kv_lo, kv_hi], axis=-1).reshape(*lead, -1, 2))
+    t, s = q_segment_ids.shape[-1], kv_segment_ids.shape[-1]
+    chunks = lambda n: -(-n // SEGMENT_CHUNK)  # noqa: E731
+    call = jax.ffi.ffi_call(
+        SEGMENTS_TARGET,
+        tuple(jax.ShapeDtypeStruct(shape, jnp.int32)
+              for shape in ((*lead, chunks(t), 4), (*lead, chunks(s), 4), (*lead, t, 2), (*lead, s, 2))),
+        vmap_method="broadcast_all",
+    )
+    inputs = (q_segment_ids, kv_segment_ids)
+    return _varying_like(call(*inputs), inputs)
 
 
 def _placeholder(lead, dtype):
@@ -266,7 +168,7 @@ def _segment_operands(q, k, q_segment_ids, kv_segment_ids):
     lead = q.shape[:-3]
     q_ids = jnp.broadcast_to(q_segment_ids.astype(jnp.int32), (*lead, q.shape[-3]))
     kv_ids = jnp.broadcast_to(kv_segment_ids.astype(jnp.int32), (*lead, k.shape[-3]))
-    return (q_ids, kv_ids, *segment_metadata(q_ids, kv_ids), *segment_runs(q_ids, kv_ids))
+    return (q_ids, kv_ids, *segment_operands(q_ids, kv_ids))
 
 
 def _row_stats_shape(q_shape):

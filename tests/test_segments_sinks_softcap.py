@@ -183,48 +183,78 @@ def test_every_option_runs_in_the_kernels(fresh_warnings):
         assert f"{q.shape[1]}x{k.shape[1]}x" not in text and f"x{q.shape[1]}x{k.shape[1]}x" not in text
 
 
+def _expected_metadata(mine, other):
+    """{min, max, first, end} per 16-position chunk of mine [L] against other [M] (numpy, directly)."""
+    def ranges(ids):
+        pad = -len(ids) % 16
+        lo = np.pad(ids, (0, pad), constant_values=np.iinfo(np.int32).max).reshape(-1, 16).min(-1)
+        hi = np.pad(ids, (0, pad), constant_values=np.iinfo(np.int32).min).reshape(-1, 16).max(-1)
+        return lo, hi
+
+    (lo, hi), (olo, ohi) = ranges(mine), ranges(other)
+    meets = (lo[:, None] <= ohi[None, :]) & (olo[None, :] <= hi[:, None])
+    found = meets.any(-1)
+    first = np.where(found, meets.argmax(-1) * 16, np.iinfo(np.int32).max)
+    end = np.where(found, np.minimum((len(olo) - meets[:, ::-1].argmax(-1)) * 16, len(other)), 0)
+    return np.stack([lo, hi, first, end], -1)
+
+
 def test_segment_metadata():
     """Per 16-position chunk: the id range, and the hull of the other side's positions whose chunks' id ranges
-    meet it (against a direct numpy computation), on ids in any order and on packed ones."""
-    from jax_flash._ffi import segment_metadata
+    meet it (against a direct numpy computation), on ids in any order, packed ones, and a side longer than the
+    kernel's staging tile (1024 chunks)."""
+    from jax_flash._ffi import segment_operands
 
     rng = np.random.default_rng(3)
+    long_kv = np.sort(rng.integers(0, 40, 17000))
     for q_ids, kv_ids in ((rng.integers(0, 4, (2, 50)), rng.integers(0, 4, (2, 37))),
-                          (np.repeat([[1, 2, 3, 7]], [40, 9, 30, 3], axis=1), np.repeat([[0, 2, 3, 9]], 25, axis=1))):
-        q_meta, kv_meta = (np.asarray(x) for x in segment_metadata(jnp.asarray(q_ids, jnp.int32),
-                                                                  jnp.asarray(kv_ids, jnp.int32)))
+                          (np.repeat([[1, 2, 3, 7]], [40, 9, 30, 3], axis=1), np.repeat([[0, 2, 3, 9]], 25, axis=1)),
+                          (rng.integers(10, 30, (1, 70)), long_kv[None])):
+        q_meta, kv_meta, _, _ = (np.asarray(x) for x in segment_operands(jnp.asarray(q_ids, jnp.int32),
+                                                                         jnp.asarray(kv_ids, jnp.int32)))
+        for b in range(q_ids.shape[0]):
+            np.testing.assert_array_equal(q_meta[b], _expected_metadata(q_ids[b], kv_ids[b]))
+            np.testing.assert_array_equal(kv_meta[b], _expected_metadata(kv_ids[b], q_ids[b]))
 
-        def chunks(ids):
-            return [ids[..., c:c + 16] for c in range(0, ids.shape[-1], 16)]
 
-        for mine, other, meta in ((q_ids, kv_ids, q_meta), (kv_ids, q_ids, kv_meta)):
-            for b in range(mine.shape[0]):
-                for c, ch in enumerate(chunks(mine[b])):
-                    assert (meta[b, c, 0], meta[b, c, 1]) == (ch.min(), ch.max())
-                    meets = [o for o, och in enumerate(chunks(other[b]))
-                             if ch.min() <= och.max() and och.min() <= ch.max()]
-                    expect = ((meets[0] * 16, min((meets[-1] + 1) * 16, other.shape[-1])) if meets
-                              else (np.iinfo(np.int32).max, 0))
-                    assert tuple(meta[b, c, 2:]) == expect
+def _expected_runs(mine, other):
+    """Each position of mine's id on the other side as [first, last + 1) (an id other lacks: [x, x) at the largest end
+    so far), and whether every found id is contiguous there and both bounds never decrease (numpy, directly)."""
+    bounds, ok, end = [], True, 0
+    for x in mine:
+        where = np.flatnonzero(other == x)
+        if where.size:  # [first, last + 1), contiguous or not
+            ok &= where.size == where[-1] - where[0] + 1
+            bounds.append((where[0], where[-1] + 1))
+            end = max(end, where[-1] + 1)
+        else:  # an id the other side lacks: empty, at the largest end so far
+            bounds.append((end, end))
+    bounds = np.array(bounds).reshape(-1, 2)
+    return bounds, ok and bool((np.diff(bounds, axis=0) >= 0).all())
+
+
+def _check_runs(q_ids, kv_ids, q_runs, kv_runs):
+    """q_runs, kv_runs of one batch element against _expected_runs; returns whether they were taken as runs."""
+    from jax_flash._ffi import MAX_SEGMENT_RUNS
+
+    (q_want, q_ok), (kv_want, kv_ok) = _expected_runs(q_ids, kv_ids), _expected_runs(kv_ids, q_ids)
+    few = all(1 + np.count_nonzero(np.diff(x)) <= MAX_SEGMENT_RUNS for x in (q_ids, kv_ids))
+    if q_ok and kv_ok and few:
+        np.testing.assert_array_equal(q_runs, q_want)
+        np.testing.assert_array_equal(kv_runs, kv_want)
+        return True
+    assert (q_runs == -1).all() and (kv_runs == -1).all()
+    return False
 
 
 def test_segment_runs():
-    """Each position's run on the other side ([first, last + 1) of the positions holding its id) and the batch
-    elements whose ids are runs (the rest marked -1 at [0, 0]), against a direct numpy computation."""
-    from jax_flash._ffi import segment_runs
+    """Each position's run on the other side ([first, last + 1) of the positions holding its id) for the batch
+    elements whose ids are runs, and -1 everywhere for the rest, against a direct numpy computation: hand-made cases,
+    random packings (whole and in parts), the runs limit, leading dims."""
+    from jax_flash._ffi import MAX_SEGMENT_RUNS, segment_operands
 
-    def expect(mine, other):
-        bounds, ok, end = [], True, 0
-        for x in mine:
-            where = np.flatnonzero(other == x)
-            if where.size:  # [first, last + 1), contiguous or not
-                ok &= where.size == where[-1] - where[0] + 1
-                bounds.append((where[0], where[-1] + 1))
-                end = max(end, where[-1] + 1)
-            else:  # an id the other side lacks: empty, at the largest end so far
-                bounds.append((end, end))
-        bounds = np.array(bounds)
-        return bounds, ok and bool((np.diff(bounds, axis=0) >= 0).all())
+    def operands(q_ids, kv_ids):
+        return [np.asarray(x) for x in segment_operands(jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))]
 
     packed = np.repeat([1, 2, 3, 0], [5, 3, 7, 2])  # documents, then padding (id 0)
     cases = [
@@ -234,28 +264,55 @@ def test_segment_runs():
         (np.repeat([1, 2, 3], [4, 4, 4]), np.repeat([1, 3], [6, 6]), True),  # a row whose id has no key: empty
         (np.repeat([2, 3], [4, 4]), np.repeat([1, 2, 3, 4], [2, 2, 2, 2]), True),  # a part of the sequence (sharding)
         (np.repeat([2, 9, 3], [3, 2, 3]), np.repeat([2, 3], [4, 4]), True),  # an id in the middle missing on kv
+        (np.repeat([3, 1, 3], [2, 2, 2]), np.repeat([1], [3]), True),  # an id in two runs, missing on kv: empty
         (np.repeat([1, 2], [4, 4]), np.repeat([2, 5, 1], [3, 2, 3]), False),  # runs present, in other orders
         (np.repeat([1, 2], [4, 4]), np.repeat([2, 1], [4, 4]), False),  # runs in other orders: not monotone
         (np.array([7]), np.array([7, 7, 7]), True),
+        (np.arange(MAX_SEGMENT_RUNS), np.arange(MAX_SEGMENT_RUNS), True),  # as many runs as taken
+        (np.arange(MAX_SEGMENT_RUNS + 1), np.arange(MAX_SEGMENT_RUNS + 1), False),  # one more: the ids path
     ]
     for q_ids, kv_ids, runs in cases:
-        q_runs, kv_runs = (np.asarray(x) for x in segment_runs(jnp.asarray(q_ids[None], jnp.int32),
-                                                               jnp.asarray(kv_ids[None], jnp.int32)))
-        (q_want, q_ok), (kv_want, kv_ok) = expect(q_ids, kv_ids), expect(kv_ids, q_ids)
-        assert (q_ok and kv_ok) == runs
+        _, _, q_runs, kv_runs = operands(q_ids[None], kv_ids[None])
         assert q_runs.shape == (1, len(q_ids), 2) and kv_runs.shape == (1, len(kv_ids), 2)
-        if runs:
-            np.testing.assert_array_equal(q_runs[0], q_want)
-        else:
-            assert q_runs[0, 0, 0] == -1
-            np.testing.assert_array_equal(q_runs[0, 1:], q_want[1:])
-        np.testing.assert_array_equal(kv_runs[0], kv_want)
+        assert _check_runs(q_ids, kv_ids, q_runs[0], kv_runs[0]) == runs, (q_ids, kv_ids)
+    # Random packings, whole and in parts (a slice of the query positions against all keys, and the reverse), long
+    # enough that each kernel thread holds several positions, and random ids (mostly not runs).
+    rng = np.random.default_rng(11)
+    taken = 0
+    for trial in range(12):
+        length = int(rng.integers(1, 5000))
+        cuts = np.sort(rng.choice(np.arange(1, length + 1), size=min(int(rng.integers(0, 60)), length), replace=False))
+        ids = np.searchsorted(cuts, np.arange(length), side="right") + int(rng.integers(-3, 3))
+        if trial % 4 == 3:
+            ids = np.where(ids == ids.max(), -7, ids)  # padding id after the documents
+        lo, hi = sorted(rng.integers(0, length + 1, 2))
+        part = ids[lo:max(hi, lo + 1)]
+        for q_ids, kv_ids in ((ids, ids), (part, ids), (ids, part), (rng.integers(0, 3, 40), rng.integers(0, 3, 33))):
+            _, _, q_runs, kv_runs = operands(q_ids[None], kv_ids[None])
+            taken += _check_runs(q_ids, kv_ids, q_runs[0], kv_runs[0])
+    assert taken >= 30  # the packings are runs
     # Leading dims: each batch element decides for itself; rank-1 ids (rank-3 inputs) work too.
-    two = jnp.asarray(np.stack([packed, np.where(packed == 0, 1, packed)]), jnp.int32)  # the second: id 1 twice
-    q_runs, _ = segment_runs(two, two)
-    assert q_runs[0, 0, 0] == 0 and q_runs[1, 0, 0] == -1
-    q_runs, kv_runs = segment_runs(jnp.asarray(packed, jnp.int32), jnp.asarray(packed, jnp.int32))
-    assert q_runs.shape == (len(packed), 2) and kv_runs.shape == (len(packed), 2)
+    two = np.stack([packed, np.where(packed == 0, 1, packed)])  # the second: id 1 twice
+    _, _, q_runs, kv_runs = operands(two, two)
+    assert [_check_runs(two[b], two[b], q_runs[b], kv_runs[b]) for b in range(2)] == [True, False]
+    q_meta, kv_meta, q_runs, kv_runs = operands(packed, packed)
+    assert q_runs.shape == (len(packed), 2) and kv_runs.shape == (len(packed), 2) and q_meta.shape == (2, 4)
+
+
+def test_segment_operands_transforms():
+    """The segment_operands target under vmap (a leading dim added to both) and jit equals the per-element calls;
+    ids with mismatched leading dims are refused by the handler with a clear error."""
+    from jax_flash._ffi import segment_operands
+
+    rng = np.random.default_rng(5)
+    q_ids = jnp.asarray(np.sort(rng.integers(0, 6, (3, 2, 45)), axis=-1), jnp.int32)
+    kv_ids = jnp.asarray(np.sort(rng.integers(0, 6, (3, 2, 29)), axis=-1), jnp.int32)
+    batched = jax.jit(jax.vmap(segment_operands))(q_ids, kv_ids)
+    for i in range(3):
+        for got, want in zip(batched, segment_operands(q_ids[i], kv_ids[i])):
+            np.testing.assert_array_equal(got[i], want)
+    with pytest.raises(Exception, match="same leading dims"):
+        jax.block_until_ready(segment_operands(q_ids[0], kv_ids[:, 0]))
 
 
 @pytest.mark.parametrize("name", ["all_combined", "packed_padding_ids", "sinks_lengths_dead_rows"])

@@ -1,6 +1,7 @@
-"""Device time of the XLA work that turns segment ids into the kernels' operands (jax_flash._ffi.segment_runs and
-segment_metadata) and of the primitives it is made of, each jitted alone with the ids as an argument, at the packed
-benchmark's shape: which piece a training step's packing costs.
+"""Time per call of the target that turns segment ids into the kernels' operands (jax_flash._ffi.segment_operands:
+chunk metadata and runs), jitted alone with the ids as an argument as in a training step, on the packed benchmark's
+shapes and a few harder ones: what a training step's packing costs before the attention kernels start. Wall time
+per call, so a floor of the dispatch (~10-20 us on a GPU); the kernel list of the packed step has the device time.
 
     python3 tools/bench_segment_ops.py [--batch 4 --tokens 8192 --docs 8]
 """
@@ -31,34 +32,6 @@ def _time(fn, *args, reps=20, samples=7):
     return statistics.median(out)
 
 
-def _stages(ids):
-    """segment_runs cut after each of its stages (prefixes), to find a slow one."""
-    def prefix(stage, x):
-        q_stats, kv_stats = _ffi._id_groups(x, x)
-        if stage == 0:
-            return q_stats, kv_stats
-        q = _ffi._runs_from_stats(*q_stats)
-        if stage == 1:
-            return q
-        kv = _ffi._runs_from_stats(*kv_stats)
-        if stage == 2:
-            return q, kv
-
-        def rising(v):
-            return jnp.all(v[:, 1:] >= v[:, :-1], axis=-1)
-
-        exact = (jnp.all(q[2], axis=-1) & jnp.all(kv[2], axis=-1) & rising(q[0]) & rising(q[1]) & rising(kv[0])
-                 & rising(kv[1]))
-        if stage == 3:
-            return exact
-        q_lo = q[0].at[:, 0].set(jnp.where(exact, q[0][:, 0], -1))
-        if stage == 4:
-            return q_lo
-        return jnp.stack([q_lo, q[1]], axis=-1), jnp.stack([kv[0], kv[1]], axis=-1)
-
-    return {f"segment_runs to stage {k}": (jax.jit(lambda x, k=k: prefix(k, x)), ids) for k in range(6)}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -67,35 +40,25 @@ def main():
     a = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     bench = types.SimpleNamespace(**runpy.run_path(os.path.join(here, "..", "benchmarks", "bench_packed.py")))
-    ids = jnp.asarray(bench._doc_ids(np.random.default_rng(0), a.batch, a.tokens, a.docs, "equal"))
-    both = jnp.concatenate([ids, ids], axis=-1)
-    n, w = both.shape
-    flat = both.reshape(-1)
-    seg = jnp.asarray(np.repeat(np.arange(n * w // 2), 2), jnp.int32)
-    perm = jnp.asarray(np.stack([np.random.default_rng(1).permutation(w) for _ in range(n)]), jnp.int32)
-    rows = jnp.asarray(np.repeat(np.arange(n), w), jnp.int32)
-    pieces = {
-        "segment_runs (as built)": (jax.jit(lambda x: _ffi.segment_runs(x, x)), ids),
-        "segment_metadata": (jax.jit(lambda x: _ffi.segment_metadata(x, x)), ids),
-        "argsort stable [B, 2T]": (jax.jit(lambda x: jnp.argsort(x, axis=-1, stable=True)), both),
-        "argsort unstable [B, 2T]": (jax.jit(lambda x: jnp.argsort(x, axis=-1, stable=False)), both),
-        "sort [B, 2T]": (jax.jit(lambda x: jnp.sort(x, axis=-1)), both),
-        "argsort stable [B, T]": (jax.jit(lambda x: jnp.argsort(x, axis=-1, stable=True)), ids),
-        "cumsum [B, 2T]": (jax.jit(lambda x: jnp.cumsum(x, axis=-1)), both),
-        "cummax [B, 2T]": (jax.jit(lambda x: jax.lax.cummax(x, axis=1)), both),
-        "segment_min (B T segments)": (jax.jit(lambda x, s: jax.ops.segment_min(x, s, n * w // 2,
-                                                                                indices_are_sorted=True)), flat, seg),
-        "scatter set [B, 2T]": (jax.jit(lambda x, p: jnp.zeros((n, w), jnp.int32).at[rows, p.reshape(-1)].set(
-            x, unique_indices=True)), flat, perm),
-        "take_along_axis [B, 2T]": (jax.jit(lambda x, p: jnp.take_along_axis(x, p, axis=-1)), both, perm),
+    rng = np.random.default_rng(0)
+
+    def ids(batch, tokens, docs, lengths="equal"):
+        return jnp.asarray(bench._doc_ids(rng, batch, tokens, docs, lengths))
+
+    op = jax.jit(lambda q, kv: _ffi.segment_operands(q, kv))
+    cases = {
+        f"[{a.batch}, {a.tokens}], {a.docs} equal documents": (ids(a.batch, a.tokens, a.docs),) * 2,
+        f"[{a.batch}, {a.tokens}], {a.docs} random-length documents": (ids(a.batch, a.tokens, a.docs, "random"),) * 2,
+        f"[{a.batch}, {a.tokens}], 2000 documents (runs limit {_ffi.MAX_SEGMENT_RUNS})": (
+            ids(a.batch, a.tokens, 2000),) * 2,
+        f"[{a.batch}, {a.tokens}], random ids (not runs)": (
+            jnp.asarray(rng.integers(0, 8, (a.batch, a.tokens)), jnp.int32),) * 2,
+        "[1, 131072], 64 documents": (ids(1, 131072, 64),) * 2,
+        "[32, 1024], 1 document": (ids(32, 1024, 1),) * 2,
     }
-    pieces.update(_stages(ids))
-    print(f"segment ids [{a.batch}, {a.tokens}], {a.docs} documents per row; {jax.devices()[0].device_kind}")
-    for name, (fn, *args) in pieces.items():
-        try:
-            print(f"{_time(fn, *args) * 1e6:9.1f} us  {name}", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"   failed  {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+    print(f"segment_operands (metadata + runs), ids an argument of the jitted call; {jax.devices()[0].device_kind}")
+    for name, args in cases.items():
+        print(f"{_time(op, *args) * 1e6:9.1f} us  {name}", flush=True)
 
 
 if __name__ == "__main__":

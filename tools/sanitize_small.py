@@ -1,7 +1,7 @@
 """Small forward+backward calls for compute-sanitizer (memcheck, racecheck): every head-dim class, odd lengths, Sq !=
 Sk, GQA, each mask, segment ids (packed and in any order), sinks and soft-capping, on the default kernels and the
 sm_80-class ones; then decode calls (dense and paged, ragged, every row-tile count, out-of-range page ids and lengths
-under jit, many splits) on both decode kernels. Run as `compute-sanitizer --tool memcheck python
+under jit, many splits) on both decode kernels; the segment-operands target alone (--segment-ops-only). Run as `compute-sanitizer --tool memcheck python
 tools/sanitize_small.py`."""
 
 import jax
@@ -130,10 +130,28 @@ def decode_cases(kernel, cases):
               f"clamped_ok={bool(jnp.isfinite(out_bad.astype(jnp.float32)).all())}", flush=True)
 
 
+def segment_ops():
+    """The segment-operands target alone: packings as runs (several positions per thread of the runs kernel), ids in
+    any order, more runs than the runs limit, a side longer than the metadata kernel's staging tile."""
+    from jax_flash import _ffi
+
+    rng = np.random.default_rng(2)
+    packed = np.searchsorted(np.sort(rng.choice(5000, 40, replace=False)), np.arange(5000), side="right")
+    cases = [(np.stack([packed, packed[::-1]]), np.stack([packed, packed])),
+             (rng.integers(0, 3, (2, 77)), rng.integers(0, 3, (2, 150))),
+             (np.arange(_ffi.MAX_SEGMENT_RUNS + 5)[None], np.arange(3000)[None]),
+             (np.sort(rng.integers(0, 50, (1, 20000))), np.sort(rng.integers(0, 50, (1, 70))))]
+    for q_ids, kv_ids in cases:
+        out = jax.block_until_ready(_ffi.segment_operands(jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)))
+        print(f"segment_operands {q_ids.shape} {kv_ids.shape}: runs taken {(np.asarray(out[2])[:, 0, 0] >= 0).tolist()}",
+              flush=True)
+
+
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="small calls for compute-sanitizer")
     ap.add_argument("--decode-only", action="store_true", help="skip the attention calls")
+    ap.add_argument("--segment-ops-only", action="store_true", help="only the segment-operands target")
     ap.add_argument("--cases", default=":", metavar="START:STOP",
                     help="a slice of the attention calls (CASES on the default kernels, then the last three forced "
                          "onto the sm_80-class ones)")
@@ -147,6 +165,9 @@ if __name__ == "__main__":
         start, stop = (int(x) if x else None for x in text.split(":"))
         return slice(start, stop)
 
+    if a.segment_ops_only:
+        segment_ops()
+        raise SystemExit
     if not a.decode_only:
         main(cut(a.cases))
     decode(tuple(a.decode_kernel or ("auto", "sm80")), cut(a.decode_cases))

@@ -6,6 +6,7 @@
 
 #include "cpu/attention_cpu.h"
 #include "ffi/validation.h"
+#include "segment_operands.h"
 
 namespace nb = nanobind;
 
@@ -88,6 +89,15 @@ ffi::Error FlashBackwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   return RunCatching([&] { cpu::FlashBackward(p); });
 }
 
+ffi::Error SegmentOperandsCpuImpl(ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> q_meta, ffi::Result<ffi::Buffer<ffi::S32>> kv_meta,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> q_runs,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> kv_runs) {
+  SegmentOperandsParams p;
+  if (auto e = FillSegmentOperandsParams(q_ids, kv_ids, q_meta, kv_meta, q_runs, kv_runs, &p); e.failure()) return e;
+  return RunCatching([&] { cpu::SegmentOperands(p); });
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -97,11 +107,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashForwardCpu, jax_flash::FlashForwardCpuImpl
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBackwardCpu, jax_flash::FlashBackwardCpuImpl,
                               jax_flash::BindBackward(xla::ffi::Ffi::Bind()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashSegmentOperandsCpu, jax_flash::SegmentOperandsCpuImpl,
+                              jax_flash::BindSegmentOperands(xla::ffi::Ffi::Bind()));
+
 NB_MODULE(_jax_flash_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_flash_fwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashForwardCpu));
     d["jax_flash_bwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashBackwardCpu));
+    d["jax_flash_segment_operands"] = nb::capsule(reinterpret_cast<void*>(JaxFlashSegmentOperandsCpu));
     return d;
   });
 }

@@ -6,6 +6,7 @@
 
 #include "ffi/validation.h"
 #include "kernels/flash_api.h"
+#include "kernels/segment_operands_launch.h"
 
 namespace nb = nanobind;
 
@@ -113,6 +114,19 @@ ffi::Error FlashDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+ffi::Error SegmentOperandsCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
+                                   ffi::Result<ffi::Buffer<ffi::S32>> q_meta,
+                                   ffi::Result<ffi::Buffer<ffi::S32>> kv_meta,
+                                   ffi::Result<ffi::Buffer<ffi::S32>> q_runs,
+                                   ffi::Result<ffi::Buffer<ffi::S32>> kv_runs) {
+  SegmentOperandsParams p;
+  if (auto e = FillSegmentOperandsParams(q_ids, kv_ids, q_meta, kv_meta, q_runs, kv_runs, &p); e.failure()) return e;
+  if (cudaError_t err = cuda::RunSegmentOperands(p, stream); err != cudaSuccess) {
+    return CudaError(err, "segment operand kernels");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_flash
 
@@ -131,12 +145,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_flash::BindDecode(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlashSegmentOperandsCuda, jax_flash::SegmentOperandsCudaImpl,
+    jax_flash::BindSegmentOperands(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
 NB_MODULE(_jax_flash_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_flash_fwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashForwardCuda));
     d["jax_flash_bwd"] = nb::capsule(reinterpret_cast<void*>(JaxFlashBackwardCuda));
     d["jax_flash_decode"] = nb::capsule(reinterpret_cast<void*>(JaxFlashDecodeCuda));
+    d["jax_flash_segment_operands"] = nb::capsule(reinterpret_cast<void*>(JaxFlashSegmentOperandsCuda));
     return d;
   });
   // The decode split kernel's dynamic shared memory (bytes) and threads per block (one block per split) for a head

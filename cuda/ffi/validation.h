@@ -5,12 +5,16 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "flash_params.h"
 #include "kernels/decode/decode_traits.h"  // kMaxDecodeSplits
+#include "mask.h"  // kSegmentChunk
+#include "segment_operands.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_flash {
@@ -140,7 +144,7 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
 }
 
 // Segment ids (int32 [..., Sq] and [..., Sk]) with their chunk metadata ([..., ceil(Sq / 16), 4] and
-// [..., ceil(Sk / 16), 4]; jax_flash._ffi.segment_metadata) when has_segments (else placeholders, never read), and
+// [..., ceil(Sk / 16), 4]; the segment_operands target) when has_segments (else placeholders, never read), and
 // the soft cap (0: none). After FillCommonParams.
 inline ffi::Error FillScoreModifiers(ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
                                      ffi::Buffer<ffi::S32> q_meta, ffi::Buffer<ffi::S32> kv_meta,
@@ -397,6 +401,50 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   return FillSinks(sinks, has_sinks, p);
 }
 
+// The segment-operands target: q_ids int32 [..., T] and kv_ids int32 [..., S] with the same leading dims; results
+// [..., ceil(T / 16), 4], [..., ceil(S / 16), 4], [..., T, 2], [..., S, 2] (segment_operands.h).
+inline ffi::Error FillSegmentOperandsParams(ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
+                                            ffi::Result<ffi::Buffer<ffi::S32>>& q_meta,
+                                            ffi::Result<ffi::Buffer<ffi::S32>>& kv_meta,
+                                            ffi::Result<ffi::Buffer<ffi::S32>>& q_runs,
+                                            ffi::Result<ffi::Buffer<ffi::S32>>& kv_runs, SegmentOperandsParams* p) {
+  const auto qd = q_ids.dimensions(), kd = kv_ids.dimensions();
+  bool lead_ok = qd.size() >= 1 && qd.size() == kd.size();
+  for (size_t i = 0; lead_ok && i + 1 < qd.size(); ++i) lead_ok = qd[i] == kd[i];
+  if (!lead_ok) {
+    return Invalid("segment ids must have the same leading dims, got q_segment_ids " + ShapeString(qd) +
+                   " and kv_segment_ids " + ShapeString(kd));
+  }
+  const int64_t t = qd.back(), s = kd.back();
+  if (t > INT32_MAX || s > INT32_MAX) return Invalid("segment ids longer than 2^31 - 1 positions");
+  std::vector<int64_t> lead(qd.begin(), qd.end() - 1);
+  int64_t batch = 1;
+  for (int64_t d : lead) batch *= d;
+  const auto with = [&](std::initializer_list<int64_t> tail) {
+    std::vector<int64_t> dims(lead);
+    dims.insert(dims.end(), tail);
+    return dims;
+  };
+  const int64_t q_chunks = (t + kSegmentChunk - 1) / kSegmentChunk, kv_chunks = (s + kSegmentChunk - 1) / kSegmentChunk;
+  const struct {
+    const ffi::Result<ffi::Buffer<ffi::S32>>* buf;
+    std::vector<int64_t> dims;
+    const char* name;
+  } results[] = {{&q_meta, with({q_chunks, 4}), "q_segment_meta"},
+                 {&kv_meta, with({kv_chunks, 4}), "kv_segment_meta"},
+                 {&q_runs, with({t, 2}), "q_segment_runs"},
+                 {&kv_runs, with({s, 2}), "kv_segment_runs"}};
+  for (const auto& r : results) {
+    if (auto e = ExpectShape(**r.buf, ffi::AnyBuffer::Dimensions(r.dims.data(), r.dims.size()), r.name);
+        e.failure()) {
+      return e;
+    }
+  }
+  *p = SegmentOperandsParams{q_ids.typed_data(), kv_ids.typed_data(), q_meta->typed_data(), kv_meta->typed_data(),
+                             q_runs->typed_data(), kv_runs->typed_data(), batch, int(t), int(s)};
+  return ffi::Error::Success();
+}
+
 // The argument lists of the attention targets, shared by the CPU and CUDA handlers (which may first bind a context such
 // as the CUDA stream). Handler parameters follow this order.
 template <typename Binding>
@@ -482,6 +530,16 @@ auto BindDecode(Binding b) {
       .template Ret<ffi::Buffer<ffi::F32>>()           // lse [B, Hq, Tq]
       .template Ret<ffi::Buffer<ffi::F32>>()           // o_partial [splits, B, Tq, Hq, D]: workspace
       .template Ret<ffi::Buffer<ffi::F32>>();          // lse_partial [splits, B, Hq, Tq]: workspace
+}
+
+template <typename Binding>
+auto BindSegmentOperands(Binding b) {
+  return std::move(b).template Arg<ffi::Buffer<ffi::S32>>()  // q_segment_ids [..., T]
+      .template Arg<ffi::Buffer<ffi::S32>>()                  // kv_segment_ids [..., S]
+      .template Ret<ffi::Buffer<ffi::S32>>()                  // q_segment_meta [..., ceil(T / 16), 4]
+      .template Ret<ffi::Buffer<ffi::S32>>()                  // kv_segment_meta [..., ceil(S / 16), 4]
+      .template Ret<ffi::Buffer<ffi::S32>>()                  // q_segment_runs [..., T, 2]
+      .template Ret<ffi::Buffer<ffi::S32>>();                 // kv_segment_runs [..., S, 2]
 }
 
 }  // namespace jax_flash

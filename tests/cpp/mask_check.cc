@@ -100,7 +100,7 @@ int main() {
       }
     }
   }
-  // Segment ids as runs (RunPolicy: the per-position bounds jax_flash._ffi.segment_runs gives ids whose every id is
+  // Segment ids as runs (RunPolicy: the per-position bounds the segment_operands target gives ids whose every id is
   // one run on each side, in the same order): visible() is "same id" and the other masks, and every range agrees.
   {
     const std::vector<std::vector<int>> q_docs = {{12}, {3, 5, 4}, {1, 1, 4, 6}, {5, 2, 5}};  // run lengths
