@@ -1,5 +1,6 @@
 // The segment operands (segment_operands.h) on the GPU: two small kernels, a block per batch element for the runs
-// and a thread per 16-position chunk for the metadata. Same results as cpu::SegmentOperands.
+// and the chunks' id ranges, then a lane per 16-position chunk for the metadata's hulls. Same results as
+// cpu::SegmentOperands.
 #include "kernels/segment_operands_launch.h"
 
 #include <climits>
@@ -11,8 +12,12 @@ namespace jax_flash::cuda {
 namespace {
 
 constexpr int kRunsThreads = 1024;
-constexpr int kMetaThreads = 256;
-constexpr int kMetaTile = 1024;  // the other side's chunk ranges a meta block holds at a time
+constexpr int kRunsPerThread = 4;  // consecutive positions per thread and tile (a chunk is 4 threads' positions)
+constexpr int kRunsTile = kRunsThreads * kRunsPerThread;  // positions staged in shared memory at a time
+static_assert(kSegmentChunk == 4 * kRunsPerThread, "a chunk's id range is reduced over 4 lanes");
+constexpr int kMetaThreads = 256;  // 8 warps: 32 own chunks (a lane each), the other side's chunks split over warps
+constexpr int kMetaWarps = kMetaThreads / 32;
+constexpr int kMetaTile = 2048;  // the other side's chunk ranges a meta block stages at a time
 
 struct Sum {
   __device__ int operator()(int a, int b) const { return a + b; }
@@ -51,42 +56,92 @@ __device__ int block_exclusive_scan(int v, int identity, Op op, int* total) {
 }
 
 // One side's runs of equal ids in shared memory: id and start per run, start[count] = n; lo/hi: the other side's
-// interval of each run's id.
+// interval of each run's id. increasing: the runs' ids strictly increase (lookups by binary search).
 struct SideRuns {
   int32_t* id;  // [kMaxSegmentRuns]
   int32_t* start;  // [kMaxSegmentRuns + 1]
   int32_t* lo;  // [kMaxSegmentRuns]
   int32_t* hi;  // [kMaxSegmentRuns]
   int count;
-  // This thread's slice of positions [p0, p1) and the runs that start before p0.
-  int p0, p1, runs_before;
+  bool increasing;
 };
 
-__device__ bool starts_run(const int32_t* ids, int i) { return i == 0 || ids[i] != ids[i - 1]; }
-
-// Splits ids [n] into runs (side->count > kMaxSegmentRuns: too many, nothing stored).
-__device__ void find_runs(const int32_t* ids, int n, SideRuns* side) {
-  const int per = (n + blockDim.x - 1) / blockDim.x;
-  side->p0 = min(int(threadIdx.x) * per, n);
-  side->p1 = min(side->p0 + per, n);
-  int mine = 0;
-  for (int i = side->p0; i < side->p1; ++i) mine += starts_run(ids, i);
-  side->runs_before = block_exclusive_scan(mine, 0, Sum{}, &side->count);
-  if (side->count > kMaxSegmentRuns) return;
-  int r = side->runs_before;
-  for (int i = side->p0; i < side->p1; ++i) {
-    if (starts_run(ids, i)) {
-      side->id[r] = ids[i];
-      side->start[r] = i;
-      ++r;
+// Splits ids [n] into runs (side->count > kMaxSegmentRuns: too many, none stored), staging kRunsTile ids at a time
+// in `tile` (coalesced loads); on the way writes each 16-position chunk's id range into meta[4 c], meta[4 c + 1].
+__device__ void find_runs(const int32_t* ids, int n, int32_t* tile, int32_t* meta, SideRuns* side) {
+  int count = 0;  // runs before this tile (block-uniform)
+  for (int base = 0; base < n; base += kRunsTile) {
+    const int len = min(kRunsTile, n - base);
+    for (int i = threadIdx.x; i < len; i += blockDim.x) tile[i] = ids[base + i];
+    __syncthreads();
+    const int i0 = threadIdx.x * kRunsPerThread;
+    int32_t prev = i0 > 0 && i0 <= len ? tile[i0 - 1] : base > 0 ? ids[base - 1] : 0;
+    int lo = INT_MAX, hi = INT_MIN, mine = 0;
+    bool starts[kRunsPerThread];
+#pragma unroll
+    for (int k = 0; k < kRunsPerThread; ++k) {
+      const int i = i0 + k;
+      starts[k] = false;
+      if (i < len) {
+        const int32_t x = tile[i];
+        starts[k] = base + i == 0 || x != prev;
+        mine += starts[k];
+        lo = min(lo, x);
+        hi = max(hi, x);
+        prev = x;
+      }
     }
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, 1));
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, 2));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, 1));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, 2));
+    if (threadIdx.x % 4 == 0 && i0 < len) {
+      reinterpret_cast<int2*>(meta)[2 * ((base + i0) / kSegmentChunk)] = make_int2(lo, hi);
+    }
+    int total;
+    int r = count + block_exclusive_scan(mine, 0, Sum{}, &total);
+    if (count + total <= kMaxSegmentRuns) {
+#pragma unroll
+      for (int k = 0; k < kRunsPerThread; ++k) {
+        if (starts[k]) {
+          side->id[r] = tile[i0 + k];
+          side->start[r] = base + i0 + k;
+          ++r;
+        }
+      }
+    }
+    count += total;
+    __syncthreads();  // the tile is reloaded
   }
-  if (threadIdx.x == 0) side->start[side->count] = n;
+  side->count = count;
+  if (count > kMaxSegmentRuns) return;
+  if (threadIdx.x == 0) side->start[count] = n;
+  bool up = true;
+  for (int r = threadIdx.x + 1; r < count; r += blockDim.x) up &= side->id[r] > side->id[r - 1];
+  side->increasing = __syncthreads_and(up);  // (also: the runs are stored)
 }
 
-// mine's lo/hi from the runs of `other` (both found), then the empty intervals of ids other lacks (the running max of
-// the ends before them). Returns whether they are exact (block-uniform): every id of mine in at most one run of
-// other, both bounds never decreasing.
+// The run of `other` holding id x: its index, or -1 when none does, or -2 when several do.
+__device__ int lookup(const SideRuns& other, int32_t x) {
+  if (other.increasing) {  // binary search: each id in one run
+    int a = 0, b = other.count;
+    while (a < b) {
+      const int m = (a + b) / 2;
+      if (other.id[m] < x) a = m + 1;
+      else b = m;
+    }
+    return a < other.count && other.id[a] == x ? a : -1;
+  }
+  int found = -1;
+  for (int j = 0; j < other.count; ++j) {  // the same j across the warp: shared-memory broadcasts
+    if (other.id[j] == x) found = found == -1 ? j : -2;
+  }
+  return found;
+}
+
+// mine's lo/hi from the runs of `other`, then the empty intervals of ids other lacks (the running max of the ends
+// before them). Returns whether they are exact (block-uniform): every id of mine in at most one run of other, both
+// bounds never decreasing.
 __device__ bool match_runs(SideRuns* mine, const SideRuns& other) {
   bool ok = true;
   // Runs r of mine in this thread: [r0, r1), consecutive, so that the running max is a scan over threads.
@@ -94,17 +149,10 @@ __device__ bool match_runs(SideRuns* mine, const SideRuns& other) {
   const int r0 = min(int(threadIdx.x) * per, mine->count), r1 = min(r0 + per, mine->count);
   int end = 0;  // the largest end of this thread's found runs
   for (int r = r0; r < r1; ++r) {
-    const int32_t x = mine->id[r];
-    int found = -1, matches = 0;
-    for (int j = 0; j < other.count; ++j) {  // the same j across the warp: shared-memory broadcasts
-      if (other.id[j] == x) {
-        found = j;
-        ++matches;
-      }
-    }
-    ok &= matches <= 1;
-    mine->lo[r] = found >= 0 ? other.start[found] : -1;  // -1: not found (filled below)
-    mine->hi[r] = found >= 0 ? other.start[found + 1] : 0;
+    const int j = lookup(other, mine->id[r]);
+    ok &= j != -2;
+    mine->lo[r] = j >= 0 ? other.start[j] : -1;  // -1: not found (filled below)
+    mine->hi[r] = j >= 0 ? other.start[j + 1] : 0;
     end = max(end, mine->hi[r]);
   }
   int unused;
@@ -123,89 +171,96 @@ __device__ bool match_runs(SideRuns* mine, const SideRuns& other) {
   return __syncthreads_and(ok);
 }
 
-// Writes [lo, hi) of each position's run (or -1 everywhere when the batch element is not exact).
-__device__ void write_runs(const int32_t* ids, const SideRuns& side, bool exact, int32_t* out) {
-  int r = side.runs_before - 1;
-  for (int i = side.p0; i < side.p1; ++i) {
+// Writes [lo, hi) of each position's run (or -1 everywhere when the batch element is not exact), coalesced: the
+// run of position i by binary search over the runs' starts.
+__device__ void write_runs(int n, const SideRuns& side, bool exact, int32_t* out) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
     int2 v = make_int2(-1, -1);
     if (exact) {
-      r += starts_run(ids, i);
-      v = make_int2(side.lo[r], side.hi[r]);
+      int a = 0, b = side.count;  // the last run starting at or before i: start[a] <= i < start[a + 1]
+      while (b - a > 1) {
+        const int m = (a + b) / 2;
+        if (side.start[m] <= i) a = m;
+        else b = m;
+      }
+      v = make_int2(side.lo[a], side.hi[a]);
     }
     reinterpret_cast<int2*>(out)[i] = v;
   }
 }
 
+// A block per batch element: the runs of both sides, and each chunk's id range (the metadata's first half).
 __global__ void __launch_bounds__(kRunsThreads) segment_runs_kernel(SegmentOperandsParams p) {
   extern __shared__ int32_t smem[];
   constexpr int kSide = 4 * kMaxSegmentRuns + 1;
   SideRuns q_side{smem, smem + kMaxSegmentRuns, smem + 2 * kMaxSegmentRuns + 1, smem + 3 * kMaxSegmentRuns + 1};
   SideRuns kv_side{smem + kSide, smem + kSide + kMaxSegmentRuns, smem + kSide + 2 * kMaxSegmentRuns + 1,
                    smem + kSide + 3 * kMaxSegmentRuns + 1};
+  int32_t* tile = smem + 2 * kSide;
+  const int64_t q_chunks = (p.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
+  const int64_t kv_chunks = (p.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
   for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
-    const int32_t* q = p.q_ids + b * p.seqlen_q;
-    const int32_t* kv = p.kv_ids + b * p.seqlen_k;
-    find_runs(q, p.seqlen_q, &q_side);
-    find_runs(kv, p.seqlen_k, &kv_side);
+    find_runs(p.q_ids + b * p.seqlen_q, p.seqlen_q, tile, p.q_meta + b * q_chunks * 4, &q_side);
+    find_runs(p.kv_ids + b * p.seqlen_k, p.seqlen_k, tile, p.kv_meta + b * kv_chunks * 4, &kv_side);
     bool exact = q_side.count <= kMaxSegmentRuns && kv_side.count <= kMaxSegmentRuns;  // block-uniform
-    __syncthreads();  // the runs are stored
     if (exact) {
       const bool q_ok = match_runs(&q_side, kv_side);
       const bool kv_ok = match_runs(&kv_side, q_side);
       exact = q_ok && kv_ok;
     }
-    write_runs(q, q_side, exact, p.q_runs + b * p.seqlen_q * 2);
-    write_runs(kv, kv_side, exact, p.kv_runs + b * p.seqlen_k * 2);
+    write_runs(p.seqlen_q, q_side, exact, p.q_runs + b * p.seqlen_q * 2);
+    write_runs(p.seqlen_k, kv_side, exact, p.kv_runs + b * p.seqlen_k * 2);
     __syncthreads();  // shared memory is reused by the next batch element
   }
 }
 
-// The id range of chunk c of ids [n] ({INT_MAX, INT_MIN} past the end).
-__device__ int2 chunk_range(const int32_t* ids, int n, int c) {
-  int2 r = make_int2(INT_MAX, INT_MIN);
-  const int i1 = min((c + 1) * kSegmentChunk, n);
-  for (int i = c * kSegmentChunk; i < i1; ++i) {
-    r.x = min(r.x, ids[i]);
-    r.y = max(r.y, ids[i]);
-  }
-  return r;
-}
-
-// blockIdx.z = 0: the query chunks' metadata against the keys; 1: the key chunks' against the rows.
+// The metadata's second half, from the chunk ranges segment_runs_kernel wrote: blockIdx.z = 0, the query chunks'
+// key hulls; 1, the key chunks' row hulls. A block takes 32 own chunks (a lane each); its warps split the other
+// side's chunks, staged kMetaTile at a time, and pool their first / last meeting chunk at the end.
 __global__ void __launch_bounds__(kMetaThreads) segment_meta_kernel(SegmentOperandsParams p) {
   __shared__ int2 other_ranges[kMetaTile];
+  __shared__ int2 pooled[kMetaWarps][32];
   const bool keys = blockIdx.z == 1;
   const int mine_len = keys ? p.seqlen_k : p.seqlen_q, other_len = keys ? p.seqlen_q : p.seqlen_k;
   const int mine_chunks = (mine_len + kSegmentChunk - 1) / kSegmentChunk;
   const int other_chunks = (other_len + kSegmentChunk - 1) / kSegmentChunk;
-  const int c = blockIdx.x * kMetaThreads + threadIdx.x;
-  if (blockIdx.x * kMetaThreads >= mine_chunks) return;  // (block-uniform)
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int c = blockIdx.x * 32 + lane;
+  if (blockIdx.x * 32 >= mine_chunks) return;  // (block-uniform)
   for (int64_t b = blockIdx.y; b < p.batch; b += gridDim.y) {
-    const int32_t* mine = (keys ? p.kv_ids : p.q_ids) + b * mine_len;
-    const int32_t* other = (keys ? p.q_ids : p.kv_ids) + b * other_len;
-    const int2 range = c < mine_chunks ? chunk_range(mine, mine_len, c) : make_int2(INT_MAX, INT_MIN);
-    int first = -1, last = -1;
+    int32_t* mine = (keys ? p.kv_meta : p.q_meta) + b * int64_t(mine_chunks) * 4;
+    const int32_t* other = (keys ? p.q_meta : p.kv_meta) + b * int64_t(other_chunks) * 4;
+    const int2 range = c < mine_chunks ? reinterpret_cast<const int2*>(mine)[2 * c] : make_int2(INT_MAX, INT_MIN);
+    int first = INT_MAX, last = -1;
     for (int base = 0; base < other_chunks; base += kMetaTile) {
       const int tile = min(kMetaTile, other_chunks - base);
-      for (int t = threadIdx.x; t < tile; t += kMetaThreads) other_ranges[t] = chunk_range(other, other_len, base + t);
+      for (int t = threadIdx.x; t < tile; t += kMetaThreads) {
+        other_ranges[t] = reinterpret_cast<const int2*>(other)[2 * (base + t)];
+      }
       __syncthreads();
-      for (int t = 0; t < tile; ++t) {
-        const int2 o = other_ranges[t];
+      const int per = (tile + kMetaWarps - 1) / kMetaWarps;
+      const int t1 = min(tile, (warp + 1) * per);
+      for (int t = warp * per; t < t1; ++t) {
+        const int2 o = other_ranges[t];  // (the same t across the warp: a broadcast)
         if (range.x <= o.y && o.x <= range.y) {
-          if (first < 0) first = base + t;
+          first = min(first, base + t);
           last = base + t;
         }
       }
       __syncthreads();
     }
-    if (c < mine_chunks) {
-      int4 row;
-      row.x = range.x;
-      row.y = range.y;
-      row.z = last >= 0 ? first * kSegmentChunk : INT_MAX;
-      row.w = last >= 0 ? min((last + 1) * kSegmentChunk, other_len) : 0;
-      reinterpret_cast<int4*>((keys ? p.kv_meta : p.q_meta) + b * int64_t(mine_chunks) * 4)[c] = row;
+    pooled[warp][lane] = make_int2(first, last);
+    __syncthreads();
+    if (warp == 0 && c < mine_chunks) {
+      for (int w = 1; w < kMetaWarps; ++w) {
+        first = min(first, pooled[w][lane].x);
+        last = max(last, pooled[w][lane].y);
+      }
+      reinterpret_cast<int2*>(mine)[2 * c + 1] =
+          last >= 0 ? make_int2(first * kSegmentChunk, min((last + 1) * kSegmentChunk, other_len))
+                    : make_int2(INT_MAX, 0);
     }
+    __syncthreads();  // pooled is reused
   }
 }
 
@@ -213,14 +268,14 @@ __global__ void __launch_bounds__(kMetaThreads) segment_meta_kernel(SegmentOpera
 
 cudaError_t RunSegmentOperands(const SegmentOperandsParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
-  constexpr int kRunsSmem = 2 * (4 * kMaxSegmentRuns + 1) * int(sizeof(int32_t));
+  constexpr int kRunsSmem = (2 * (4 * kMaxSegmentRuns + 1) + kRunsTile) * int(sizeof(int32_t));
   if (cudaError_t e = ensure_smem_limit<segment_runs_kernel>(kRunsSmem); e != cudaSuccess) return e;
   const int batch_blocks = int(p.batch < 65535 ? p.batch : 65535);
   segment_runs_kernel<<<batch_blocks, kRunsThreads, kRunsSmem, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   const int chunks = ceil_div(p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k, kSegmentChunk);
   if (chunks == 0) return cudaSuccess;
-  segment_meta_kernel<<<dim3(ceil_div(chunks, kMetaThreads), batch_blocks, 2), kMetaThreads, 0, stream>>>(p);
+  segment_meta_kernel<<<dim3(ceil_div(chunks, 32), batch_blocks, 2), kMetaThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
