@@ -74,6 +74,13 @@ CASES = {
                                            segments="mixed"),
     "runs_sq_ne_sk_causal_window": dict(batch=2, t=130, s=300, n=2, k=1, h=64, is_causal=True, window=(100, 0),
                                         segments="packed_kv_longer"),
+    # A query block inside one run whose keys start later (the forward's main loop drops the runs for such a block):
+    # under a causal mask its first rows see no key of their run (output 0, zero gradients); d64's 192-row blocks
+    # straddle the run's first key, d128's 128-row ones do not.
+    "runs_block_before_its_keys_d64": dict(batch=1, t=400, s=600, n=2, k=1, h=64, is_causal=True,
+                                           segments="kv_run_late"),
+    "runs_block_before_its_keys_d128": dict(batch=1, t=400, s=600, n=2, k=1, h=128, is_causal=True,
+                                            segments="kv_run_late"),
     # Soft cap over key tiles that every row sees (the kernels' unmasked steps): logits of standard deviation ~1,
     # and amplified ones (amp: q's scale) whose capped logits reach +-30 and beyond c/2, with weights that underflow;
     # head dims 64 (the three-warpgroup forward without a mask), 128 and 256.
@@ -93,7 +100,11 @@ def _problem(case, seed=0):
                    for shape, amp in (((b, t, n, h), case.get("amp", 1.0)), ((b, s, kh, h), 1.0),
                                       ((b, s, kh, h), 1.0), ((b, t, n, h), 1.0)))
     kw = dict(is_causal=case.get("is_causal", False), local_window_size=case.get("window"))
-    if case.get("segments") == "packed_kv_longer":  # Sq != Sk: 5 documents on each side, of other lengths
+    if case.get("segments") == "kv_run_late":  # id 1: rows [0, 300), keys [128, 528); id 2 after; id 0 keys only
+        kw["q_segment_ids"] = jnp.asarray(np.repeat([[1, 2]], [300, t - 300], axis=1).repeat(b, 0), jnp.int32)
+        kw["kv_segment_ids"] = jnp.asarray(np.repeat([[0, 1, 2]], [128, 400, s - 528], axis=1).repeat(b, 0),
+                                           jnp.int32)
+    elif case.get("segments") == "packed_kv_longer":  # Sq != Sk: 5 documents on each side, of other lengths
         kw["q_segment_ids"] = _segments(rng, b, t, "sorted")
         kw["kv_segment_ids"] = _segments(rng, b, s, "sorted")
     elif "segments" in case:

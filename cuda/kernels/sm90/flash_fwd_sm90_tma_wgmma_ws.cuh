@@ -45,17 +45,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // Calls fn(tile) for each tile of this CTA in order: every unit c, c + gridDim.x, ... when persistent, else the
   // one unit blockIdx.x (the grid then has a CTA per unit). Tiles of batch elements that take the other segment
-  // policy are the other grid's.
+  // policy are the other grid's: a persistent CTA asks once per batch element and steps over the rest of one it does
+  // not take (walked unit by unit, the index arithmetic of every tile cost the grid that takes none ~18 us at
+  // 4 x 8192 x 16 x 128 on an H200).
   auto for_each_tile = [&](auto&& fn) {
-    auto visit = [&](const FwdTile& tile) {
-      if (segment_mode_takes<kSegments>(p, tile.b)) fn(tile);
-    };
     if constexpr (Traits::kPersistent) {
+      [[maybe_unused]] int asked_b = -1;
+      [[maybe_unused]] bool takes = true;
       for (int u = blockIdx.x; u < sched.units; u += gridDim.x) {
-        for (int k = 0; k < sched.tiles(u); ++k) visit(sched.tile(u, k));
+        if constexpr (kSegments != SegmentMode::kNone) {
+          const int b = sched.batch_of(u);
+          if (b != asked_b) {
+            asked_b = b;
+            takes = segment_mode_takes<kSegments>(p, b);
+          }
+          if (!takes) {  // on to this CTA's first unit of batch element b + 1 (or past the end)
+            const int64_t next = int64_t(b + 1) * sched.units_per_batch();
+            const int64_t r = ((int64_t(blockIdx.x) - next) % gridDim.x + gridDim.x) % gridDim.x;
+            u = int(next + r < sched.units ? next + r : sched.units) - int(gridDim.x);
+            continue;
+          }
+        }
+        for (int k = 0; k < sched.tiles(u); ++k) fn(sched.tile(u, k));
       }
     } else {
-      for (int k = 0; k < sched.tiles(blockIdx.x); ++k) visit(sched.tile(blockIdx.x, k));
+      for (int k = 0; k < sched.tiles(blockIdx.x); ++k) {
+        const FwdTile tile = sched.tile(blockIdx.x, k);
+        if (segment_mode_takes<kSegments>(p, tile.b)) fn(tile);
+      }
     }
   };
 

@@ -98,6 +98,11 @@ struct FwdTileScheduler {
 
   JF_HD bool units_fit() const { return units_wide <= INT_MAX; }
 
+  // Without the heavy-first order (every persistent grid) units run batch-major: batch element b holds units
+  // [b * units_per_batch(), (b + 1) * units_per_batch()).
+  JF_HD int units_per_batch() const { return units_per_head * heads_q; }
+  JF_HD int batch_of(int u) const { return u / units_per_batch(); }
+
   // Tiles in unit u: 2 for a pair, 1 for the middle block of an odd count or an unpaired block.
   JF_HD int tiles(int u) const {
     if (!paired) return 1;
