@@ -148,7 +148,7 @@ cudaError_t launch_fwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
 }
 
 // A call with segment ids runs two persistent grids over the same tiles, one per segment policy (the kernel takes
-// the tiles of its policy's batch elements and passes over the others' at the cost of a flag load each): one body
+// the tiles of its policy's batch elements and steps over the others', a flag load per batch element): one body
 // with both policies, switched per tile, holds both in one consumer loop (d128: 80/192 B of spills against 4/16).
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
