@@ -427,7 +427,7 @@ inline ffi::Error FillSegmentOperandsParams(ffi::Buffer<ffi::S32> q_ids, ffi::Bu
   };
   const int64_t q_chunks = (t + kSegmentChunk - 1) / kSegmentChunk, kv_chunks = (s + kSegmentChunk - 1) / kSegmentChunk;
   const struct {
-    const ffi::Result<ffi::Buffer<ffi::S32>>* buf;
+    ffi::Result<ffi::Buffer<ffi::S32>>* buf;
     std::vector<int64_t> dims;
     const char* name;
   } results[] = {{&q_meta, with({q_chunks, 4}), "q_segment_meta"},
