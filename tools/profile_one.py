@@ -22,6 +22,7 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--impl", default="jax_flash", choices=("jax_flash", "fa3_jax", "cudnn"))
+    ap.add_argument("--softcap", type=float, default=None, help="jax_flash's logits_soft_cap")
     a = ap.parse_args()
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
     hkv = a.kv_heads or a.heads
@@ -34,7 +35,7 @@ def main():
     elif a.impl == "cudnn":
         f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=a.causal, implementation="cudnn")
     else:
-        f = lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=a.causal)
+        f = lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=a.causal, logits_soft_cap=a.softcap)
     step = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](jnp.ones_like(q)))
     jax.block_until_ready(step(q, k, v))
 
