@@ -213,11 +213,11 @@ def _expected_metadata(mine, other):
 def test_segment_metadata():
     """Per 16-position chunk: the id range, and the hull of the other side's positions whose chunks' id ranges
     meet it (against a direct numpy computation), on ids in any order, packed ones, and a side longer than the
-    kernel's staging tile (1024 chunks)."""
+    kernel's staging tile (2048 chunks)."""
     from jax_flash._ffi import segment_operands
 
     rng = np.random.default_rng(3)
-    long_kv = np.sort(rng.integers(0, 40, 17000))
+    long_kv = np.sort(rng.integers(0, 40, 40000))
     for q_ids, kv_ids in ((rng.integers(0, 4, (2, 50)), rng.integers(0, 4, (2, 37))),
                           (np.repeat([[1, 2, 3, 7]], [40, 9, 30, 3], axis=1), np.repeat([[0, 2, 3, 9]], 25, axis=1)),
                           (rng.integers(10, 30, (1, 70)), long_kv[None])):
@@ -308,6 +308,36 @@ def test_segment_runs():
     assert [_check_runs(two[b], two[b], q_runs[b], kv_runs[b]) for b in range(2)] == [True, False]
     q_meta, kv_meta, q_runs, kv_runs = operands(packed, packed)
     assert q_runs.shape == (len(packed), 2) and kv_runs.shape == (len(packed), 2) and q_meta.shape == (2, 4)
+
+
+def test_mixed_policies_many_tiles_per_cta():
+    """A batch whose elements take different segment policies (runs and ids) with more forward work units than a
+    GPU has SMs, so each persistent CTA steps over the batch elements of the other policy's grid: the same output as
+    each batch element alone (bitwise: every tile runs the same code wherever it is scheduled)."""
+    rng = np.random.default_rng(4)
+    b, t, n, kh, h = 8, 1024, 8, 2, 128
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), DTYPE)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, kh, h)), DTYPE) for _ in range(2))
+    ids = _segments(rng, b, t, "mixed")
+    f = jax.jit(lambda q, k, v, ids: jax_flash.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=ids))
+    together = np.asarray(f(q, k, v, ids), np.float32)
+    alone = np.concatenate([np.asarray(f(q[i:i + 1], k[i:i + 1], v[i:i + 1], ids[i:i + 1]), np.float32)
+                            for i in range(b)])
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_no_query_rows():
+    """Segment ids with no query rows (Sq = 0): an empty output and zero dK, dV."""
+    k = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 2, 32)), DTYPE)
+    q = jnp.zeros((2, 0, 2, 32), DTYPE)
+    q_ids, kv_ids = jnp.zeros((2, 0), jnp.int32), jnp.asarray([[0, 0, 1, 1, 1], [2, 2, 2, 2, 2]], jnp.int32)
+
+    def loss(q, k, v):
+        o = jax_flash.dot_product_attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+        return o.astype(jnp.float32).sum()
+
+    dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k)
+    assert dq.shape == q.shape and not np.asarray(dk, np.float32).any() and not np.asarray(dv, np.float32).any()
 
 
 def test_segment_operands_transforms():

@@ -556,9 +556,16 @@ void FlashForward(const FlashParams& p) {
 }
 
 void FlashBackward(const FlashParams& p) {
-  // Empty sequences need no special case: key blocks no row sees get zero dK/dV, query rows that see no key get
-  // zero dQ, and with seqlen_q == 0 there is no dQ at all.
+  // Empty sequences need no special case beyond this one: key blocks no row sees get zero dK/dV, query rows that
+  // see no key get zero dQ. Without query rows there is no dQ and dK = dV = 0 (and the segment operands of the rows,
+  // whose first entry marks runs, are empty: not to be read).
   if (p.batch <= 0) return;
+  if (p.seqlen_q <= 0) {
+    const size_t bytes = size_t(p.batch) * size_t(p.kv_batch_stride()) * (p.dtype == DType::kF32 ? 4 : 2);
+    std::memset(p.dk, 0, bytes);
+    std::memset(p.dv, 0, bytes);
+    return;
+  }
   switch (p.dtype) {
     case DType::kF32: Backward<float>(p); break;
     case DType::kBF16: Backward<BF16>(p); break;

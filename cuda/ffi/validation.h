@@ -401,6 +401,8 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   return FillSinks(sinks, has_sinks, p);
 }
 
+inline constexpr int64_t kMaxSegmentPositions = int64_t(1) << 30;
+
 // The segment-operands target: q_ids int32 [..., T] and kv_ids int32 [..., S] with the same leading dims; results
 // [..., ceil(T / 16), 4], [..., ceil(S / 16), 4], [..., T, 2], [..., S, 2] (segment_operands.h).
 inline ffi::Error FillSegmentOperandsParams(ffi::Buffer<ffi::S32> q_ids, ffi::Buffer<ffi::S32> kv_ids,
@@ -416,7 +418,10 @@ inline ffi::Error FillSegmentOperandsParams(ffi::Buffer<ffi::S32> q_ids, ffi::Bu
                    " and kv_segment_ids " + ShapeString(kd));
   }
   const int64_t t = qd.back(), s = kd.back();
-  if (t > INT32_MAX || s > INT32_MAX) return Invalid("segment ids longer than 2^31 - 1 positions");
+  if (t > kMaxSegmentPositions || s > kMaxSegmentPositions) {  // (the kernels' position arithmetic stays in int)
+    return Invalid("segment ids longer than 2^30 positions: got q_segment_ids " + ShapeString(qd) +
+                   " and kv_segment_ids " + ShapeString(kd));
+  }
   std::vector<int64_t> lead(qd.begin(), qd.end() - 1);
   int64_t batch = 1;
   for (int64_t d : lead) batch *= d;
