@@ -154,7 +154,8 @@ inline ffi::Error FillScoreModifiers(ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ff
   p->q_segment_runs = p->kv_segment_runs = nullptr;
   if (has_segments) {
     const int64_t b = p->batch;
-    const int64_t q_chunks = (p->seqlen_q + 15) / 16, kv_chunks = (p->seqlen_k + 15) / 16;
+    const int64_t q_chunks = (p->seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
+    const int64_t kv_chunks = (p->seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
     const struct {
       ffi::Buffer<ffi::S32>* buf;
       int64_t expect;
