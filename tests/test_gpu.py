@@ -53,6 +53,10 @@ CASES = {
                                        is_causal=True),
     "d64_many_tiles_lengths": dict(batch=2, seqlen_q=1000, seqlen_k=555, heads_q=20, heads_kv=20, head_dim=64,
                                    q_lens=(1000, 1), kv_lens=(555, 300)),
+    # The persistent sm_90a backward with about three (key block, kv head, batch) units per CTA: K/V reloads, dK/dV
+    # staged in the dS^T and dQ buffers, rings running on across units; units of different work (causal) and GQA.
+    "d128_gqa_causal_bwd_units": dict(batch=4, seqlen_q=900, seqlen_k=900, heads_q=24, heads_kv=12, head_dim=128,
+                                      is_causal=True),
     # Non-causal d64 runs the three-warpgroup forward (192-row blocks): GQA, Sq != Sk, Sq not a multiple of 192.
     "d64_gqa_wide_sq_ne_sk": dict(batch=2, seqlen_q=401, seqlen_k=333, heads_q=8, heads_kv=2, head_dim=64),
     "d256_causal_many_tiles": dict(batch=2, seqlen_q=520, seqlen_k=520, heads_q=24, heads_kv=24, head_dim=256,

@@ -7,9 +7,13 @@
 #   ab     decode A/B of main against TOP (tools/decode_ab.sh: core preset, Tq 1 and 16, dense and paged 16, equal
 #          lengths; ROUNDS rounds, default 2), the per-shape table in $OUT/ab.md;
 #   abr    the same over dense caches with equal and ragged lengths (balanced splits), table in $OUT/abr.md;
-#   suite  the attention GPU suite with TOP's wheel (its Python changes reach the forward too).
+#   suite  the attention GPU suite with TOP's wheel (its Python changes reach the forward too);
+#   sanitize  compute-sanitizer memcheck (every kernel) and racecheck (the sm_90a kernels) over sanitize_small.py's
+#          attention calls on the default kernels, with TOP's wheel;
+#   bwdab  backward A/B of main against TOP (tools/ab_bench.sh over BWD_SHAPES, ROUNDS rounds), then the packed
+#          step (tools/packed_ab.sh, jax_flash rows); tables in $OUT/bwdab/ab_summary.txt and $OUT/packed/.
 # One device call per mode (tests: up to ~7 minutes under decode_gpu_check.sh's timeouts; ab / abr: ~5-8 minutes at
-# 2 rounds); summary lines in $OUT/pending.txt.
+# 2 rounds; suite + sanitize ~8; bwdab ~7); summary lines in $OUT/pending.txt.
 #   OUT=... bash tools/pending_gpu_check.sh "tests ab" [TOP]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +57,25 @@ for mode in "${MODES[@]}"; do
         "$repo/tests/test_kernel_choice.py" >"$OUT/suite.log" 2>&1)
       rc=$?; [ $rc -eq 0 ] || status=1
       note "suite: rc=$rc $(tail -n 1 "$OUT/suite.log") ($((SECONDS - start)) s)" ;;
+    sanitize)
+      rm -rf /tmp/jf_site && python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
+      repo=$PWD
+      for tool in memcheck racecheck; do
+        t0=$SECONDS
+        filter=(); [ $tool = racecheck ] && filter=(--kernel-name kns=sm90_kernel)
+        (cd /tmp && PYTHONPATH=/tmp/jf_site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 compute-sanitizer \
+          --tool $tool "${filter[@]}" --error-exitcode 9 python3 "$repo/tools/sanitize_small.py" --cases 0:10 \
+          --decode-cases 0:0 >"$OUT/sanitizer-$tool.log" 2>&1)
+        rc=$?; [ $rc -eq 0 ] || { status=1; tail -20 "$OUT/sanitizer-$tool.log"; }
+        note "sanitize $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1) ($((SECONDS - t0)) s)"
+      done ;;
+    bwdab)
+      shapes=${BWD_SHAPES:-16x1024x16x128c,16x1024x16x128,4x4096x16x128c,1x16384x16x128,2x8192x32/8x128c,16x2048x16x64c,4x4096x32x64}
+      OUT=$OUT/bwdab bash tools/ab_bench.sh "main $top" "$shapes" "${ROUNDS:-2}" >"$OUT/bwdab.log" 2>&1 || status=1
+      note "bwdab: ($((SECONDS - start)) s) $(tail -n 1 "$OUT/bwdab/ab_summary.txt" 2>/dev/null)"
+      OUT=$OUT/packed RUN_LIMIT=200 bash tools/packed_ab.sh "main $top" "${ROUNDS:-2}" --impls jax_flash \
+        >"$OUT/packed.log" 2>&1 || status=1
+      note "packed: ($((SECONDS - start)) s) $(grep -E '\| ms \||geometric' "$OUT/packed/packed_ab.txt" 2>/dev/null | tr '\n' ' ')" ;;
     *) note "unknown mode $mode"; status=2 ;;
   esac
 done

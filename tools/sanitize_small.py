@@ -20,6 +20,8 @@ CASES = [
     (1, 129, 129, 1, 1, 200, dict(is_causal=True, local_window_size=20)),
     # more forward work units than SMs: persistent CTAs take several tiles
     (2, 640, 640, 32, 8, 128, dict(is_causal=True)),
+    # more backward units (key block, kv head, batch) than SMs: persistent backward CTAs take two or three
+    (4, 256, 256, 40, 40, 64, dict()),
     # segment ids (packed, padding id at the end; in any order with Sq != Sk), sinks, soft cap
     (2, 300, 300, 4, 2, 128, dict(is_causal=True, segments="packed", sinks=True, logits_soft_cap=20.0)),
     (1, 77, 150, 2, 1, 64, dict(segments="random", logits_soft_cap=5.0)),

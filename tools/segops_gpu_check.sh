@@ -32,7 +32,7 @@ sanitize segment_ --segment-ops-only  # the target alone
 timeout 120 python3 "$REPO/tools/bench_segment_ops.py" 2>&1 | grep -v "^WARNING" | tee "$OUT/bench_segment_ops.txt"
 cd "$REPO"
 OUT=$OUT/ab WHEEL_PYTHON=main RUN_LIMIT=200 bash tools/packed_ab.sh "main $NAME" 2 --impls jax_flash 2>&1 | tail -12
-# The attention calls with segment ids (sanitize_small.py's cases 6-8 on the default kernels), last: the longest.
-cd /tmp; sanitize flash_ --cases 6:9 --decode-cases 0:0; cd "$REPO"
+# The attention calls with segment ids (sanitize_small.py's cases 7-9 on the default kernels), last: the longest.
+cd /tmp; sanitize flash_ --cases 7:10 --decode-cases 0:0; cd "$REPO"
 note "segops_gpu_check done: status=$status"
 cat "$SUMMARY"
