@@ -4,18 +4,66 @@
 // exactly once, a paired unit holds its (batch, head)'s heaviest remaining block first, a grid of one CTA per unit
 // under a causal mask without a window and with min_blocks query blocks or more takes its units in HeavyFirstOrder
 // while any other grid of one CTA per unit takes the heads one after another, and units_fit() refuses unit counts above
-// INT_MAX. Prints "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+// INT_MAX. BwdTileScheduler (tile_scheduler_bwd.cuh): its units are every (key block, kv head, batch) exactly once,
+// the key block fastest, and units_fit() refuses counts the work counter could overflow. Prints "ok <cases>" or the
+// first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
 #include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <vector>
 
+#include "kernels/sm90/tile_scheduler_bwd.cuh"
 #include "kernels/sm90/tile_scheduler_fwd.cuh"
 
 using jax_flash::FlashParams;
 using jax_flash::cuda::FwdTile;
 using jax_flash::cuda::FwdTileScheduler;
 using jax_flash::cuda::HeavyFirstOrder;
+using jax_flash::cuda::sm90::BwdTile;
+using jax_flash::cuda::sm90::BwdTileScheduler;
+
+// The backward's units for small shapes: each (key block, kv head, batch) once, in key-block-fastest order.
+long check_bwd(long* bad) {
+  long cases = 0;
+  for (int batch = 1; batch <= 3; ++batch) {
+    for (int heads_kv = 1; heads_kv <= 3; ++heads_kv) {
+      for (int seqlen_k = 1; seqlen_k <= 9; ++seqlen_k) {
+        for (int block_n = 1; block_n <= 4; ++block_n) {
+          FlashParams p{};
+          p.batch = batch, p.heads_kv = heads_kv, p.seqlen_k = seqlen_k;
+          const BwdTileScheduler s(p, block_n);
+          ++cases;
+          const int n_blocks = (seqlen_k + block_n - 1) / block_n;
+          auto fail = [&](const char* what) {
+            if (++*bad <= 5) {
+              std::printf("%s: batch=%d heads_kv=%d seqlen_k=%d block_n=%d\n", what, batch, heads_kv, seqlen_k,
+                          block_n);
+            }
+          };
+          if (!s.units_fit() || s.units != n_blocks * heads_kv * batch) fail("backward unit count");
+          for (int u = 0; u < s.units; ++u) {
+            const BwdTile t = s.tile(u);
+            const int expect = (t.b * heads_kv + t.hk) * n_blocks + t.n_block;
+            if (t.n_block < 0 || t.n_block >= n_blocks || t.hk < 0 || t.hk >= heads_kv || t.b < 0 || t.b >= batch ||
+                expect != u) {
+              fail("backward unit not (key block, kv head, batch) with the key block fastest");
+              break;
+            }
+          }
+        }
+      }
+    }
+  }
+  // The counter runs past the last unit by up to a grid: unit counts above INT_MAX / 2 are refused.
+  FlashParams big{};
+  big.batch = 1 << 10, big.heads_kv = 1 << 10, big.seqlen_k = (1 << 9) * 128;  // 2^29 units
+  ++cases;
+  if (!BwdTileScheduler(big, 128).units_fit()) std::printf("backward: 2^29 units refused\n"), ++*bad;
+  big.seqlen_k = (1 << 10) * 128;  // 2^30 units
+  ++cases;
+  if (BwdTileScheduler(big, 128).units_fit()) std::printf("backward: units above INT_MAX / 2 accepted\n"), ++*bad;
+  return cases;
+}
 
 // HeavyFirstOrder on its own, for small shapes and group sizes.
 long check_order(long* bad) {
@@ -72,6 +120,7 @@ int main() {
   constexpr int kGroupUnits[] = {1, 2, 5, 512};
   long bad = 0;
   long cases = check_order(&bad);
+  cases += check_bwd(&bad);
   auto fail = [&](const char* what, int b, int h, int sq, int bm, int persistent, int causal) {
     if (++bad <= 5) {
       std::printf("%s: batch=%d heads=%d seqlen_q=%d block_m=%d persistent=%d causal=%d\n", what, b, h, sq, bm,

@@ -22,7 +22,9 @@ inline constexpr int kPreprocessLanesPerRow = 16;
 // The row statistics of (b, h, i) for every padded row (seqlen_q_rounded), kPreprocessLanesPerRow threads a row:
 // lse * log2(e) and dsum = sum_d dO[b, i, h, d] * O[b, i, h, d]; both 0 in the padding rows i >= seqlen_q. The
 // same threads zero the row's head_dim_rounded floats of the (b, h) dq_accum slab (whatever order the main kernel
-// adds in, the rows' segments tile the slab): one pass instead of a memset before it.
+// adds in, the rows' segments tile the slab): one pass instead of a memset before it. Without deterministic dQ,
+// thread 0 also zeroes dq_semaphore's first int: the persistent sm_90a backward's work counter
+// (sm90/tile_scheduler_bwd.cuh), unused by the other backward kernels.
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
@@ -33,6 +35,7 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
   const int64_t row = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kLanes;
   const int sub = threadIdx.x % kLanes;
   const bool valid = row < rows;  // every thread reaches the shuffles below
+  if (!p.deterministic && p.dq_semaphore != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.dq_semaphore[0] = 0;
   const int i = int(row % p.seqlen_q_rounded);
   const int h = int(row / p.seqlen_q_rounded % p.heads_q);
   const int b = int(row / p.seqlen_q_rounded / p.heads_q);

@@ -1,4 +1,5 @@
-// Pieces the two sm_90a backward kernels share: the producer's K/V loads; P^T and dS^T from the S^T and dP^T
+// Pieces the two sm_90a backward kernels share: the producer's K/V loads (the head-dim-256 kernel's; the d64/d128
+// kernel loads K and V on rings of their own); P^T and dS^T from the S^T and dP^T
 // accumulators of a 64-key wgmma (m64nNk16 layout: column tile j holds keys g and g + 8 of the warp's 16 rows,
 // queries 8 j + 2 t and 8 j + 2 t + 1); the register dK/dV epilogue from accumulators of the same layout (the
 // head-dim-256 kernel's; the d64/d128 kernel stores through shared memory with TMA).

@@ -2,6 +2,12 @@
 // The row-statistics preprocess and the dQ conversion around it are shared with every backward
 // (common/bwd_pre_post.cuh). Per thread of a consumer warpgroup (warp w, lane = 4 g + t): keys 16 w + g and
 // 16 w + g + 8 of the warpgroup's 64, queries 8 j + 2 t (+1) of every 8-wide column tile j of S^T and dP^T.
+//
+// Persistent: each CTA takes (key block, kv head, batch) units one after another (tile_scheduler_bwd.cuh). The
+// producer thread publishes each unit in unit_ring for the other roles; every role walks the same units and
+// skips the same empty ones. The rings' states (unit, K/V, Q/dO) run on across units. K and V have one-stage rings
+// of their own, freed inside a unit's last query tile (V after its last dP^T, K after its last dQ), and dK/dV leave
+// through the dS^T and dQ buffers, so the next unit's K and V load under the last products and the epilogue.
 #pragma once
 
 #include <cmath>
@@ -15,6 +21,7 @@
 #include "kernels/sm90/named_barriers.h"
 #include "kernels/sm90/pipeline.cuh"
 #include "kernels/sm90/smem_layout.h"
+#include "kernels/sm90/tile_scheduler_bwd.cuh"
 #include "kernels/sm90/utils_sm90.cuh"
 #include "kernels/sm90/wgmma_sm90.cuh"
 #include "mask.h"
@@ -48,351 +55,441 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using Storage = typename Traits::SharedStorage;
 
   Storage& smem = shared_storage<Storage>();
-
-  const int n_block = blockIdx.x;
-  const int hk = blockIdx.y;
-  const int b = blockIdx.z;
   const int tid = threadIdx.x;
+  const BwdTileScheduler sched(p, kBN);
+  // Deterministic dQ keeps one CTA per unit (tile_scheduler_bwd.cuh).
+  constexpr bool kPersistent = !kDeterministic;
+  constexpr int kConsumerThreads = Traits::kConsumerWarpgroups * kWarpgroupThreads;
 
-  // A batch element whose segment ids are contiguous runs takes them as per-row key intervals (RunPolicy), the
-  // others as ids: one copy of the body per policy (with_segment_mode).
-  with_segment_mode<kSegments>(p, b, [&](auto segment_mode) {
-    const AttentionMask mask = kernel_mask_for_batch<decltype(segment_mode)::value>(p, b);
-    const SoftCap cap(p);
+  // Every ring's state counts its uses since the kernel began (pipeline.h): units, K/V loads, Q/dO tiles.
+  using UnitState = PipelineState<2>;
+  using KvState = PipelineState<1>;
+  using QdOState = PipelineState<kStages>;
+  if (tid == 0) {
+    smem.unit_ring.init(kConsumerThreads + kWarpSize);  // each consumer thread and the writer warp read a unit
+    smem.k_ring.init(Traits::kConsumerWarpgroups);  // a thread of each consumer warpgroup frees K after its last dQ,
+    smem.v_ring.init(Traits::kConsumerWarpgroups);  // and V after its last dP^T
+    smem.qdo_ring.init(kConsumerThreads);  // every consumer thread releases a stage after its last read of it
+    mbar_init_fence();
+  }
+  __syncthreads();
 
-    const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, n_block, hk, b);
+  // The unit of `us` as the producer published it: the unit (none, >= sched.units, once the work is done) and its
+  // walk over query tiles. Read by whole warps, as warp-uniform values: the walk sets every stage and buffer offset,
+  // and only provably uniform values keep the wgmma descriptors' arithmetic on the uniform datapath (loaded from
+  // shared memory they would not be: ~160 more instructions per query tile).
+  auto unit_of = [&](UnitState us) -> const BwdUnitSlot& { return smem.unit[us.slot()]; };
+  auto uniform_unit = [&](UnitState us) { return warp_uniform(unit_of(us).unit); };
+  auto walk_of = [&](UnitState us, int hk) {
+    const BwdUnitSlot& slot = unit_of(us);
+    return QueryTileWalk<kBM>{warp_uniform(slot.first), warp_uniform(slot.count), p.group_size(), hk};
+  };
 
-    const auto walk = query_tile_walk<kBN, kBM>(mask, p, n0, hk);
-    const int iters = walk.iters();
-    if (iters == 0) {  // no query sees these keys: zero gradients
-      zero_kv_grads<Traits::kThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid);
-      return;
-    }
-
-    constexpr int kConsumerThreads = Traits::kConsumerWarpgroups * kWarpgroupThreads;
-    // Q and dO of query tile `it` share ring use `it` (PipelineState{it}); K and V load once (kv_full).
-    using QdOState = PipelineState<kStages>;
-    if (tid == 0) {
-      mbar_init(&smem.kv_full, 1);
-      smem.qdo_ring.init(kConsumerThreads);  // every consumer thread releases a stage after its last read of it
-      mbar_init_fence();
-    }
-    __syncthreads();
-
-    const int warpgroup = tid / kWarpgroupThreads;
-    if (warpgroup == 0) {
-      // ---- producer: thread 0 issues the TMA loads, the writer warp the dQ reductions -------------------------
-      setmaxnreg_dec<Traits::kProducerRegs>();
-      if (tid / kWarpSize == kDqWriterWarp) {
-        const int lane = tid % kWarpSize;
-        const bool lane0 = lane == 0;
+  const int warpgroup = tid / kWarpgroupThreads;
+  if (warpgroup == 0) {
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (tid / kWarpSize == kDqWriterWarp) {
+      // ---- dQ writer warp: adds each query tile's dQ, one bulk reduction per consumer warpgroup ------------------
+      const int lane = tid % kWarpSize;
+      const bool lane0 = lane == 0;
+      for (UnitState us{};; us.advance()) {
+        smem.unit_ring.consumer_wait(us);
+        const int u = uniform_unit(us);
+        if (u >= sched.units) break;
+        const BwdTile tile = sched.tile(u);
+        const auto walk = walk_of(us, tile.hk);
+        smem.unit_ring.consumer_release(us);
+        const int iters = walk.iters();
         // Deterministic dQ: the key blocks that see query tile m_block add into it in ascending order; this block's
         // turn comes when the tile's semaphore equals the number of such key blocks before it.
         auto key_blocks_before = [&](int m_block) {
           int count = 0;
-          for (int base = 0; base < n_block; base += kWarpSize) {
-            const int n = base + lane;
-            bool sees = false;
-            if (n < n_block) {
-              int mf, mc;
-              query_tiles_for_keys<kBN, kBM>(mask, p, n * kBN, &mf, &mc);
-              sees = mf <= m_block && m_block < mf + mc;
+          with_segment_mode<kSegments>(p, tile.b, [&](auto segment_mode) {
+            const AttentionMask mask = kernel_mask_for_batch<decltype(segment_mode)::value>(p, tile.b);
+            for (int base = 0; base < tile.n_block; base += kWarpSize) {
+              const int n = base + lane;
+              bool sees = false;
+              if (n < tile.n_block) {
+                int mf, mc;
+                query_tiles_for_keys<kBN, kBM>(mask, p, n * kBN, &mf, &mc);
+                sees = mf <= m_block && m_block < mf + mc;
+              }
+              count += __popc(__ballot_sync(0xffffffffu, sees));
             }
-            count += __popc(__ballot_sync(0xffffffffu, sees));
-          }
+          });
           return count;
         };
+        {
+          // Each warpgroup's buffer: free at the unit's start (its last reader was the previous unit's epilogue,
+          // which the consumers order themselves), then after each reduction has read it; after the unit's last
+          // one the consumers' epilogue waits on kDqDrainedBarrier instead.
+          if (iters > 0) {
 #pragma unroll
-        for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
-          named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
-        }
-        auto pos = walk.start();
-        for (int it = 0; it < iters; ++it, walk.advance(pos)) {
-          int32_t* semaphore = nullptr;
-          if constexpr (kDeterministic) {
-            const int m_block = pos.row0 / kBM;
-            const int turn = key_blocks_before(m_block);
-            semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + pos.head) * p.seqlen_q + m_block;
-            if (lane0) {
-              while (ld_acquire_gpu(semaphore) != turn) {
+            for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
+              named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
+            }
+          }
+          auto pos = walk.start();
+          for (int it = 0; it < iters; ++it, walk.advance(pos)) {
+            const int freed = it + 1 < iters ? kDqEmptyBarrier : kDqDrainedBarrier;
+            [[maybe_unused]] int32_t* semaphore = nullptr;
+            if constexpr (kDeterministic) {
+              const int m_block = pos.row0 / kBM;
+              const int turn = key_blocks_before(m_block);
+              semaphore = p.dq_semaphore + (int64_t(tile.b) * p.heads_q + pos.head) * p.seqlen_q + m_block;
+              if (lane0) {
+                while (ld_acquire_gpu(semaphore) != turn) {
+                }
+              }
+              __syncwarp();
+            }
+            // The query tile's dQ in dq_accum (DqFragmentOrder: warpgroup wg's part starts wg * kDqWgBytes in).
+            float* dq_tile = p.dq_accum_of(tile.b, pos.head) + int64_t(pos.row0) * kD;
+#pragma unroll
+            for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
+              named_barrier_sync(kDqFullBarrier + wg, kDqWgThreads);
+              if (lane0) {
+                bulk_reduce_add_f32(dq_tile + wg * kDqRows * kDqCols, smem.dq[wg], Traits::kDqWgBytes);
+                bulk_commit_group();
               }
             }
-            __syncwarp();
-          }
-          // The query tile's dQ in dq_accum (DqFragmentOrder: warpgroup wg's part starts wg * kDqWgBytes in).
-          float* dq_tile = p.dq_accum_of(b, pos.head) + int64_t(pos.row0) * kD;
-#pragma unroll
-          for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
-            named_barrier_sync(kDqFullBarrier + wg, kDqWgThreads);
-            if (lane0) {
-              bulk_reduce_add_f32(dq_tile + wg * kDqRows * kDqCols, smem.dq[wg], Traits::kDqWgBytes);
-              bulk_commit_group();
-            }
-          }
-          if constexpr (kDeterministic) {  // the adds have landed before the next key block's turn
-            if (lane0) {
-              bulk_wait_group<0>();
-              fence_proxy_async_global();
-              red_release_gpu_add(semaphore, 1);
-            }
-            __syncwarp();
-            if (it + 1 < iters) {
-#pragma unroll
-              for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) {
-                named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
+            if constexpr (kDeterministic) {  // the adds have landed before the next key block's turn
+              if (lane0) {
+                bulk_wait_group<0>();
+                fence_proxy_async_global();
+                red_release_gpu_add(semaphore, 1);
               }
+              __syncwarp();
+#pragma unroll
+              for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) named_barrier_arrive(freed + wg, kDqWgThreads);
+            } else {  // each warpgroup's buffer is free as soon as its own reduction has read it
+              static_assert(Traits::kConsumerWarpgroups == 2, "one pending group after the first warpgroup's");
+              if (lane0) bulk_wait_group_read<1>();
+              __syncwarp();
+              named_barrier_arrive(freed, kDqWgThreads);
+              if (lane0) bulk_wait_group_read<0>();
+              __syncwarp();
+              named_barrier_arrive(freed + 1, kDqWgThreads);
             }
-          } else if (it + 1 < iters) {  // each warpgroup's buffer is free as soon as its own reduction has read it
-            static_assert(Traits::kConsumerWarpgroups == 2, "one pending group after the first warpgroup's");
-            if (lane0) bulk_wait_group_read<1>();
-            __syncwarp();
-            named_barrier_arrive(kDqEmptyBarrier, kDqWgThreads);
-            if (lane0) bulk_wait_group_read<0>();
-            __syncwarp();
-            named_barrier_arrive(kDqEmptyBarrier + 1, kDqWgThreads);
           }
         }
-        if (lane0) bulk_wait_group<0>();  // the reductions are complete before the CTA exits
-      } else if (tid == 0) {
-        prefetch_tensor_map(&tm_q);
-        prefetch_tensor_map(&tm_k);
-        prefetch_tensor_map(&tm_v);
-        prefetch_tensor_map(&tm_do);
-        load_kv_block<kBN, Traits::kColBlocks>(smem.k, smem.v, &smem.kv_full, &tm_k, &tm_v, n0, hk, b);
-        auto pos = walk.start();
+      }
+      if (lane0) bulk_wait_group<0>();  // the reductions are complete before the CTA exits
+    } else if (tid == 0) {
+      // ---- producer thread: takes the units, loads K/V once per unit and Q, dO and statistics per query tile ----
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      prefetch_tensor_map(&tm_do);
+      KvState kvs{};
+      QdOState qdo{};
+      for (UnitState us{};; us.advance()) {
+        const int u = sched.next_unit<kPersistent>(p, us.count);
+        smem.unit_ring.producer_wait_empty(us);
+        auto publish = [&](int first, int count) {
+          smem.unit[us.slot()] = BwdUnitSlot{u, first, count};
+          mbar_arrive(smem.unit_ring.full_barrier(us));  // (release: the other roles read it after their wait)
+        };
+        if (u >= sched.units) {
+          publish(0, 0);
+          break;
+        }
+        const BwdTile tile = sched.tile(u);
+        const int n0 = tile.n_block * kBN;
+        QueryTileWalk<kBM> walk;
+        with_segment_mode<kSegments>(p, tile.b, [&](auto segment_mode) {
+          walk = query_tile_walk<kBN, kBM>(kernel_mask_for_batch<decltype(segment_mode)::value>(p, tile.b), p, n0,
+                                           tile.hk);
+        });
+        publish(walk.first, walk.count);
+        {
+          const int iters = walk.iters();
+          // V once the consumers' last dP^T of the previous unit is done, K once its last dQ is (both within that
+          // unit's last query tile), then the query tiles as their stages free up.
+          if (iters > 0) {
+            constexpr uint32_t kTileBytes = kBN * kD * sizeof(T);  // K or V
+            smem.v_ring.producer_acquire(kvs, kTileBytes);
+#pragma unroll
+            for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+              tma_load_4d(smem.v + cb * kBN * kColBlock, &tm_v, smem.v_ring.full_barrier(kvs), cb * kColBlock, n0,
+                          tile.hk, tile.b);
+            }
+            smem.k_ring.producer_acquire(kvs, kTileBytes);
+#pragma unroll
+            for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+              tma_load_4d(smem.k + cb * kBN * kColBlock, &tm_k, smem.k_ring.full_barrier(kvs), cb * kColBlock, n0,
+                          tile.hk, tile.b);
+            }
+            kvs.advance();
+          }
+          auto pos = walk.start();
 #pragma unroll 1  // one thread issuing loads: unrolling only costs its 24 registers
-        for (int it = 0; it < iters; ++it, walk.advance(pos)) {
-          const QdOState qdo{it};
-          const int s = qdo.slot();
-          const int h = pos.head;
-          const int m0 = pos.row0;
-          smem.qdo_ring.producer_acquire(qdo, Traits::kQdOBytes);
-          uint64_t* full = smem.qdo_ring.full_barrier(qdo);
+          for (int it = 0; it < iters; ++it, walk.advance(pos), qdo.advance()) {
+            const int s = qdo.slot();
+            const int h = pos.head;
+            const int m0 = pos.row0;
+            smem.qdo_ring.producer_acquire(qdo, Traits::kQdOBytes);
+            uint64_t* full = smem.qdo_ring.full_barrier(qdo);
 #pragma unroll
-          for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-            tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, full, cb * kColBlock, m0, h, b);
-            tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, full, cb * kColBlock, m0, h, b);
+            for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+              tma_load_4d(smem.q[s] + cb * kBM * kColBlock, &tm_q, full, cb * kColBlock, m0, h, tile.b);
+              tma_load_4d(smem.dout[s] + cb * kBM * kColBlock, &tm_do, full, cb * kColBlock, m0, h, tile.b);
+            }
+            // Row statistics of the tile's rows (padded to whole tiles: rows past seqlen_q hold 0, which makes
+            // their dS^T and dV terms 0 since their Q and dO load as zeros).
+            bulk_load_1d(smem.stats[s], p.lse_log2_of(tile.b, h) + m0, Traits::kStatsBytes, full);
+            bulk_load_1d(smem.stats[s] + kBM, p.dsum_of(tile.b, h) + m0, Traits::kStatsBytes, full);
           }
-          // Row statistics of the tile's rows (padded to whole tiles: rows past seqlen_q hold 0, which makes their
-          // dS^T and dV terms 0 since their Q and dO load as zeros).
-          bulk_load_1d(smem.stats[s], p.lse_log2_of(b, h) + m0, Traits::kStatsBytes, full);
-          bulk_load_1d(smem.stats[s] + kBM, p.dsum_of(b, h) + m0, Traits::kStatsBytes, full);
         }
       }
-      return;
     }
+    return;
+  }
 
-    // ---- consumers -----------------------------------------------------------------------------------------------
-    setmaxnreg_inc<Traits::kConsumerRegs>();
-    const int cw = warp_uniform(warpgroup - 1);  // keys [64 cw, 64 cw + 64) of the block
-    const int wg_tid = tid % kWarpgroupThreads;
-    const int warp = wg_tid / kWarpSize;
-    const int lane = tid % kWarpSize;
-    const int g = lane / 4;
-    const int t = lane % 4;
-    const int key_row0 = cw * kWgmmaM + warp * kWarpRows;  // first of this warp's 16 keys inside the block
+  // ---- consumers ---------------------------------------------------------------------------------------------------
+  setmaxnreg_inc<Traits::kConsumerRegs>();
+  KvState kvs{};
+  QdOState qdo{};
+  for (UnitState us{};; us.advance()) {
+    smem.unit_ring.consumer_wait(us);
+    const int u = uniform_unit(us);
+    if (u >= sched.units) break;
+    const BwdTile tile = sched.tile(u);
 
-    float acc_dk[kDTiles * 4];
-    float acc_dv[kDTiles * 4];
-#pragma unroll
-    for (int i = 0; i < kDTiles * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    // A batch element whose segment ids are contiguous runs takes them as per-row key intervals (RunPolicy), the
+    // others as ids: one copy of the body per policy (with_segment_mode).
+    with_segment_mode<kSegments>(p, tile.b, [&](auto segment_mode) {
+      const AttentionMask mask = kernel_mask_for_batch<decltype(segment_mode)::value>(p, tile.b);
+      const SoftCap cap(p);
 
-    // Shared-memory descriptors, built once and advanced by compile-time offsets (k-steps) and stage strides.
-    // K-major operands step 32 bytes inside a 128-byte row per k-step and one column block (kKVColBlockBytes,
-    // kQColBlockBytes) per 64 elements; N-major ones step 16 rows (kNMajorStep) per k-step, their 64-wide blocks
-    // the leading offset apart.
-    constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
-    constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
-    constexpr uint32_t kQdOStageBytes = sizeof(smem.q[0]);
-    constexpr uint32_t kDsBufferBytes = sizeof(smem.ds[0]);
-    constexpr uint32_t kNMajorStep = kWgmmaK * kSwizzleBytes;
-    constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;
-    static_assert(sizeof(smem.dout[0]) == kQdOStageBytes, "Q and dO stages have one size");
-    const uint32_t k_rows = smem_addr(smem.k) + cw * kWgmmaM * kSwizzleBytes;  // this warpgroup's 64 keys
-    const uint32_t v_rows = smem_addr(smem.v) + cw * kWgmmaM * kSwizzleBytes;
-    // dQ = dS K, B = K read N-major: columns [dq_col0, +kDqCols), their 64-wide block, then bytes into the row.
-    const int dq_col0 = Traits::kDqSplitRows ? 0 : cw * kDqCols;
-    const uint32_t k_cols = smem_addr(smem.k) + (dq_col0 / kColBlock) * kKVColBlockBytes +
-                            (dq_col0 % kColBlock) * sizeof(T);
-    const uint64_t desc_k_rows = make_desc_sw128(k_rows, kKMajorLeadingBytes);          // A of S^T
-    const uint64_t desc_v_rows = make_desc_sw128(v_rows, kKMajorLeadingBytes);          // A of dP^T
-    const uint64_t desc_k_cols = make_desc_sw128(k_cols, kKVColBlockBytes);             // B of dQ
-    const uint64_t desc_q_k = make_desc_sw128(smem_addr(smem.q[0]), kKMajorLeadingBytes);      // B of S^T
-    const uint64_t desc_do_k = make_desc_sw128(smem_addr(smem.dout[0]), kKMajorLeadingBytes);  // B of dP^T
-    const uint64_t desc_q_n = make_desc_sw128(smem_addr(smem.q[0]), kQColBlockBytes);          // B of dK
-    const uint64_t desc_do_n = make_desc_sw128(smem_addr(smem.dout[0]), kQColBlockBytes);      // B of dV
-    // A of dQ (M-major): dS^T's 64-query column block of this warpgroup's dQ rows (the only one with 64 queries).
-    constexpr uint32_t kDsColBlockBytes = kBN * kSwizzleBytes;
-    const uint64_t desc_ds = make_desc_sw128(
-        smem_addr(smem.ds[0]) + (Traits::kDqSplitRows ? cw * kDsColBlockBytes : 0), kDsColBlockBytes);
-    // dS^T stores with stmatrix: 16 queries (two 8-column tiles) per step, step kk at pair kk % 4 of its 64-query
-    // column block (smem_layout.h gives the lane addresses).
-    const uint32_t ds_lane = stmatrix_x4_lane_offset(key_row0, lane);
-    // dQ stores (DqFragmentOrder): column tile j of this thread's accumulator is float4 j * 128 + wg_tid.
-    const uint32_t dq_thread = smem_addr(smem.dq[cw]) + wg_tid * sizeof(float4);
-    // Runs: when every key of the block lies in one run (its first and last keys have the same rows), a query tile
-    // inside that run's rows sees the whole block as far as the runs go, and takes the mask without them: no bound
-    // loads for its masking (Nsight Compute: those loads held ~6 % of the packed backward's stall samples).
-    constexpr bool kRunsBody = decltype(segment_mode)::value == SegmentMode::kRuns;
-    int run_rows_lo = 0, run_rows_hi = 0;  // empty: every tile takes the runs
-    if constexpr (kRunsBody) {
-      int lo0, hi0, lo1, hi1;
-      mask.runs.rows_of_key(n0, mask.length.kv_len, &lo0, &hi0);
-      mask.runs.rows_of_key(n0 + kBN - 1, mask.length.kv_len, &lo1, &hi1);
-      if (lo0 == lo1 && hi0 == hi1) {
-        run_rows_lo = lo0;
-        run_rows_hi = hi0;
+      const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, tile.n_block, tile.hk, tile.b);
+
+      const auto walk = walk_of(us, tile.hk);
+      const int iters = walk.iters();
+      if (iters == 0) {  // no query sees these keys: zero gradients
+        zero_kv_grads<kConsumerThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid - kWarpgroupThreads);
+        return;
       }
-    }
-    mbar_wait(&smem.kv_full, 0);
 
-    auto pos = walk.start();
-    for (int it = 0; it < iters; ++it, walk.advance(pos)) {
-      const QdOState qdo{it};
-      const int m0 = pos.row0;
-      const uint32_t stage_off = qdo.slot() * kQdOStageBytes;
+      const int cw = warp_uniform(warpgroup - 1);  // keys [64 cw, 64 cw + 64) of the block
+      const int wg_tid = tid % kWarpgroupThreads;
+      const int warp = wg_tid / kWarpSize;
+      const int lane = tid % kWarpSize;
+      const int g = lane / 4;
+      const int t = lane % 4;
+      const int key_row0 = cw * kWgmmaM + warp * kWarpRows;  // first of this warp's 16 keys inside the block
 
-      // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory; two groups
-      // so the exponentials of S^T run under the dP^T GEMM.
-      float acc_s[kSTiles * 4];
-      float acc_dp[kSTiles * 4];
-      smem.qdo_ring.consumer_wait(qdo);
-      // acc (64 x kBM) = A B^T over the head dim: A = 64 rows of K or V, B = the Q or dO tile.
-      auto issue_rows_times_tile = [&](float (&acc)[kSTiles * 4], uint64_t a_desc, uint64_t b_desc) {
+      float acc_dk[kDTiles * 4];
+      float acc_dv[kDTiles * 4];
 #pragma unroll
-        for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
-          const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
-          const uint32_t cb = kk / kKStepsPerColBlock;
-          Wgmma<kBM, T, 0>::ss(acc, desc_advance(a_desc, cb * kKVColBlockBytes + off),
-                               desc_advance(b_desc, cb * kQColBlockBytes + off), kk > 0);
+      for (int i = 0; i < kDTiles * 4; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+      // Shared-memory descriptors, built once and advanced by compile-time offsets (k-steps) and stage strides.
+      // K-major operands step 32 bytes inside a 128-byte row per k-step and one column block (kKVColBlockBytes,
+      // kQColBlockBytes) per 64 elements; N-major ones step 16 rows (kNMajorStep) per k-step, their 64-wide blocks
+      // the leading offset apart.
+      constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
+      constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
+      constexpr uint32_t kQdOStageBytes = sizeof(smem.q[0]);
+      constexpr uint32_t kDsBufferBytes = sizeof(smem.ds[0]);
+      constexpr uint32_t kNMajorStep = kWgmmaK * kSwizzleBytes;
+      constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;
+      static_assert(sizeof(smem.dout[0]) == kQdOStageBytes, "Q and dO stages have one size");
+      const uint32_t k_rows = smem_addr(smem.k) + cw * kWgmmaM * kSwizzleBytes;  // this warpgroup's 64 keys
+      const uint32_t v_rows = smem_addr(smem.v) + cw * kWgmmaM * kSwizzleBytes;
+      // dQ = dS K, B = K read N-major: columns [dq_col0, +kDqCols), their 64-wide block, then bytes into the row.
+      const int dq_col0 = Traits::kDqSplitRows ? 0 : cw * kDqCols;
+      const uint32_t k_cols = smem_addr(smem.k) + (dq_col0 / kColBlock) * kKVColBlockBytes +
+                              (dq_col0 % kColBlock) * sizeof(T);
+      const uint64_t desc_k_rows = make_desc_sw128(k_rows, kKMajorLeadingBytes);          // A of S^T
+      const uint64_t desc_v_rows = make_desc_sw128(v_rows, kKMajorLeadingBytes);          // A of dP^T
+      const uint64_t desc_k_cols = make_desc_sw128(k_cols, kKVColBlockBytes);             // B of dQ
+      const uint64_t desc_q_k = make_desc_sw128(smem_addr(smem.q[0]), kKMajorLeadingBytes);      // B of S^T
+      const uint64_t desc_do_k = make_desc_sw128(smem_addr(smem.dout[0]), kKMajorLeadingBytes);  // B of dP^T
+      const uint64_t desc_q_n = make_desc_sw128(smem_addr(smem.q[0]), kQColBlockBytes);          // B of dK
+      const uint64_t desc_do_n = make_desc_sw128(smem_addr(smem.dout[0]), kQColBlockBytes);      // B of dV
+      // A of dQ (M-major): dS^T's 64-query column block of this warpgroup's dQ rows (the only one with 64 queries).
+      constexpr uint32_t kDsColBlockBytes = kBN * kSwizzleBytes;
+      const uint64_t desc_ds = make_desc_sw128(
+          smem_addr(smem.ds[0]) + (Traits::kDqSplitRows ? cw * kDsColBlockBytes : 0), kDsColBlockBytes);
+      // dS^T stores with stmatrix: 16 queries (two 8-column tiles) per step, step kk at pair kk % 4 of its 64-query
+      // column block (smem_layout.h gives the lane addresses).
+      const uint32_t ds_lane = stmatrix_x4_lane_offset(key_row0, lane);
+      // dQ stores (DqFragmentOrder): column tile j of this thread's accumulator is float4 j * 128 + wg_tid.
+      const uint32_t dq_thread = smem_addr(smem.dq[cw]) + wg_tid * sizeof(float4);
+      // Runs: when every key of the block lies in one run (its first and last keys have the same rows), a query
+      // tile inside that run's rows sees the whole block as far as the runs go, and takes the mask without them: no
+      // bound loads for its masking (Nsight Compute: those loads held ~6 % of the packed backward's stall samples).
+      constexpr bool kRunsBody = decltype(segment_mode)::value == SegmentMode::kRuns;
+      int run_rows_lo = 0, run_rows_hi = 0;  // empty: every tile takes the runs
+      if constexpr (kRunsBody) {
+        int lo0, hi0, lo1, hi1;
+        mask.runs.rows_of_key(n0, mask.length.kv_len, &lo0, &hi0);
+        mask.runs.rows_of_key(n0 + kBN - 1, mask.length.kv_len, &lo1, &hi1);
+        if (lo0 == lo1 && hi0 == hi1) {
+          run_rows_lo = lo0;
+          run_rows_hi = hi0;
+        }
+      }
+      smem.k_ring.consumer_wait(kvs);
+      smem.v_ring.consumer_wait(kvs);
+
+      auto pos = walk.start();
+      for (int it = 0; it < iters; ++it, walk.advance(pos), qdo.advance()) {
+        const int m0 = pos.row0;
+        const uint32_t stage_off = qdo.slot() * kQdOStageBytes;
+
+        // S^T = K Q^T and dP^T = V dO^T (64 keys x kBM queries), both operands K-major in shared memory; two groups
+        // so the exponentials of S^T run under the dP^T GEMM.
+        float acc_s[kSTiles * 4];
+        float acc_dp[kSTiles * 4];
+        smem.qdo_ring.consumer_wait(qdo);
+        // acc (64 x kBM) = A B^T over the head dim: A = 64 rows of K or V, B = the Q or dO tile.
+        auto issue_rows_times_tile = [&](float (&acc)[kSTiles * 4], uint64_t a_desc, uint64_t b_desc) {
+#pragma unroll
+          for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
+            const uint32_t off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));
+            const uint32_t cb = kk / kKStepsPerColBlock;
+            Wgmma<kBM, T, 0>::ss(acc, desc_advance(a_desc, cb * kKVColBlockBytes + off),
+                                 desc_advance(b_desc, cb * kQColBlockBytes + off), kk > 0);
+          }
+          wgmma_commit();
+        };
+        wgmma_fence();
+        issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
+        issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
+
+        // This thread's queries 8 j + 2 t, +1: lse * log2(e) as pairs (dsum is read later, to keep registers free).
+        const uint32_t stats = smem_addr(smem.stats[qdo.slot()]);
+        float2 lse_log2[kSTiles];
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
+
+        // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; element e of column tile j is key g + 8 (e / 2),
+        // query 8 j + 2 t + e % 2.
+        wgmma_wait<1>();
+        fence_regs(acc_s);
+        uint32_t dcap[kSTiles * 2];  // with a soft cap: 1 - tanh^2 of the pairs (float16)
+        AttentionMask tile_mask = mask;
+        if (kRunsBody && m0 >= run_rows_lo && m0 + kBM <= run_rows_hi) tile_mask.runs = RunPolicy{};
+        const TileMasking how = probs_from_scores<kSTiles, kSoftCap>(
+            acc_s, dcap, lse_log2, p.scale_log2, cap, tile_mask, m0, n0 + key_row0, p.seqlen_q, g, t);
+        // dS^T = P^T * (dP^T - dsum) (times 1 - tanh^2 with a cap).
+        float2 dsum[kSTiles];
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kBM + 8 * j + 2 * t) * sizeof(float));
+        wgmma_wait<0>();
+        fence_regs(acc_dp);
+        if (it + 1 == iters && wg_tid == 0) smem.v_ring.consumer_release(kvs);  // the unit's last read of V
+        dscores_from_probs<kSTiles, kSoftCap>(acc_dp, acc_s, dsum, dcap, how, tile_mask, m0, n0 + key_row0, g, t);
+        // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
+        uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
+#pragma unroll
+        for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+#pragma unroll
+          for (int q4 = 0; q4 < 4; ++q4) {
+            a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
+            a_ds[kk][q4] = ET::pack(acc_dp[8 * kk + 2 * q4], acc_dp[8 * kk + 2 * q4 + 1]);
+          }
+        }
+
+        // dV += P^T dO (B read N-major) runs while dS^T is stored and the warpgroups meet.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+          Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
         }
         wgmma_commit();
-      };
-      wgmma_fence();
-      issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
-      issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
 
-      // This thread's queries 8 j + 2 t, +1: lse * log2(e) as pairs (dsum is read later, to keep registers free).
-      const uint32_t stats = smem_addr(smem.stats[qdo.slot()]);
-      float2 lse_log2[kSTiles];
+        // dS^T -> shared memory ([64-query column block][key][64 queries], 128-byte swizzled rows) for dQ; fragment
+        // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
+        const uint32_t ds_base = smem_addr(smem.ds[it & 1]);
 #pragma unroll
-      for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
-
-      // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; element e of column tile j is key g + 8 (e / 2),
-      // query 8 j + 2 t + e % 2.
-      wgmma_wait<1>();
-      fence_regs(acc_s);
-      uint32_t dcap[kSTiles * 2];  // with a soft cap: 1 - tanh^2 of the pairs (float16)
-      AttentionMask tile_mask = mask;
-      if (kRunsBody && m0 >= run_rows_lo && m0 + kBM <= run_rows_hi) tile_mask.runs = RunPolicy{};
-      const TileMasking how = probs_from_scores<kSTiles, kSoftCap>(acc_s, dcap, lse_log2, p.scale_log2, cap,
-                                                                   tile_mask, m0, n0 + key_row0, p.seqlen_q, g, t);
-      // dS^T = P^T * (dP^T - dsum) (times 1 - tanh^2 with a cap).
-      float2 dsum[kSTiles];
-#pragma unroll
-      for (int j = 0; j < kSTiles; ++j) dsum[j] = ld_shared_f32x2(stats + (kBM + 8 * j + 2 * t) * sizeof(float));
-      wgmma_wait<0>();
-      fence_regs(acc_dp);
-      dscores_from_probs<kSTiles, kSoftCap>(acc_dp, acc_s, dsum, dcap, how, tile_mask, m0, n0 + key_row0, g, t);
-      // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
-      uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
-#pragma unroll
-      for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-#pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4) {
-          a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
-          a_ds[kk][q4] = ET::pack(acc_dp[8 * kk + 2 * q4], acc_dp[8 * kk + 2 * q4 + 1]);
+        for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+          constexpr int kStepsPerColBlock = kColBlock / kWgmmaK;  // 16-query steps in a 64-query column block
+          const uint32_t addr = ds_base + (kk / kStepsPerColBlock) * kDsColBlockBytes +
+                                stmatrix_x4_pair_offset(ds_lane, kk % kStepsPerColBlock);
+          stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
         }
+        fence_proxy_async_smem();
+        named_barrier_sync(kDsBarrier, kConsumerThreads);
+
+        // dQ (kDqRows x kDqCols of this warpgroup) = dS K over all kBN keys: A = dS read M-major from dS^T, B = K
+        // read N-major. Then dK += dS^T Q (B = Q read N-major).
+        float acc_dq[kDqTiles * 4];
+        const uint64_t desc_ds_cur = desc_advance(desc_ds, (it & 1) * kDsBufferBytes);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+          Wgmma<kDqCols, T, 1>::template ss<1>(acc_dq, desc_advance(desc_ds_cur, kk * kNMajorStep),
+                                               desc_advance(desc_k_cols, kk * kNMajorStep), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+          Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], desc_advance(desc_q_n, stage_off + kk * kNMajorStep), 1);
+        }
+        wgmma_commit();
+
+        // dQ -> shared memory (float32, DqFragmentOrder) while dK runs; the writer warp adds it to the accumulator.
+        wgmma_wait<1>();
+        fence_regs(acc_dv);
+        fence_regs(a_p);
+        fence_regs(acc_dq);
+        if (it + 1 == iters && wg_tid == 0) smem.k_ring.consumer_release(kvs);  // the unit's last read of K
+        named_barrier_sync(kDqEmptyBarrier + cw, kDqWgThreads);
+#pragma unroll
+        for (int j = 0; j < kDqTiles; ++j) {
+          st_shared_f32x4(dq_thread + j * kWarpgroupThreads * sizeof(float4), acc_dq[4 * j], acc_dq[4 * j + 1],
+                          acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
+        }
+        fence_proxy_async_smem();
+        named_barrier_arrive(kDqFullBarrier + cw, kDqWgThreads);
+
+        wgmma_wait<0>();
+        fence_regs(acc_dk);
+        fence_regs(a_ds);
+        smem.qdo_ring.consumer_release(qdo);  // its wgmma reads and statistics loads are done
       }
 
-      // dV += P^T dO (B read N-major) runs while dS^T is stored and the warpgroups meet.
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-        Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
-      }
-      wgmma_commit();
-
-      // dS^T -> shared memory ([64-query column block][key][64 queries], 128-byte swizzled rows) for dQ; fragment
-      // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
-      const uint32_t ds_base = smem_addr(smem.ds[it & 1]);
-#pragma unroll
-      for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-        constexpr int kStepsPerColBlock = kColBlock / kWgmmaK;  // 16-query steps in a 64-query column block
-        const uint32_t addr = ds_base + (kk / kStepsPerColBlock) * kDsColBlockBytes +
-                              stmatrix_x4_pair_offset(ds_lane, kk % kStepsPerColBlock);
-        stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
-      }
+      // Epilogue: dK = scale * dS^T Q and dV = P^T dO leave through shared memory (K and V already went to the next
+      // unit's loads). Once both warpgroups' last products are done (dS^T is free), each warpgroup writes its 64
+      // keys' dK into dS^T buffer [warpgroup] and (once the writer has read its last dQ tile) dV into its dQ buffer
+      // with stmatrix, in 128-byte-swizzled TMA boxes of 64 columns, which one of its threads stores with TMA (rows
+      // past seqlen_k and columns past head_dim are clipped by the tensor maps).
+      // (Indices re-read from threadIdx and the unit ring here: keeping them live through the loop costs registers.)
+      named_barrier_sync(kDsBarrier, kConsumerThreads);
+      kvs.advance();
+      const int e_cw = warp_uniform(int(threadIdx.x) / kWarpgroupThreads - 1);
+      const int e_warp = (threadIdx.x / kWarpSize) % 4;
+      const uint32_t lane_offset = stmatrix_x4_lane_offset(e_warp * kWarpRows, threadIdx.x % kWarpSize);
+      constexpr uint32_t kBoxBytes = kWgmmaM * kSwizzleBytes;  // 64 keys x 64 columns
+      T* dk_boxes = smem.ds[e_cw];
+      T* dv_boxes = reinterpret_cast<T*>(smem.dq[e_cw]);
+      const float scale = p.scale;
+      stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(dk_boxes) + lane_offset, kBoxBytes, acc_dk,
+                                         [scale](float x, int) { return x * scale; });
+      named_barrier_sync(kDqDrainedBarrier + e_cw, kDqWgThreads);
+      stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(dv_boxes) + lane_offset, kBoxBytes, acc_dv,
+                                         [](float x, int) { return x; });
       fence_proxy_async_smem();
-      named_barrier_sync(kDsBarrier, Traits::kConsumerWarpgroups * kWarpgroupThreads);
-
-      // dQ (kDqRows x kDqCols of this warpgroup) = dS K over all kBN keys: A = dS read M-major from dS^T, B = K
-      // read N-major. Then dK += dS^T Q (B = Q read N-major).
-      float acc_dq[kDqTiles * 4];
-      const uint64_t desc_ds_cur = desc_advance(desc_ds, (it & 1) * kDsBufferBytes);
-      wgmma_fence();
+      named_barrier_sync(kKvStoreBarrier + e_cw, kWarpgroupThreads);
+      if (threadIdx.x % kWarpgroupThreads == 0) {
+        const BwdTile e_tile = sched.tile(unit_of(us).unit);
+        const int row0 = e_tile.n_block * kBN + e_cw * kWgmmaM;
 #pragma unroll
-      for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
-        Wgmma<kDqCols, T, 1>::template ss<1>(acc_dq, desc_advance(desc_ds_cur, kk * kNMajorStep),
-                                             desc_advance(desc_k_cols, kk * kNMajorStep), kk > 0);
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_store_4d(&tm_dk, dk_boxes + cb * kWgmmaM * kColBlock, cb * kColBlock, row0, e_tile.hk, e_tile.b);
+          tma_store_4d(&tm_dv, dv_boxes + cb * kWgmmaM * kColBlock, cb * kColBlock, row0, e_tile.hk, e_tile.b);
+        }
+        bulk_commit_group();
+        bulk_wait_group_read<0>();  // the buffers are free once read (the writes complete in the background)
       }
-      wgmma_commit();
-#pragma unroll
-      for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-        Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], desc_advance(desc_q_n, stage_off + kk * kNMajorStep), 1);
-      }
-      wgmma_commit();
-
-      // dQ -> shared memory (float32, DqFragmentOrder) while dK runs; the writer warp adds it to the accumulator.
-      wgmma_wait<1>();
-      fence_regs(acc_dv);
-      fence_regs(a_p);
-      fence_regs(acc_dq);
-      named_barrier_sync(kDqEmptyBarrier + cw, kDqWgThreads);
-#pragma unroll
-      for (int j = 0; j < kDqTiles; ++j) {
-        st_shared_f32x4(dq_thread + j * kWarpgroupThreads * sizeof(float4), acc_dq[4 * j], acc_dq[4 * j + 1],
-                        acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
-      }
-      fence_proxy_async_smem();
-      named_barrier_arrive(kDqFullBarrier + cw, kDqWgThreads);
-
-      wgmma_wait<0>();
-      fence_regs(acc_dk);
-      fence_regs(a_ds);
-      smem.qdo_ring.consumer_release(qdo);  // its wgmma reads and statistics loads are done
-    }
-
-    // Epilogue: dK = scale * dS^T Q and dV = P^T dO leave through shared memory. Once both warpgroups' last products
-    // are done (dQ reads every key's K), each warpgroup writes its 64 keys into the K and V tiles with stmatrix (the
-    // 128-byte-swizzled TMA layout they were loaded in) and one of its threads stores them with TMA (rows past
-    // seqlen_k and columns past head_dim are clipped by the tensor maps).
-    // (Indices re-read from threadIdx / blockIdx here: keeping them live through the loop costs registers.)
-    named_barrier_sync(kDsBarrier, kConsumerThreads);
-    const int e_cw = warp_uniform(int(threadIdx.x) / kWarpgroupThreads - 1);
-    const int e_warp = (threadIdx.x / kWarpSize) % 4;
-    const uint32_t kv_lane_offset =
-        e_cw * kWgmmaM * kSwizzleBytes + stmatrix_x4_lane_offset(e_warp * kWarpRows, threadIdx.x % kWarpSize);
-    constexpr uint32_t kColBlockBytes = kBN * kSwizzleBytes;  // one 64-column block of the K or V tile
-    const float scale = p.scale;
-    stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(smem.k) + kv_lane_offset, kColBlockBytes, acc_dk,
-                                       [scale](float x, int) { return x * scale; });
-    stmatrix_acc_to_boxes<ET, kDTiles>(smem_addr(smem.v) + kv_lane_offset, kColBlockBytes, acc_dv,
-                                       [](float x, int) { return x; });
-    fence_proxy_async_smem();
-    named_barrier_sync(kKvStoreBarrier + e_cw, kWarpgroupThreads);
-    if (threadIdx.x % kWarpgroupThreads == 0) {
-      const int row0 = blockIdx.x * kBN + e_cw * kWgmmaM;
-#pragma unroll
-      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-        const int tile_off = cb * kBN * kColBlock + e_cw * kWgmmaM * kColBlock;
-        tma_store_4d(&tm_dk, smem.k + tile_off, cb * kColBlock, row0, blockIdx.y, blockIdx.z);
-        tma_store_4d(&tm_dv, smem.v + tile_off, cb * kColBlock, row0, blockIdx.y, blockIdx.z);
-      }
-      bulk_commit_group();
-      bulk_wait_group<0>();  // shared memory outlives the stores
-    }
-  });
+      named_barrier_sync(kDsBarrier, kConsumerThreads);  // both warpgroups' buffers are free for the next unit
+    });
+    smem.unit_ring.consumer_release(us);
+  }
+  if (threadIdx.x % kWarpgroupThreads == 0) bulk_wait_group<0>();  // the last dK/dV stores complete before exit
 #else
   __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0
 #endif

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/sm90/pipeline.h"
+#include "kernels/sm90/tile_scheduler_bwd.cuh"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -168,8 +169,11 @@ struct BwdKernelTraitsSm90 : Base {
     alignas(1024) float dq[kConsumerWarpgroups][kDqRows * kDqCols];  // [wg][...]: DqFragmentOrder
     // [stage]: lse * log2(e) of the tile's rows, then their dsum (bulk copies from FlashParams::row_stats).
     alignas(16) float stats[Base::kStages][2 * Base::kBlockM];
-    uint64_t kv_full;
+    PipelineBarriers<1> k_ring;                // the unit's K (empty: the consumers' last dQ of it is done)
+    PipelineBarriers<1> v_ring;                // the unit's V (empty: the consumers' last dP^T is done)
     PipelineBarriers<Base::kStages> qdo_ring;  // Q and dO tiles of one query tile and their row statistics
+    PipelineBarriers<2> unit_ring;             // the producer's next unit (tile_scheduler_bwd.cuh) for every role
+    BwdUnitSlot unit[2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
@@ -178,6 +182,11 @@ struct BwdKernelTraitsSm90 : Base {
   // Q and dO tiles and both statistics of their rows.
   static constexpr uint32_t kQdOBytes = 2 * Base::kBlockM * Base::kHeadDim * sizeof(T) + 2 * kStatsBytes;
   static constexpr uint32_t kDqWgBytes = kDqRows * kDqCols * sizeof(float);  // a consumer warpgroup's dQ tile
+  // The dK/dV epilogue stages a consumer warpgroup's 64 keys in TMA boxes of 64 columns: dK in dS^T buffer
+  // [warpgroup], dV in its dQ buffer (both free after the unit's last products), leaving K and V to the next unit.
+  static constexpr uint32_t kKvGradWgBytes = kWgmmaM * Base::kHeadDim * sizeof(T);
+  static_assert(kKvGradWgBytes <= sizeof(T) * kBlockN * Base::kBlockM && kKvGradWgBytes <= kDqWgBytes,
+                "a warpgroup's dK fits a dS^T buffer and its dV its dQ buffer");
 };
 
 // The order of a query tile's dQ in dq_accum (and in shared memory) for the BwdKernelTraitsSm90 kernel: as the

@@ -177,7 +177,9 @@ cudaError_t make_bwd_tensor_maps(const FlashParams& p, CUtensorMap* tm_q, CUtens
                                       {tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
 }
 
-// The sm_90a main backward kernel, with or without ordered (deterministic) dQ additions.
+// The sm_90a main backward kernel, with or without ordered (deterministic) dQ additions: persistent (one CTA an
+// SM, or one per unit if fewer) taking units from a counter in p.dq_semaphore, or with ordered additions one CTA
+// per unit (tile_scheduler_bwd.cuh).
 template <typename T, int kD, bool kDeterministic, bool kSegments, bool kSoftCap>
 cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>;
@@ -193,7 +195,17 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   }
   // dQ tiles are added into dq_accum as kBlockM x kD blocks (DqFragmentOrder).
   if (p.head_dim_rounded != kD || p.seqlen_q_rounded % Traits::kBlockM != 0) return cudaErrorInvalidValue;
-  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  const BwdTileScheduler sched(p, Traits::kBlockN);
+  if (!sched.units_fit() || p.dq_semaphore == nullptr) return cudaErrorInvalidValue;
+  if (sched.units == 0) return cudaSuccess;
+  int grid = sched.units;
+  if constexpr (!kDeterministic) {
+    int ctas = 0;
+    if (cudaError_t e = resident_ctas<kernel>(Traits::kThreads, Traits::kSmemBytes, &ctas); e != cudaSuccess) {
+      return e;
+    }
+    grid = imin(sched.units, ctas);  // (the preprocess zeroed the work counter, dq_semaphore's first int)
+  }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dk, tm_dv);
   return cudaGetLastError();
 }

@@ -20,7 +20,8 @@ enum NamedBarrier : int {
   kDqFullBarrier = 4,   // 4..5: a consumer warpgroup's dQ tile is in shared memory (128 + the dQ writer warp)
   kDqEmptyBarrier = 6,  // 6..7: the writer has read that tile (128 + the dQ writer warp)
   kKvStoreBarrier = 8,  // 8..9: a consumer warpgroup's dK and dV are in shared memory (128 threads)
-  kBwdBarrierEnd = 10,
+  kDqDrainedBarrier = 10,  // 10..11: the writer has read a unit's last dQ tile of that warpgroup (128 + the writer)
+  kBwdBarrierEnd = 12,
 };
 static_assert(kFwdBarrierEnd <= 16 && kBwdBarrierEnd <= 16, "16 named barriers per CTA");
 
