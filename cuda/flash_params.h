@@ -9,7 +9,8 @@
 //   dq_accum       : [batch, heads_q, seqlen_q_rounded, head_dim_rounded] (float32; head_dim_rounded: the head-dim
 //                    class of the kernels, head_dim_class(head_dim); each kernel family adds into it in its own
 //                    order: rows of head_dim_rounded, or per query tile in the order its accumulators hold them)
-//   dq_semaphore   : [batch, heads_q, seqlen_q]            (int32; its first ceil(seqlen_q / block) of each row)
+//   dq_semaphore   : [batch, heads_q, seqlen_q]            (int32; its first ceil(seqlen_q / block) of each row;
+//                    without deterministic dQ its first int is the persistent sm_90a backward's work counter)
 // All arrays are dense and row-major. Query head h reads key/value head h / (heads_q / heads_kv).
 #pragma once
 
@@ -122,7 +123,8 @@ struct FlashParams {
   float* row_stats;
   int seqlen_q_rounded;
   // Bitwise-reproducible dQ: key blocks add into each query tile of dq_accum in ascending order, counted on
-  // dq_semaphore (workspace; zeroed by the launcher). Only the sm_90a backward implements it.
+  // dq_semaphore (workspace; zeroed by the launcher). Only the sm_90a backward implements it. Without it, the
+  // first int of dq_semaphore is the persistent sm_90a backward's work counter (zeroed by the preprocess).
   bool deterministic;
   int32_t* dq_semaphore;
 

@@ -115,7 +115,8 @@ struct FwdKernelTraitsSm90 : Base {
 };
 
 // Backward CTA (key/value stationary): one producer warpgroup and two consumer warpgroups of 64 keys each.
-// Producer: one thread issues the TMA loads (K, V once; a ring of Q/dO tiles with their rows' statistics), one warp
+// Producer: one thread issues the TMA loads (K, V once per unit of a persistent CTA; a ring of Q/dO tiles with their
+// rows' statistics), one warp
 // (the dQ writer) adds each consumer warpgroup's dQ tile from shared memory into the float32 accumulator with one
 // 1-D bulk reduce-add (DqFragmentOrder).
 // Per query tile of kBlockM rows a consumer warpgroup computes S^T and dP^T (64 keys x kBlockM, wgmma from shared

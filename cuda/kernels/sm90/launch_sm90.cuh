@@ -179,7 +179,7 @@ cudaError_t make_bwd_tensor_maps(const FlashParams& p, CUtensorMap* tm_q, CUtens
 
 // The sm_90a main backward kernel, with or without ordered (deterministic) dQ additions: persistent (one CTA an
 // SM, or one per unit if fewer) taking units from a counter in p.dq_semaphore, or with ordered additions one CTA
-// per unit (tile_scheduler_bwd.cuh).
+// per unit (tile_scheduler_bwd.cuh). Only as launch_bwd_sequence's main kernel: its preprocess zeroes the counter.
 template <typename T, int kD, bool kDeterministic, bool kSegments, bool kSoftCap>
 cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdKernelTraitsSm90<T, BwdTraitsSm90<kD>>;

@@ -47,7 +47,7 @@ struct BwdTileScheduler {
         units_wide(int64_t(n_blocks) * p.heads_kv * p.batch),
         units(int(units_wide)) {}
 
-  // The counter runs to units + grid - 1 (each CTA takes one past the end); room for any grid.
+  // The units handed out reach units + grid - 1 (each CTA takes one past the end): room for any grid.
   JF_HD bool units_fit() const { return units_wide <= INT_MAX / 2; }
 
   JF_HD BwdTile tile(int u) const {
@@ -57,6 +57,8 @@ struct BwdTileScheduler {
 
 #if defined(__CUDACC__)
   // The CTA's k-th unit (k = 0, 1, ...): `units` or more when there is none left. One thread asks, once per k.
+  // The counter must start at 0 (the preprocess of launch_bwd_sequence zeroes it): a kernel launched on its own, or
+  // timed again without the preprocess, would find the previous call's count and leave units undone.
   template <bool kPersistent>
   __device__ __forceinline__ int next_unit(const FlashParams& p, int k) const {
     if (k == 0) return int(blockIdx.x);
