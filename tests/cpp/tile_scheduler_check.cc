@@ -41,6 +41,9 @@ long check_bwd(long* bad) {
             }
           };
           if (!s.units_fit() || s.units != n_blocks * heads_kv * batch) fail("backward unit count");
+          if (!s.done(s.units) || !s.done(-1) || (s.units > 0 && (s.done(0) || s.done(s.units - 1)))) {
+            fail("backward done() not exactly the indices outside [0, units)");
+          }
           for (int u = 0; u < s.units; ++u) {
             const BwdTile t = s.tile(u);
             const int expect = (t.b * heads_kv + t.hk) * n_blocks + t.n_block;

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  // The unit of `us` as the producer published it: the unit (none, >= sched.units, once the work is done) and its
+  // The unit of `us` as the producer published it: the unit (none, sched.done(), once the work is done) and its
   // walk over query tiles. Read by whole warps, as warp-uniform values: the walk sets every stage and buffer offset,
   // and only provably uniform values keep the wgmma descriptors' arithmetic on the uniform datapath (loaded from
   // shared memory they would not be: ~160 more instructions per query tile).
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (UnitState us{};; us.advance()) {
         smem.unit_ring.consumer_wait(us);
         const int u = uniform_unit(us);
-        if (u >= sched.units) break;
+        if (sched.done(u)) break;
         const BwdTile tile = sched.tile(u);
         const auto walk = walk_of(us, tile.hk);
         smem.unit_ring.consumer_release(us);
@@ -184,13 +184,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       KvState kvs{};
       QdOState qdo{};
       for (UnitState us{};; us.advance()) {
+        smem.unit_ring.producer_wait_empty(us);  // then take the unit: a CTA holds one only when it can publish it
         const int u = sched.next_unit<kPersistent>(p, us.count);
-        smem.unit_ring.producer_wait_empty(us);
         auto publish = [&](int first, int count) {
           smem.unit[us.slot()] = BwdUnitSlot{u, first, count};
           mbar_arrive(smem.unit_ring.full_barrier(us));  // (release: the other roles read it after their wait)
         };
-        if (u >= sched.units) {
+        if (sched.done(u)) {
           publish(0, 0);
           break;
         }
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (UnitState us{};; us.advance()) {
     smem.unit_ring.consumer_wait(us);
     const int u = uniform_unit(us);
-    if (u >= sched.units) break;
+    if (sched.done(u)) break;
     const BwdTile tile = sched.tile(u);
 
     // A batch element whose segment ids are contiguous runs takes them as per-row key intervals (RunPolicy), the

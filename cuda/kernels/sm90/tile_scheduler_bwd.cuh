@@ -50,13 +50,16 @@ struct BwdTileScheduler {
   // The units handed out reach units + grid - 1 (each CTA takes one past the end): room for any grid.
   JF_HD bool units_fit() const { return units_wide <= INT_MAX / 2; }
 
+  // Whether unit index u means no unit is left (past the end; negative only from a counter nobody zeroed).
+  JF_HD bool done(int u) const { return u < 0 || u >= units; }
+
   JF_HD BwdTile tile(int u) const {
     const int hb = u / n_blocks;
     return BwdTile{u - hb * n_blocks, hb % heads_kv, hb / heads_kv};
   }
 
 #if defined(__CUDACC__)
-  // The CTA's k-th unit (k = 0, 1, ...): `units` or more when there is none left. One thread asks, once per k.
+  // The CTA's k-th unit (k = 0, 1, ...): done() when there is none left. One thread asks, once per k.
   // The counter must start at 0 (the preprocess of launch_bwd_sequence zeroes it): a kernel launched on its own, or
   // timed again without the preprocess, would find the previous call's count and leave units undone.
   template <bool kPersistent>
