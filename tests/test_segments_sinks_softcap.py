@@ -408,6 +408,22 @@ def test_soft_cap_keeps_nan_in_its_row():
     assert not bad.any()
 
 
+def test_soft_cap_keeps_nan_in_its_gradients():
+    """The same nan's gradients are non-finite exactly where the materialised reference's are (the capped backward
+    computes part of its exponentials on the FMA pipe, which must keep a nan)."""
+    q, k, v, do, kw = _problem(CASES["softcap_long_noncausal_d128"])
+    q = q.at[0, 100, 1, 3].set(jnp.nan)
+
+    def bad(fn):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v, **kw).astype(jnp.float32) * do)  # noqa: E731
+        return [~np.isfinite(np.asarray(g, np.float32)) for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)]
+
+    ours, base = bad(jax_flash.dot_product_attention), bad(_baseline)
+    for label, x, b in zip(("dq", "dk", "dv"), ours, base):
+        assert b.any(), f"{label}: the reference should have non-finite entries"
+        np.testing.assert_array_equal(x, b, err_msg=label)
+
+
 def test_transformations():
     """vmap over a leading axis (segment ids and lengths mapped too), checkpoint, rank-3 inputs with (T,) ids."""
     q, k, v, do, kw = _problem(CASES["all_combined"])

@@ -12,7 +12,10 @@
 #          attention calls on the default kernels, with TOP's wheel (racecheck without the head-dim-256 calls, 2, 4
 #          and 9, under which the sanitizer itself fails on this machine, main's wheel too: NOTES, session 26);
 #   bwdab  backward A/B of main against TOP (tools/ab_bench.sh over BWD_SHAPES, ROUNDS rounds), then the packed
-#          step (tools/packed_ab.sh, jax_flash rows); tables in $OUT/bwdab/ab_summary.txt and $OUT/packed/.
+#          step (tools/packed_ab.sh, jax_flash rows); tables in $OUT/bwdab/ab_summary.txt and $OUT/packed/;
+#   capab  A/B of main against TOP on bench_packed.py's modifiers table (plain, sinks, soft cap; jax_flash rows),
+#          $OUT/capab/packed_ab.txt;
+#   mufu   tools/mufu_bench.cu (the transcendental variants' throughput and error), $OUT/mufu.txt.
 # One device call per mode (tests: up to ~7 minutes under decode_gpu_check.sh's timeouts; ab / abr: ~5-8 minutes at
 # 2 rounds; suite + sanitize ~8; bwdab ~7); summary lines in $OUT/pending.txt.
 #   OUT=... bash tools/pending_gpu_check.sh "tests ab" [TOP]
@@ -79,6 +82,15 @@ for mode in "${MODES[@]}"; do
       OUT=$OUT/packed RUN_LIMIT=200 bash tools/packed_ab.sh "main $top" "${ROUNDS:-2}" --impls jax_flash \
         >"$OUT/packed.log" 2>&1 || status=1
       note "packed: ($((SECONDS - start)) s) $(grep -E '\| ms \||geometric' "$OUT/packed/packed_ab.txt" 2>/dev/null | tr '\n' ' ')" ;;
+    capab)
+      OUT=$OUT/capab RUN_LIMIT=200 TABLES=modifiers bash tools/packed_ab.sh "main $top" "${ROUNDS:-2}" --impls jax_flash \
+        >"$OUT/capab.log" 2>&1 || status=1
+      note "capab: ($((SECONDS - start)) s) $(grep -E 'modifiers' "$OUT/capab/packed_ab.txt" 2>/dev/null | tr '\n' ' ')" ;;
+    mufu)
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/mufu_bench.cu -o /tmp/mufu_bench &&
+        /tmp/mufu_bench >"$OUT/mufu.txt" 2>&1
+      rc=$?; [ $rc -eq 0 ] || status=1
+      note "mufu: rc=$rc ($((SECONDS - start)) s)"; cat "$OUT/mufu.txt" ;;
     *) note "unknown mode $mode"; status=2 ;;
   esac
 done

@@ -7,6 +7,7 @@
 
 #include "flash_params.h"
 #include "kernels/common/element_traits.cuh"
+#include "kernels/common/exp2_fma.cuh"
 #include "kernels/sm90/kernel_traits_sm90.h"  // kColBlock
 #include "kernels/sm90/utils_sm90.cuh"        // kWarpRows, TMA, for_each_acc_pair
 #include "mask.h"
@@ -62,8 +63,11 @@ __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], con
 // tanh.approx's error), for dscores_from_probs: no second transcendental to recover it from P^T. Returns what the
 // tile needed of the masks (the whole warp asks, AttentionMask::tile_masking_warp; dscores_from_probs then zeroes
 // the hidden pairs' dS^T too). kCap: the call has a soft cap (compiled out otherwise: dcap would be live registers
-// across the dP^T wait in every call).
-template <int kSTiles, bool kCap>
+// across the dP^T wait in every call). kHalfOnFma: half of the exponentials on the FMA pipe (exp2_fma), for a
+// capped call of the head-dim-64/128 kernel, whose tanh and exp2 queue two MUFU operations per score on the path to
+// dS^T (H200: that backward 4-7 % faster; the head-dim-256 kernel 1 % slower, the plain kernels 1-7 % slower:
+// NOTES, session 27).
+template <int kSTiles, bool kCap, bool kHalfOnFma = false>
 __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles * 4], uint32_t (&dcap)[kSTiles * 2],
                                                          const float2 (&lse_log2)[kSTiles], float scale_log2,
                                                          const SoftCap& cap, const AttentionMask& mask, int query0,
@@ -82,7 +86,8 @@ __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles 
   for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      acc_s[4 * j + e] = exp2f(acc_s[4 * j + e] * scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x));
+      const float x = acc_s[4 * j + e] * scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x);
+      acc_s[4 * j + e] = kHalfOnFma && j % 2 == 1 ? exp2_fma(x) : exp2f(x);
     }
   }
   const TileMasking how = mask.tile_masking_warp(query0, query0 + kSTiles * 8, key0, key0 + kWarpRows, seqlen_q);

@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         uint32_t dcap[kSTiles * 2];  // with a soft cap: 1 - tanh^2 of the pairs (float16)
         AttentionMask tile_mask = mask;
         if (kRunsBody && m0 >= run_rows_lo && m0 + kBM <= run_rows_hi) tile_mask.runs = RunPolicy{};
-        const TileMasking how = probs_from_scores<kSTiles, kSoftCap>(
+        const TileMasking how = probs_from_scores<kSTiles, kSoftCap, /*kHalfOnFma=*/kSoftCap>(
             acc_s, dcap, lse_log2, p.scale_log2, cap, tile_mask, m0, n0 + key_row0, p.seqlen_q, g, t);
         // dS^T = P^T * (dP^T - dsum) (times 1 - tanh^2 with a cap).
         float2 dsum[kSTiles];
