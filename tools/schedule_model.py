@@ -4,10 +4,13 @@ The hardware starts CTAs in linear order on whichever SM frees up first (one CTA
 sm_90a kernel at head dim <= 128): a CTA owns one 128-key block of one (batch, kv head) and walks the 64-row query
 tiles that see it, for every query head of its group. Forward (the CTA-per-unit kernel at head dim 256): a CTA owns
 one 128-row query block and walks the 64-key tiles it sees. Work per CTA = tiles walked + a fixed overhead in tiles.
-Prints the modelled makespan of three orders against the perfectly balanced one: blocks fastest (heaviest first
+Prints the modelled makespan of four orders against the perfectly balanced one: blocks fastest (heaviest first
 inside each head, heads one after another: the backward's grid, and the d256 forward's with few blocks per head),
-blocks slowest over all heads, and HeavyFirstOrder's groups of about --group-units units
-(`cuda/kernels/sm90/tile_scheduler_fwd.cuh`, the d256 causal forward with >= 16 query blocks per head).
+blocks slowest over all heads, HeavyFirstOrder's groups of about --group-units units
+(`cuda/kernels/sm90/tile_scheduler_fwd.cuh`, the d256 causal forward with >= 16 query blocks per head), and the
+persistent backward's causal order (`tile_scheduler_bwd.cuh`: blocks fastest, but the last heads, about
+--tail-waves units per SM, blocks slowest). The persistent backward takes units from a counter, which the same
+list scheduling models (a CTA takes the next unit when it is done with one).
 A model, not a measurement: it ignores per-SM speed differences, L2 effects and the dispatch's own latency; its
 backward gains (+23..26 % for causal GQA) did not show on the H100 (session 10 A/B, NOTES.md), so the backward
 kept its grid.
@@ -39,7 +42,14 @@ def heavy_first(blocks, heads, group_units):
     return order
 
 
-def model(direction, batch, seqlen, heads_q, heads_kv, causal, sms, overhead, group_units):
+def tail_order(blocks, heads, sms, waves):
+    """(block rank, head) in BwdTileScheduler's causal order: the last heads key block slowest."""
+    tail = min(heads, -(-waves * sms // blocks)) if blocks > 1 else 0
+    head = [(j, h) for h in range(heads - tail) for j in range(blocks)]
+    return head + [(j, h) for j in range(blocks) for h in range(heads - tail, heads)]
+
+
+def model(direction, batch, seqlen, heads_q, heads_kv, causal, sms, overhead, group_units, tail_waves):
     if direction == "bwd":  # rank j = key block j; query tiles of 64 rows from the block's first key on
         blocks, heads, per_head = -(-seqlen // 128), batch * heads_kv, heads_q // heads_kv
         tiles = lambda j: per_head * ((-(-seqlen // 64)) - (2 * j if causal else 0))
@@ -50,7 +60,8 @@ def model(direction, batch, seqlen, heads_q, heads_kv, causal, sms, overhead, gr
     blocks_fastest = [(j, h) for h in range(heads) for j in range(blocks)]
     blocks_slowest = [(j, h) for j in range(blocks) for h in range(heads)]
     return (makespan(work, blocks_fastest, sms), makespan(work, blocks_slowest, sms),
-            makespan(work, heavy_first(blocks, heads, group_units), sms), sum(work.values()) / sms)
+            makespan(work, heavy_first(blocks, heads, group_units), sms),
+            makespan(work, tail_order(blocks, heads, sms, tail_waves), sms), sum(work.values()) / sms)
 
 
 def main():
@@ -60,8 +71,10 @@ def main():
     parser.add_argument("--sms", type=int, default=132, help="SMs (H100 SXM: 132)")
     parser.add_argument("--overhead", type=float, default=3.0, help="per-CTA overhead in tiles")
     parser.add_argument("--group-units", type=int, default=512, help="HeavyFirstOrder's kHeavyFirstGroupUnits")
+    parser.add_argument("--tail-waves", type=int, default=3, help="BwdTileScheduler::kTailWaves")
     args = parser.parse_args()
-    print(f"{'shape':<14} {'blocks fastest':>14} {'blocks slowest':>14} {'heavy-first':>11} {'ideal':>8} {'gain':>6}")
+    print(f"{'shape':<14} {'blocks fastest':>14} {'blocks slowest':>14} {'heavy-first':>11} {'tail':>8} "
+          f"{'ideal':>8} {'gain':>6} {'tail gain':>9}")
     for shape in args.shapes:
         m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:/(\d+))?(c?)", shape)
         if not m:
@@ -70,10 +83,10 @@ def main():
         hkv = int(m[4]) if m[4] else hq
         if hq % hkv:
             parser.error(f"shape {shape!r}: Hq must be a multiple of Hkv")
-        old, slowest, grouped, ideal = model(args.direction, b, s, hq, hkv, bool(m[5]), args.sms, args.overhead,
-                                             args.group_units)
-        print(f"{shape:<14} {old:>14.0f} {slowest:>14.0f} {grouped:>11.0f} {ideal:>8.0f} "
-              f"{100 * (old / grouped - 1):>5.1f}%")
+        old, slowest, grouped, tail, ideal = model(args.direction, b, s, hq, hkv, bool(m[5]), args.sms,
+                                                   args.overhead, args.group_units, args.tail_waves)
+        print(f"{shape:<14} {old:>14.0f} {slowest:>14.0f} {grouped:>11.0f} {tail:>8.0f} {ideal:>8.0f} "
+              f"{100 * (old / grouped - 1):>5.1f}% {100 * (old / tail - 1):>8.1f}%")
 
 
 if __name__ == "__main__":

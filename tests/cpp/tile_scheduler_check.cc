@@ -5,8 +5,10 @@
 // under a causal mask without a window and with min_blocks query blocks or more takes its units in HeavyFirstOrder
 // while any other grid of one CTA per unit takes the heads one after another, and units_fit() refuses unit counts above
 // INT_MAX. BwdTileScheduler (tile_scheduler_bwd.cuh): its units are every (key block, kv head, batch) exactly once,
-// the key block fastest, and units_fit() refuses counts the work counter could overflow. Prints "ok <cases>" or the
-// first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+// the key block fastest, except under a causal mask with running CTAs given: then the last tail_groups (batch, kv
+// head)s (about kTailWaves units per CTA, at most all) come last with the key block slowest; each (batch, kv head)'s
+// key blocks in increasing order either way; units_fit() refuses counts the work counter could overflow. Prints
+// "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
 #include <algorithm>
 #include <climits>
 #include <cstdio>
@@ -22,35 +24,56 @@ using jax_flash::cuda::HeavyFirstOrder;
 using jax_flash::cuda::sm90::BwdTile;
 using jax_flash::cuda::sm90::BwdTileScheduler;
 
-// The backward's units for small shapes: each (key block, kv head, batch) once, in key-block-fastest order.
+// The backward's units for small shapes: each (key block, kv head, batch) once, in key-block-fastest order but for
+// a causal call's tail.
 long check_bwd(long* bad) {
   long cases = 0;
   for (int batch = 1; batch <= 3; ++batch) {
     for (int heads_kv = 1; heads_kv <= 3; ++heads_kv) {
       for (int seqlen_k = 1; seqlen_k <= 9; ++seqlen_k) {
         for (int block_n = 1; block_n <= 4; ++block_n) {
-          FlashParams p{};
-          p.batch = batch, p.heads_kv = heads_kv, p.seqlen_k = seqlen_k;
-          const BwdTileScheduler s(p, block_n);
-          ++cases;
-          const int n_blocks = (seqlen_k + block_n - 1) / block_n;
-          auto fail = [&](const char* what) {
-            if (++*bad <= 5) {
-              std::printf("%s: batch=%d heads_kv=%d seqlen_k=%d block_n=%d\n", what, batch, heads_kv, seqlen_k,
-                          block_n);
-            }
-          };
-          if (!s.units_fit() || s.units != n_blocks * heads_kv * batch) fail("backward unit count");
-          if (!s.done(s.units) || !s.done(-1) || (s.units > 0 && (s.done(0) || s.done(s.units - 1)))) {
-            fail("backward done() not exactly the indices outside [0, units)");
-          }
-          for (int u = 0; u < s.units; ++u) {
-            const BwdTile t = s.tile(u);
-            const int expect = (t.b * heads_kv + t.hk) * n_blocks + t.n_block;
-            if (t.n_block < 0 || t.n_block >= n_blocks || t.hk < 0 || t.hk >= heads_kv || t.b < 0 || t.b >= batch ||
-                expect != u) {
-              fail("backward unit not (key block, kv head, batch) with the key block fastest");
-              break;
+          for (bool causal : {false, true}) {
+            for (int ctas : {0, 1, 2, 5, 1000}) {
+              FlashParams p{};
+              p.batch = batch, p.heads_kv = heads_kv, p.seqlen_k = seqlen_k, p.causal = causal;
+              const BwdTileScheduler s(p, block_n, ctas);
+              ++cases;
+              const int n_blocks = (seqlen_k + block_n - 1) / block_n;
+              const int groups = heads_kv * batch;
+              auto fail = [&](const char* what) {
+                if (++*bad <= 5) {
+                  std::printf("%s: batch=%d heads_kv=%d seqlen_k=%d block_n=%d causal=%d ctas=%d\n", what, batch,
+                              heads_kv, seqlen_k, block_n, int(causal), ctas);
+                }
+              };
+              if (!s.units_fit() || s.units != n_blocks * groups) fail("backward unit count");
+              if (!s.done(s.units) || !s.done(-1) || (s.units > 0 && (s.done(0) || s.done(s.units - 1)))) {
+                fail("backward done() not exactly the indices outside [0, units)");
+              }
+              // The tail: every group when the CTAs' kTailWaves units each cover them, else the last few.
+              const long want = (long(BwdTileScheduler::kTailWaves) * ctas + n_blocks - 1) / n_blocks;
+              const int tail = causal && ctas > 0 && n_blocks > 1 ? int(want < groups ? want : groups) : 0;
+              if (s.tail_groups != tail) fail("backward tail size");
+              std::vector<int> seen(s.units, 0), next_block(groups, 0);
+              for (int u = 0; u < s.units; ++u) {
+                const BwdTile t = s.tile(u);
+                if (t.n_block < 0 || t.n_block >= n_blocks || t.hk < 0 || t.hk >= heads_kv || t.b < 0 ||
+                    t.b >= batch) {
+                  fail("backward unit out of range");
+                  break;
+                }
+                const int g = t.b * heads_kv + t.hk;
+                const int head_units = (groups - tail) * n_blocks;
+                const int expect = u < head_units ? g * n_blocks + t.n_block
+                                                  : head_units + t.n_block * tail + (g - (groups - tail));
+                if (expect != u || g < (u < head_units ? 0 : groups - tail)) {
+                  fail("backward unit not in key-block-fastest order (tail: key block slowest)");
+                  break;
+                }
+                if (t.n_block != next_block[g]++) fail("a (batch, kv head)'s key blocks not in increasing order");
+                ++seen[g * n_blocks + t.n_block];
+              }
+              if (std::count(seen.begin(), seen.end(), 1) != s.units) fail("backward units not each once");
             }
           }
         }

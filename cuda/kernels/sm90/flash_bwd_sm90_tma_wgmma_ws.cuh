@@ -56,9 +56,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   Storage& smem = shared_storage<Storage>();
   const int tid = threadIdx.x;
-  const BwdTileScheduler sched(p, kBN);
-  // Deterministic dQ keeps one CTA per unit (tile_scheduler_bwd.cuh).
+  // Deterministic dQ keeps one CTA per unit and the key-block-fastest order (tile_scheduler_bwd.cuh).
   constexpr bool kPersistent = !kDeterministic;
+  const BwdTileScheduler sched(p, kBN, kPersistent ? int(gridDim.x) : 0);
   constexpr int kConsumerThreads = Traits::kConsumerWarpgroups * kWarpgroupThreads;
 
   // Every ring's state counts its uses since the kernel began (pipeline.h): units, K/V loads, Q/dO tiles.
