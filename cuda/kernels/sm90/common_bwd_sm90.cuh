@@ -15,18 +15,23 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Producer thread: the key block's K and V (kBlockN rows from key n0 of kv head hk, batch b; kColBlocks TMA boxes
-// of 64 columns each) into shared memory, counted on kv_full.
+// Producer thread: one of the key block's tensors (K or V: kBlockN rows from key n0 of kv head hk, batch b) into
+// shared memory at dst, as kColBlocks TMA boxes of 64 columns counted on `full` (the caller sets its byte count).
+template <int kBlockN, int kColBlocks, typename T>
+__device__ __forceinline__ void load_key_block_rows(T* dst, const CUtensorMap* tm, uint64_t* full, int n0, int hk,
+                                                    int b) {
+#pragma unroll
+  for (int cb = 0; cb < kColBlocks; ++cb) tma_load_4d(dst + cb * kBlockN * kColBlock, tm, full, cb * kColBlock, n0, hk, b);
+}
+
+// Producer thread: the key block's K and V together, counted on kv_full.
 template <int kBlockN, int kColBlocks, typename T>
 __device__ __forceinline__ void load_kv_block(T* k, T* v, uint64_t* kv_full, const CUtensorMap* tm_k,
                                               const CUtensorMap* tm_v, int n0, int hk, int b) {
   constexpr uint32_t kBytes = 2 * kBlockN * kColBlocks * kColBlock * sizeof(T);
   mbar_arrive_expect_tx(kv_full, kBytes);
-#pragma unroll
-  for (int cb = 0; cb < kColBlocks; ++cb) {
-    tma_load_4d(k + cb * kBlockN * kColBlock, tm_k, kv_full, cb * kColBlock, n0, hk, b);
-    tma_load_4d(v + cb * kBlockN * kColBlock, tm_v, kv_full, cb * kColBlock, n0, hk, b);
-  }
+  load_key_block_rows<kBlockN, kColBlocks>(k, tm_k, kv_full, n0, hk, b);
+  load_key_block_rows<kBlockN, kColBlocks>(v, tm_v, kv_full, n0, hk, b);
 }
 
 // Zero in place where the mask hides the pair: entry e of column tile j of a 64-key accumulator is key

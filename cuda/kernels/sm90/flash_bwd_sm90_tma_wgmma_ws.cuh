@@ -130,8 +130,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             }
           }
           auto pos = walk.start();
+          // The warpgroups' dQ buffers are free again: kDqEmptyBarrier + wg, or after a unit's last query tile
+          // kDqDrainedBarrier + wg (named barrier ids stay compile-time constants: named_barriers.h).
+          auto release = [&](int wg, bool last) {
+            if (last) {
+              named_barrier_arrive(kDqDrainedBarrier + wg, kDqWgThreads);
+            } else {
+              named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
+            }
+          };
           for (int it = 0; it < iters; ++it, walk.advance(pos)) {
-            const int freed = it + 1 < iters ? kDqEmptyBarrier : kDqDrainedBarrier;
+            const bool last = it + 1 == iters;
             [[maybe_unused]] int32_t* semaphore = nullptr;
             if constexpr (kDeterministic) {
               const int m_block = pos.row0 / kBM;
@@ -161,15 +170,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
               }
               __syncwarp();
 #pragma unroll
-              for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) named_barrier_arrive(freed + wg, kDqWgThreads);
+              for (int wg = 0; wg < Traits::kConsumerWarpgroups; ++wg) release(wg, last);
             } else {  // each warpgroup's buffer is free as soon as its own reduction has read it
               static_assert(Traits::kConsumerWarpgroups == 2, "one pending group after the first warpgroup's");
               if (lane0) bulk_wait_group_read<1>();
               __syncwarp();
-              named_barrier_arrive(freed, kDqWgThreads);
+              release(0, last);
               if (lane0) bulk_wait_group_read<0>();
               __syncwarp();
-              named_barrier_arrive(freed + 1, kDqWgThreads);
+              release(1, last);
             }
           }
         }
@@ -209,17 +218,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           if (iters > 0) {
             constexpr uint32_t kTileBytes = kBN * kD * sizeof(T);  // K or V
             smem.v_ring.producer_acquire(kvs, kTileBytes);
-#pragma unroll
-            for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-              tma_load_4d(smem.v + cb * kBN * kColBlock, &tm_v, smem.v_ring.full_barrier(kvs), cb * kColBlock, n0,
-                          tile.hk, tile.b);
-            }
+            load_key_block_rows<kBN, Traits::kColBlocks>(smem.v, &tm_v, smem.v_ring.full_barrier(kvs), n0, tile.hk,
+                                                         tile.b);
             smem.k_ring.producer_acquire(kvs, kTileBytes);
-#pragma unroll
-            for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-              tma_load_4d(smem.k + cb * kBN * kColBlock, &tm_k, smem.k_ring.full_barrier(kvs), cb * kColBlock, n0,
-                          tile.hk, tile.b);
-            }
+            load_key_block_rows<kBN, Traits::kColBlocks>(smem.k, &tm_k, smem.k_ring.full_barrier(kvs), n0, tile.hk,
+                                                         tile.b);
             kvs.advance();
           }
           auto pos = walk.start();
