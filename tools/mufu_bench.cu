@@ -68,7 +68,7 @@ __device__ __forceinline__ float ex2_poly(float x) {
   const float r = xc + 12582912.f;
   const float f = xc - (r - 12582912.f);
   const float p = fmaf(fmaf(fmaf(0.05500863f, f, 0.24221043f), f, 0.69328302f), f, 1.f);
-  const float scale = __int_as_float((__float_as_int(r) << 23) + 0x3f800000);
+  const float scale = __uint_as_float((__float_as_uint(r) << 23) + 0x3f800000u);
   return p * scale;
 }
 

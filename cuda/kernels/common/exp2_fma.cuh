@@ -21,7 +21,7 @@ __device__ __forceinline__ float exp2_fma(float x) {
   const float r = xc + kRound;
   const float f = xc - (r - kRound);
   const float p = fmaf(fmaf(fmaf(0.05500863f, f, 0.24221043f), f, 0.69328302f), f, 1.f);
-  const float scale = __int_as_float((__float_as_int(r) << 23) + 0x3f800000);  // 2^round(xc)
+  const float scale = __uint_as_float((__float_as_uint(r) << 23) + 0x3f800000u);  // 2^round(xc)
   return p * scale;
 }
 
