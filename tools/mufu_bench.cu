@@ -2,7 +2,7 @@
 // ex2 / tanh (f32 and packed f16x2 / bf16x2) and an FMA-pipe polynomial 2^x, alone and in the soft-capped
 // softmax's mix (a tanh and an exp per score). Also each variant's largest relative error against double
 // precision over a score range. Decides how the capped kernels spend their MUFU (NOTES, session 27).
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/mufu_bench.cu -o /tmp/mufu && /tmp/mufu
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda tools/mufu_bench.cu -o /tmp/mufu && /tmp/mufu
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+#include "kernels/common/exp2_fma.cuh"
 
 #define CHECK(x)                                                                              \
   do {                                                                                        \
@@ -60,17 +62,8 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
 __device__ __forceinline__ float2 unpack_bf16(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
 }
-// 2^x on the FMA pipe: x = j + f (j = round(x) by the 1.5 * 2^23 trick, |f| <= 1/2), 2^f by a degree-3
-// polynomial (relative error 1.0e-4), 2^j built in the exponent field. x <= -127 (and -inf) gives +0; NaN stays.
-__device__ __forceinline__ float ex2_poly(float x) {
-  float xc;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(xc) : "f"(x), "f"(-127.f));
-  const float r = xc + 12582912.f;
-  const float f = xc - (r - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.05500863f, f, 0.24221043f), f, 0.69328302f), f, 1.f);
-  const float scale = __uint_as_float((__float_as_uint(r) << 23) + 0x3f800000u);
-  return p * scale;
-}
+// 2^x on the FMA pipe: the kernels' exp2_fma (cuda/kernels/common/exp2_fma.cuh).
+__device__ __forceinline__ float ex2_poly(float x) { return jax_flash::cuda::exp2_fma(x); }
 
 constexpr int kChains = 16;
 constexpr int kIters = 2048;

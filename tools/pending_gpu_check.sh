@@ -87,7 +87,7 @@ for mode in "${MODES[@]}"; do
         >"$OUT/capab.log" 2>&1 || status=1
       note "capab: ($((SECONDS - start)) s) $(grep -E 'modifiers' "$OUT/capab/packed_ab.txt" 2>/dev/null | tr '\n' ' ')" ;;
     mufu)
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a tools/mufu_bench.cu -o /tmp/mufu_bench &&
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda tools/mufu_bench.cu -o /tmp/mufu_bench &&
         /tmp/mufu_bench >"$OUT/mufu.txt" 2>&1
       rc=$?; [ $rc -eq 0 ] || status=1
       note "mufu: rc=$rc ($((SECONDS - start)) s)"; cat "$OUT/mufu.txt" ;;
