@@ -1,0 +1,153 @@
+"""Where a decode call's time goes inside benchmarks/bench_decode.py's program timing: runs its chained program
+(--calls calls, each call's query the previous call's output) under JAX's profiler (CUPTI) and prints, per
+implementation, the GPU's kernels of one program with their durations and the idle gaps between them, then per
+call: the program's span, the kernels' busy time and the gaps, beside bench_decode's own time per call for the same
+program. Nsight Systems is not on the GPU machines; Nsight Compute serialises kernels, so it shows no gaps.
+
+    python3 tools/timeline_decode.py --impls jax_flash,cudnn --batch 8 --seqlen 32768 --tq 1 [--out DIR]
+"""
+
+import argparse
+import glob
+import json
+import os
+import runpy
+import statistics
+import tempfile
+import types
+
+import jax
+import jax.numpy as jnp
+from jax.profiler import ProfileData
+
+
+def _bench():
+    here = os.path.dirname(os.path.abspath(__file__))
+    return types.SimpleNamespace(**runpy.run_path(os.path.join(here, "..", "benchmarks", "bench_decode.py")))
+
+
+def gpu_events(xplane_path):
+    """[(start_ns, end_ns, name, line)] of every event on the GPU planes' stream lines, sorted by start."""
+    data = ProfileData.from_file(xplane_path)
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                events.append((int(e.start_ns), int(e.start_ns + e.duration_ns), e.name, line.name))
+    # a kernel may be listed on a per-stream line and again on an "all streams" line: keep one
+    seen, unique = set(), []
+    for ev in sorted(events):
+        if (ev[0], ev[1], ev[2]) not in seen:
+            seen.add((ev[0], ev[1], ev[2]))
+            unique.append(ev)
+    return unique
+
+
+def split_programs(events, gap_ns):
+    """The events grouped into programs: a new program starts after an idle gap longer than gap_ns."""
+    programs, cur, end = [], [], None
+    for ev in events:
+        if cur and ev[0] - end > gap_ns:
+            programs.append(cur)
+            cur = []
+        end = max(end, ev[1]) if cur else ev[1]
+        cur.append(ev)
+    if cur:
+        programs.append(cur)
+    return programs
+
+
+def summarise(program, calls):
+    span = program[-1][1] - program[0][0]
+    busy, end = 0, program[0][0]
+    for s, e, _, _ in program:  # union of the kernels' intervals
+        busy += max(0, e - max(s, end))
+        end = max(end, e)
+    return dict(kernels=len(program), span_us=span / 1e3 / calls, busy_us=busy / 1e3 / calls,
+                gaps_us=(span - busy) / 1e3 / calls)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default="jax_flash,cudnn")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--tq", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--ragged", action="store_true")
+    ap.add_argument("--calls", type=int, default=10, help="calls chained in one program (bench_decode's --calls)")
+    ap.add_argument("--programs", type=int, default=3, help="programs profiled (the median one is listed)")
+    ap.add_argument("--out", default=None, help="directory for timeline-<shape>.json")
+    a = ap.parse_args()
+    bench = _bench()
+    kq, kk, kv, kl = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(kq, (a.batch, a.tq, a.heads, a.head_dim), jnp.bfloat16)
+    k = jax.random.normal(kk, (a.batch, a.seqlen, a.kv_heads, a.head_dim), jnp.bfloat16)
+    v = jax.random.normal(kv, (a.batch, a.seqlen, a.kv_heads, a.head_dim), jnp.bfloat16)
+    n = (jax.random.randint(kl, (a.batch,), a.tq, a.seqlen + 1, jnp.int32) if a.ragged
+         else jnp.full((a.batch,), a.seqlen, jnp.int32))
+    caches = bench._cache_copies(k, v, "program", a.calls)
+    splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen)
+    shape = (f"{a.heads}/{a.kv_heads}x{a.head_dim} Tq{a.tq} B{a.batch} S{a.seqlen}"
+             f"{' ragged' if a.ragged else ''}")
+    results = []
+    for impl in a.impls.split(","):
+        fn, why = bench.implementations(impl, a.tq, "dense", splits)
+        if fn is None:
+            print(f"## {impl} {shape}: does not run ({why})")
+            continue
+        us = bench._time_us(fn, q, caches, n, None, a.calls, 5, "program")
+        run = jax.jit(bench._chained(fn, a.calls))
+        jax.block_until_ready(run(q, caches, n, None))
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d)
+            for _ in range(a.programs):
+                jax.block_until_ready(run(q, caches, n, None))
+            jax.profiler.stop_trace()
+            paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+            events = gpu_events(paths[0]) if paths else []
+        programs = [p for p in split_programs(events, 20_000) if len(p) >= a.calls]
+        if not programs:
+            print(f"## {impl} {shape}: no GPU events traced ({len(events)} events)")
+            continue
+        stats = [summarise(p, a.calls) for p in programs]
+        mid = sorted(range(len(stats)), key=lambda i: stats[i]["span_us"])[len(stats) // 2]
+        prog, st = programs[mid], stats[mid]
+        print(f"## {impl} {shape}: bench_decode {us:.1f} us per call; traced program (median of {len(stats)}): "
+              f"span {st['span_us']:.1f} us per call = kernels {st['busy_us']:.1f} + idle {st['gaps_us']:.1f}; "
+              f"{st['kernels']} kernels in {a.calls} calls")
+        kinds = {}
+        prev_end = None
+        for i, (s, e, name, _) in enumerate(prog):
+            gap = 0 if prev_end is None else (s - prev_end) / 1e3
+            prev_end = e if prev_end is None else max(prev_end, e)
+            k_ = kinds.setdefault(name, [0, 0.0, 0.0])
+            k_[0] += 1
+            k_[1] += (e - s) / 1e3
+            k_[2] += gap
+            if i < 2 * len(prog) // a.calls + 1:  # the first two calls in full
+                print(f"    +{gap:7.1f} gap  {(e - s) / 1e3:8.1f} us  {name[:110]}")
+        print("  per kernel name (count, device us, idle us before it), whole program:")
+        for name, (c, dur, gap) in sorted(kinds.items(), key=lambda kv_: -kv_[1][1]):
+            print(f"    {c:4d} x  {dur / c:8.1f} us  idle {gap / c:6.1f} us before  {name[:100]}")
+        results.append(dict(impl=impl, shape=shape, bench_us=us, **st,
+                            spans=[s_["span_us"] for s_ in stats],
+                            by_kernel={n_: dict(count=c, mean_us=dur / c, mean_gap_us=gap / c)
+                                       for n_, (c, dur, gap) in kinds.items()}))
+        print(f"  spans per call over the profiled programs: {[round(s_['span_us'], 1) for s_ in stats]}"
+              f" (median {statistics.median([s_['span_us'] for s_ in stats]):.1f})")
+    if a.out and results:
+        os.makedirs(a.out, exist_ok=True)
+        name = shape.replace("/", "-").replace(" ", "_")
+        with open(os.path.join(a.out, f"timeline-{name}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
