@@ -3,23 +3,28 @@
 Metric: bytes of K and V a call must read (sum over sequences of kv_length x Hkv x D x 2 tensors x 2 bytes) per
 second of its median time (2 bytes an element in bfloat16; the CPU smoke run's float32 counts 4), and that as a percentage of the device's HBM peak (H200 4.8 TB/s, H100 3.35 TB/s).
 Timing (`--timing`, the median over `--reps` repetitions of a time divided by the calls it covers; before them,
---warmup seconds of untimed runs (clocks settle after the previous row's compile), and each repetition runs the timed
-unit as many times back to back as fill about 5 ms, so that the one host synchronisation per repetition is a small
-share of it):
-  program    (default) one jitted program makes `--calls` calls one after another (each call's output is the next
-             one's query, so they cannot overlap, as a model's layers do not) and is timed as a whole: the device's
-             time per call (kernels and the gaps between them), as a decode step inside a jitted model sees it,
-             without a Python dispatch per call (which takes about as long as a
-             whole call on the smallest shapes and made them vary 2x between runs). Caches under 256 MB are
-             copied (at most one copy per call) so that consecutive calls read different ones: from 256 MB /
-             (calls - 1) up (13 MB at 20 calls), 256 MB (five times the 50 MB L2) are read between two reads of one
-             copy, so no call finds its cache in L2 (smaller caches still may). Each call's cache passes through an
-             optimization barrier, so XLA cannot merge work that depends on the cache alone across calls (the xla
-             path's K/V transposes: each layer of a model reads its own cache; jax >= 0.11: older XLA merges
+--warmup seconds of untimed runs (clocks settle after the previous row's compile)):
+  device     (default on a GPU) one jitted program makes `--calls` calls one after another (each call's output is
+             the next one's query, so they cannot overlap, as a model's layers do not); each repetition runs it
+             once under JAX's profiler (CUPTI), and its time is the GPU's: from the program's first kernel's start
+             to its last kernel's end (the calls' kernels and the gaps between them), as a decode step inside a
+             jitted model sees it. Neither the host's dispatch of the program nor its synchronisation counts: on an
+             H200 they added 8-20 % to the wall-clock time of a 20-call program of large calls, and varied it by
+             up to 10 % between runs of one build (2026-11-24, `tools/timeline_decode.py`), while the traced
+             spans repeat within 0.5 %. The row also keeps `wall_us`, the wall-clock time per call of the
+             warm-up's programs (dispatch and synchronisation included). Caches under 256 MB are copied (at most
+             one copy per call) so that consecutive calls read different ones: from 256 MB / (calls - 1) up
+             (13 MB at 20 calls), 256 MB (five times the 50 MB L2) are read between two reads of one copy, so no
+             call finds its cache in L2 (smaller caches still may). Each call's cache passes through an
+             optimization barrier, so XLA cannot merge work that depends on the cache alone across calls (the
+             xla path's K/V transposes: each layer of a model reads its own cache; jax >= 0.11: older XLA merges
              across the barrier);
-  pipelined  `--calls` jitted calls enqueued back to back from Python on one cache (Python dispatch overlaps
-             the kernels where a call takes longer than its dispatch; a cache below the L2 size may be served
-             partly from it and show more than the HBM peak).
+  program    (the default without a GPU; the GPU results up to 2026-11-23) the same program timed by the wall
+             clock: each repetition runs it back to back as many times as fill about 5 ms, then synchronises
+             once (the host's dispatch and synchronisation included);
+  pipelined  `--calls` jitted calls enqueued back to back from Python on one cache, wall clock as `program`
+             (Python dispatch overlaps the kernels where a call takes longer than its dispatch; a cache below the
+             L2 size may be served partly from it and show more than the HBM peak).
 
 Matrix (issue 19): (Hq, Hkv, D) in {(32, 8, 128), (64, 8, 128), (8, 1, 128), (16, 8, 256)} x Tq in {1, 4, 16} x
 B in {1, 8, 64, 256} x S in {1k, 8k, 32k, 128k} (caches over --max-cache-gb skipped), each with equal lengths (the
@@ -47,6 +52,7 @@ is installed.
 
 import argparse
 import datetime
+import glob
 import itertools
 import json
 import os
@@ -106,17 +112,58 @@ def _chained(fn, calls):
     return chain
 
 
-#: Each timed repetition runs the unit (a program of `calls` calls, or `calls` pipelined calls) this long at least.
+#: Each wall-clock repetition runs the unit (a program of `calls` calls, or `calls` pipelined calls) this long at
+#: least.
 MIN_REP_S = 0.005
 
 
+def gpu_events(xplane_path):
+    """[(start_ns, end_ns, name)] of the kernels and copies on the GPU planes' stream lines of a JAX profiler
+    trace, sorted by start (an event listed on two lines, a stream's and an aggregate's, once)."""
+    from jax.profiler import ProfileData
+
+    events = set()
+    for plane in ProfileData.from_file(xplane_path).planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    events.update((int(e.start_ns), int(e.start_ns + e.duration_ns), e.name) for e in line.events)
+    return sorted(events)
+
+
+def traced_gpu_events(work):
+    """GPU events of work() run under JAX's profiler."""
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            work()
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        return gpu_events(paths[0]) if paths else []
+
+
+def program_spans_us(events, programs):
+    """Microseconds from the first event's start to the last one's end of each of `programs` programs that ran
+    one after another (the host waiting for each): equal numbers of events each, in order of start."""
+    if not events or len(events) % programs:
+        raise RuntimeError(f"device timing: {len(events)} GPU events traced for {programs} programs (no GPU "
+                           "activity recorded by JAX's profiler, or programs of different kernels); "
+                           "use --timing program")
+    per = len(events) // programs
+    return [(max(e for _, e, _ in events[i * per:(i + 1) * per]) - events[i * per][0]) / 1e3
+            for i in range(programs)]
+
+
 def _time_us(fn, q, caches, n, table, calls, reps, timing, warmup_s=0.05):
-    """Median microseconds per call of fn(q, k_cache, v_cache, n, table): a unit is `calls` chained calls in one
-    jitted program over copies of the caches (timing "program"), or `calls` jitted calls enqueued from Python on the
-    first copy ("pipelined"). Compiled, then run untimed for at least `warmup_s` seconds (twice at least: the GPU's
-    clocks settle after the idle compile); each of `reps` repetitions enqueues k units back to back (k from the
-    warm-up's time per unit, enough for MIN_REP_S) and blocks once."""
-    if timing == "program":
+    """(median microseconds per call, wall-clock microseconds per call) of fn(q, k_cache, v_cache, n, table): a unit
+    is `calls` chained calls in one jitted program over copies of the caches (timings "device", "program"), or
+    `calls` jitted calls enqueued from Python on the first copy ("pipelined"). Compiled, then run untimed for at
+    least `warmup_s` seconds (twice at least: the GPU's clocks settle after the idle compile; the second value is
+    their wall-clock time per call). "device": each of `reps` programs traced, its GPU span; otherwise each of
+    `reps` repetitions enqueues k units back to back (k from the warm-up's time per unit, enough for MIN_REP_S)
+    and blocks once."""
+    if timing in ("device", "program"):
         run = jax.jit(_chained(fn, calls))
         go = lambda: run(q, caches, n, table)  # noqa: E731
     else:
@@ -128,20 +175,24 @@ def _time_us(fn, q, caches, n, table, calls, reps, timing, warmup_s=0.05):
         jax.block_until_ready(go())
         units += 1
     per_unit = (time.perf_counter() - t0) / units
+    wall_us = per_unit / calls * 1e6
+    if timing == "device":
+        events = traced_gpu_events(lambda: [jax.block_until_ready(go()) for _ in range(reps)])
+        return statistics.median(program_spans_us(events, reps)) / calls, wall_us
     k = max(1, int(np.ceil(MIN_REP_S / max(per_unit, 1e-9))))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready([go() for _ in range(k)])
         times.append((time.perf_counter() - t0) / (k * calls))
-    return statistics.median(times) * 1e6
+    return statistics.median(times) * 1e6, wall_us
 
 
 def _cache_copies(kc, vc, timing, calls):
     """[(k, v)]: the caches, and for program timing copies of small ones, enough that L2_FLUSH_BYTES lie between two
     reads of one copy where `calls` copies suffice (at most one copy per call)."""
     nbytes = 2 * kc.size * kc.dtype.itemsize
-    copies = (1 if timing != "program" or nbytes >= L2_FLUSH_BYTES
+    copies = (1 if timing == "pipelined" or nbytes >= L2_FLUSH_BYTES
               else max(1, min(calls, -(-L2_FLUSH_BYTES // nbytes) + 1)))
     return [(kc, vc)] + [(kc.copy(), vc.copy()) for _ in range(copies - 1)]
 
@@ -245,13 +296,14 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
                 fn, why = implementations(impl, tq, layout, splits, meta["platform"])
                 row = dict(impl=impl, B=b, Tq=tq, Sk=s, Hq=hq, Hkv=hkv, D=d, paged=page_size is not None,
                            page_size=page_size, ragged=lengths_kind == "ragged", kv_bytes=kv_bytes, us=None,
-                           gbps=None, pct_peak=None, device=meta["device"], jax_version=meta["jax_version"],
-                           error=None)
+                           gbps=None, pct_peak=None, wall_us=None, device=meta["device"],
+                           jax_version=meta["jax_version"], error=None)
                 if fn is None:
                     continue  # does not apply (not a row)
                 try:
-                    us = _time_us(fn, q, caches, n, table, args.calls, args.reps, args.timing, args.warmup)
-                    row.update(us=round(us, 2), gbps=round(kv_bytes / us / 1e3, 1))
+                    us, wall_us = _time_us(fn, q, caches, n, table, args.calls, args.reps, args.timing,
+                                           args.warmup)
+                    row.update(us=round(us, 2), gbps=round(kv_bytes / us / 1e3, 1), wall_us=round(wall_us, 2))
                     if meta["peak_gbps"]:
                         row["pct_peak"] = round(100 * row["gbps"] / meta["peak_gbps"], 1)
                 except Exception as e:  # noqa: BLE001
@@ -283,8 +335,12 @@ def markdown(rows, meta):
     lines = [f"# Decode benchmark: {meta['device']}, jax {meta['jax_version']}, {meta['date']}", "",
              ("Smoke run without a GPU: the timings are not performance numbers. " if meta["platform"] != "gpu"
               else "") +
-             ("Medians of chained calls in one program (device time per call; small caches copied out of L2)"
-              if meta.get("timing", "pipelined") == "program" else "Pipelined medians") +
+             {"device": "Medians of chained calls in one program, the GPU's time per call (the program's traced "
+                        "span: kernels and the gaps between them; the host's dispatch and synchronisation not "
+                        "counted); small caches copied out of L2",
+              "program": "Medians of chained calls in one program, wall-clock time per call (the host's dispatch "
+                         "and synchronisation included); small caches copied out of L2",
+              }.get(meta.get("timing", "pipelined"), "Pipelined medians") +
              f"; TB/s = bytes of K and V read per second; % of the HBM peak "
              f"({meta['peak_gbps']} GB/s). xla rows at Tq > 1 are not causal (jax.nn has no bottom-right causal "
              "mask); fa3_jax runs with jax_flash's split count.", "",
@@ -366,8 +422,10 @@ def main(argv=None):
     parser.add_argument("--lengths", default=None, help="equal,ragged")
     parser.add_argument("--max-cache-gb", type=float, default=40.0, help="skip shapes whose K + V exceed this")
     parser.add_argument("--calls", type=int, default=20, help="calls per timed repetition")
-    parser.add_argument("--timing", choices=("program", "pipelined"), default="program",
-                        help="calls in one jitted program (device time per call) or jitted calls from Python")
+    parser.add_argument("--timing", choices=("device", "program", "pipelined"), default=None,
+                        help="device (default on a GPU): a program of chained calls, its GPU span per call from "
+                             "JAX's profiler; program (default without one): that program's wall-clock time; "
+                             "pipelined: jitted calls from Python")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=float, default=0.05,
                         help="seconds of untimed runs before a row's repetitions (at least two runs)")
@@ -377,6 +435,7 @@ def main(argv=None):
     device = jax.devices()[0]
     platform = device.platform
     preset = PRESETS[args.preset or ("full" if platform == "gpu" else "smoke")]
+    args.timing = args.timing or ("device" if platform == "gpu" else "program")
     heads = preset["heads"] if args.heads is None else tuple(tuple(int(x) for x in h.split("/"))
                                                              for h in args.heads.split(","))
     tqs = preset["tq"] if args.tq is None else tuple(int(x) for x in args.tq.split(","))

@@ -71,7 +71,8 @@ def test_program_timing_chains_calls_over_cache_copies():
     out = jax.jit(bench._chained(fn, 5))(q, caches, None, None)
     assert (out == 5).all()  # five calls, each on the previous one's output
     assert len(seen) == 5 and len({id(k) for k in seen}) == 5  # a fresh cache value per call
-    assert bench._time_us(fn, q, caches, None, None, calls=3, reps=1, timing="program") > 0
+    us, wall_us = bench._time_us(fn, q, caches, None, None, calls=3, reps=1, timing="program")
+    assert us > 0 and wall_us > 0
 
 
 def test_timing_warms_up_and_fills_each_repetition(monkeypatch):
@@ -89,7 +90,7 @@ def test_timing_warms_up_and_fills_each_repetition(monkeypatch):
 
     q, k = jnp.ones((1, 1, 2, 8)), jnp.ones((1, 64, 1, 8))
     monkeypatch.setattr(bench, "MIN_REP_S", 0.0)  # k = 1
-    assert bench._time_us(fn, q, [(k, k)], None, None, calls=3, reps=4, timing="pipelined", warmup_s=0.0) > 0
+    assert bench._time_us(fn, q, [(k, k)], None, None, calls=3, reps=4, timing="pipelined", warmup_s=0.0)[0] > 0
     jax.effects_barrier()
     assert len(runs) == 3 * (1 + 2 + 4)  # compile run, two warm-up units, four repetitions of one unit
     runs.clear()
@@ -120,6 +121,30 @@ def test_program_timing_keeps_each_calls_cache_work():
         return len(re.findall(r"\s(?:reduce|reduce-window)\(", hlo))
 
     assert reductions(1) >= 1 and reductions(4) == 4 * reductions(1)
+
+
+def test_device_timing_spans_each_program():
+    """Device timing: each program's span runs from its first event's start to its last event's end (events of
+    several streams may overlap); programs are told apart by their equal event counts; anything else (no GPU
+    activity traced, as on a CPU) is a clear error, not a number."""
+    bench = _bench()
+    events = [(0, 5_000, "split"), (5_000, 6_000, "combine"),  # program 1: 6 us
+              (50_000, 52_000, "a"), (51_000, 60_000, "b")]    # program 2: 10 us, overlapping events
+    assert bench.program_spans_us(events, 2) == [6.0, 10.0]
+    assert bench.program_spans_us(events, 1) == [60.0]
+    for bad, programs in (([], 1), (events[:3], 2)):
+        with pytest.raises(RuntimeError, match="device timing.*--timing program"):
+            bench.program_spans_us(bad, programs)
+
+
+def test_device_timing_without_gpu_events_is_a_clear_error():
+    import jax.numpy as jnp
+
+    bench = _bench()
+    q, k = jnp.ones((1, 1, 2, 8)), jnp.ones((1, 64, 1, 8))
+    with pytest.raises(RuntimeError, match="device timing: 0 GPU events"):
+        bench._time_us(lambda q, k, v, n, t: q + 1, q, [(k, k)], None, None, calls=2, reps=2, timing="device",
+                       warmup_s=0.0)
 
 
 def test_pipelined_timing_runs(tmp_path):

@@ -1,50 +1,27 @@
 """Where a decode call's time goes inside benchmarks/bench_decode.py's program timing: runs its chained program
 (--calls calls, each call's query the previous call's output) under JAX's profiler (CUPTI) and prints, per
 implementation, the GPU's kernels of one program with their durations and the idle gaps between them, then per
-call: the program's span, the kernels' busy time and the gaps, beside bench_decode's own time per call for the same
-program. Nsight Systems is not on the GPU machines; Nsight Compute serialises kernels, so it shows no gaps.
+call: the program's span, the kernels' busy time and the gaps, beside bench_decode's wall-clock time per call
+(`--timing program`) for the same program (its default on a GPU, `--timing device`, is the traced span). Nsight
+Systems is not on the GPU machines; Nsight Compute serialises kernels, so it shows no gaps.
 
     python3 tools/timeline_decode.py --impls jax_flash,cudnn --batch 8 --seqlen 32768 --tq 1 [--out DIR]
 """
 
 import argparse
-import glob
 import json
 import os
 import runpy
 import statistics
-import tempfile
 import types
 
 import jax
 import jax.numpy as jnp
-from jax.profiler import ProfileData
 
 
 def _bench():
     here = os.path.dirname(os.path.abspath(__file__))
     return types.SimpleNamespace(**runpy.run_path(os.path.join(here, "..", "benchmarks", "bench_decode.py")))
-
-
-def gpu_events(xplane_path):
-    """[(start_ns, end_ns, name, line)] of every event on the GPU planes' stream lines, sorted by start."""
-    data = ProfileData.from_file(xplane_path)
-    events = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for e in line.events:
-                events.append((int(e.start_ns), int(e.start_ns + e.duration_ns), e.name, line.name))
-    # a kernel may be listed on a per-stream line and again on an "all streams" line: keep one
-    seen, unique = set(), []
-    for ev in sorted(events):
-        if (ev[0], ev[1], ev[2]) not in seen:
-            seen.add((ev[0], ev[1], ev[2]))
-            unique.append(ev)
-    return unique
 
 
 def split_programs(events, gap_ns):
@@ -64,7 +41,7 @@ def split_programs(events, gap_ns):
 def summarise(program, calls):
     span = program[-1][1] - program[0][0]
     busy, end = 0, program[0][0]
-    for s, e, _, _ in program:  # union of the kernels' intervals
+    for s, e, _ in program:  # union of the kernels' intervals
         busy += max(0, e - max(s, end))
         end = max(end, e)
     return dict(kernels=len(program), span_us=span / 1e3 / calls, busy_us=busy / 1e3 / calls,
@@ -83,6 +60,8 @@ def main():
     ap.add_argument("--ragged", action="store_true")
     ap.add_argument("--calls", type=int, default=10, help="calls chained in one program (bench_decode's --calls)")
     ap.add_argument("--programs", type=int, default=3, help="programs profiled (the median one is listed)")
+    ap.add_argument("--back-to-back", type=int, default=5,
+                    help="programs enqueued back to back and profiled as one run (bench_decode's repetitions)")
     ap.add_argument("--out", default=None, help="directory for timeline-<shape>.json")
     a = ap.parse_args()
     bench = _bench()
@@ -102,16 +81,14 @@ def main():
         if fn is None:
             print(f"## {impl} {shape}: does not run ({why})")
             continue
-        us = bench._time_us(fn, q, caches, n, None, a.calls, 5, "program")
+        us, _ = bench._time_us(fn, q, caches, n, None, a.calls, 5, "program")
         run = jax.jit(bench._chained(fn, a.calls))
         jax.block_until_ready(run(q, caches, n, None))
-        with tempfile.TemporaryDirectory() as d:
-            jax.profiler.start_trace(d)
-            for _ in range(a.programs):
-                jax.block_until_ready(run(q, caches, n, None))
-            jax.profiler.stop_trace()
-            paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-            events = gpu_events(paths[0]) if paths else []
+        events = bench.traced_gpu_events(
+            lambda: [jax.block_until_ready(run(q, caches, n, None)) for _ in range(a.programs)])
+        # bench_decode's pattern: programs enqueued back to back, one wait
+        b2b = bench.traced_gpu_events(
+            lambda: jax.block_until_ready([run(q, caches, n, None) for _ in range(a.back_to_back)]))
         programs = [p for p in split_programs(events, 20_000) if len(p) >= a.calls]
         if not programs:
             print(f"## {impl} {shape}: no GPU events traced ({len(events)} events)")
@@ -124,7 +101,7 @@ def main():
               f"{st['kernels']} kernels in {a.calls} calls")
         kinds = {}
         prev_end = None
-        for i, (s, e, name, _) in enumerate(prog):
+        for i, (s, e, name) in enumerate(prog):
             gap = 0 if prev_end is None else (s - prev_end) / 1e3
             prev_end = e if prev_end is None else max(prev_end, e)
             k_ = kinds.setdefault(name, [0, 0.0, 0.0])
@@ -136,7 +113,21 @@ def main():
         print("  per kernel name (count, device us, idle us before it), whole program:")
         for name, (c, dur, gap) in sorted(kinds.items(), key=lambda kv_: -kv_[1][1]):
             print(f"    {c:4d} x  {dur / c:8.1f} us  idle {gap / c:6.1f} us before  {name[:100]}")
-        results.append(dict(impl=impl, shape=shape, bench_us=us, **st,
+        if b2b:
+            whole = summarise(b2b, a.calls * a.back_to_back)
+            idle = sorted(((s_ - e_) / 1e3 for (_, e_, _), (s_, _, _) in zip(b2b, b2b[1:]) if s_ - e_ > 5_000),
+                          reverse=True)
+            print(f"  {a.back_to_back} programs back to back: span {whole['span_us']:.1f} us per call = kernels "
+                  f"{whole['busy_us']:.1f} + idle {whole['gaps_us']:.1f}; idle stretches > 5 us: "
+                  f"{[round(x, 1) for x in idle[:12]]}")
+            longest = max(kinds, key=lambda n_: kinds[n_][1])
+            durs = [(e_ - s_) / 1e3 for s_, e_, n_ in b2b if n_ == longest]
+            print(f"    its longest kernel: mean {statistics.mean(durs):.1f} us over {len(durs)} (single programs: "
+                  f"{kinds[longest][1] / kinds[longest][0]:.1f})")
+            results_b2b = whole
+        else:
+            results_b2b = None
+        results.append(dict(impl=impl, shape=shape, bench_us=us, **st, back_to_back=results_b2b,
                             spans=[s_["span_us"] for s_ in stats],
                             by_kernel={n_: dict(count=c, mean_us=dur / c, mean_gap_us=gap / c)
                                        for n_, (c, dur, gap) in kinds.items()}))
