@@ -136,6 +136,10 @@ KERNEL_CASES = {
     "d40_softcap_sinks": dict(batch=2, rows=1, hq=6, hkv=3, d=40, capacity=77, lengths=(77, 9), softcap=20.0,
                               sinks=True),
     "long_one_sequence": dict(batch=1, rows=1, hq=32, hkv=8, d=128, capacity=20000, lengths=(19999,)),
+    # few rows of many splits: the combine's block kernel spreads each row's columns over several blocks (8 rows of
+    # ~156 splits at d128: 4 chunks; at d80, 20 float4 columns: 2 chunks of 10)
+    "combine_chunks_rows8": dict(batch=1, rows=1, hq=8, hkv=1, d=128, capacity=20000, lengths=(19990,), sinks=True),
+    "combine_chunks_d80": dict(batch=1, rows=2, hq=4, hkv=1, d=80, capacity=16000, lengths=(15999,), softcap=25.0),
     "paged16_long_ragged": dict(batch=3, rows=2, hq=8, hkv=2, d=64, capacity=4096, lengths=(4096, 1, 2500),
                                 page_size=16),
     "rows256_falls_back": dict(batch=1, rows=16, hq=16, hkv=1, d=64, capacity=64, lengths=(40,)),

@@ -84,8 +84,10 @@ DECODE_CASES = [
     # two warpgroups at d128 (the 6-stage ring at the shared-memory limit), paged + soft cap, and dense ragged
     (2, 16, 8, 1, 128, 3000, 64, None, dict(logits_soft_cap=20.0)),
     (3, 16, 8, 1, 128, 3000, None, None, dict()),
-    # more splits than the warp-per-row combine takes (the block-per-row one)
+    # more splits than the warp-per-row combine takes (the block-per-row one); 8 rows of 256 splits (more than the
+    # 128 key tiles: empty splits) over 8 column chunks
     (1, 1, 32, 8, 128, 8192, None, 100, dict(sinks=True)),
+    (1, 1, 8, 1, 128, 8192, None, 256, dict(sinks=True)),
     # one split per sequence: ragged batches taken longest first (mma.sync; wgmma at 64 packed rows), and past 256
     # sequences in batch order
     (40, 1, 4, 2, 64, 200, None, 1, dict()),
