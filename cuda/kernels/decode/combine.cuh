@@ -85,10 +85,13 @@ __global__ void __launch_bounds__(kCombineWarpsPerBlock * kWarpSize) flash_decod
   if (lane == 0) p.lse[lse_off] = m + logf(total);
 }
 
-// Otherwise (few rows, or many splits: one sequence over the whole GPU): a block per row. Splits are spread over the
-// threads (the weights first, then float4 columns x split groups with a shared-memory reduction), so many splits of
-// few rows cost little.
+// Otherwise (few rows, or many splits: one sequence over the whole GPU): a block per row and chunk of its columns
+// (gridDim.y chunks of float4 columns, so that a few rows still spread over many SMs: 8 rows at 256 splits read 1 MB
+// of partials, which 8 blocks took 7.4 us to stream on an H200 and 64 take ~1). Every chunk's block computes the
+// row's weights (one lse per split); its splits are spread over the threads (float4 columns x split groups, then a
+// shared-memory tree over the groups), so many splits of few rows cost little. Chunk 0 writes the lse.
 inline constexpr int kCombineThreads = 256;
+inline constexpr int kCombineSerialGroups = 16;
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine_kernel(const FlashParams p) {
   __shared__ float s_weight[kMaxDecodeSplits];
@@ -102,6 +105,12 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine_kernel(c
   const int64_t split_rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
   const int64_t lse_off = (int64_t(b) * p.heads_q + h) * p.seqlen_q + step;
   const int splits = p.num_splits;
+  // This block's float4 columns: [col0, col0 + chunk_cols) of the row's cols.
+  const int cols = p.head_dim / 4;
+  const int chunk_cols_max = (cols + int(gridDim.y) - 1) / int(gridDim.y);
+  const int col0 = int(blockIdx.y) * chunk_cols_max;
+  const int chunk_cols = min(chunk_cols_max, cols - col0);
+  if (chunk_cols <= 0) return;  // whole block (the launcher's chunk count divides evenly; a guard all the same)
 
   // Block-wide max (nan: any split's) and sum.
   auto block_reduce = [&](float v, bool is_max) {
@@ -125,8 +134,8 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine_kernel(c
   const float sink = p.sinks != nullptr ? p.sinks[int64_t(b) * p.heads_q + h] : -INFINITY;
   T* out = static_cast<T*>(p.o) + idx * p.head_dim;
   if (top == -INFINITY && !any_nan) {  // sees no key
-    for (int c = tid; c < p.head_dim; c += kCombineThreads) out[c] = T(0.f);
-    if (tid == 0) p.lse[lse_off] = INFINITY;
+    for (int c = 4 * col0 + tid; c < 4 * (col0 + chunk_cols); c += kCombineThreads) out[c] = T(0.f);
+    if (tid == 0 && blockIdx.y == 0) p.lse[lse_off] = INFINITY;
     return;
   }
   const float m = fmaxf(top, sink);
@@ -142,13 +151,12 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine_kernel(c
   const float inv = 1.f / total;
   __syncthreads();  // s_weight holds the unnormalised weights
 
-  // Columns in float4s x groups of splits.
-  const int cols = p.head_dim / 4;
-  const int groups = kCombineThreads / cols;
-  const int col = tid % cols, group = tid / cols;
+  // This chunk's columns in float4s x groups of splits.
+  const int groups = kCombineThreads / chunk_cols;
+  const int col = tid % chunk_cols, group = tid / chunk_cols;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (group < groups) {
-    const float* o = p.o_partial + idx * p.head_dim + col * 4;
+    const float* o = p.o_partial + idx * p.head_dim + (col0 + col) * 4;
 #pragma unroll 4
     for (int s = group; s < splits; s += groups) {
       const float w = s_weight[s];
@@ -161,23 +169,60 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine_kernel(c
     }
   }
   s_acc[tid] = acc;
+  // The groups' sums: one thread per column adds them in turn (up to kCombineSerialGroups: one chunk, as many
+  // groups as 256 threads over a row's float4 columns), or a shared-memory tree (group g adds group g + half while
+  // groups remain; any group count) for the many groups of narrow chunks.
+  if (groups > kCombineSerialGroups) {
+    for (int n = groups; n > 1;) {
+      const int half = (n + 1) / 2;
+      __syncthreads();
+      if (group < n - half) {
+        const float4 v = s_acc[(group + half) * chunk_cols + col];
+        float4& a = s_acc[tid];
+        a.x += v.x;
+        a.y += v.y;
+        a.z += v.z;
+        a.w += v.w;
+      }
+      n = half;
+    }
+  }
   __syncthreads();
-  if (tid < cols) {
+  if (tid < chunk_cols) {
     float4 sum = s_acc[tid];
-    for (int g = 1; g < groups; ++g) {
-      const float4 v = s_acc[g * cols + tid];
+    for (int g = 1; groups <= kCombineSerialGroups && g < groups; ++g) {
+      const float4 v = s_acc[g * chunk_cols + tid];
       sum.x += v.x;
       sum.y += v.y;
       sum.z += v.z;
       sum.w += v.w;
     }
-    T* dst = out + tid * 4;
+    T* dst = out + (col0 + tid) * 4;
     dst[0] = T(sum.x * inv);
     dst[1] = T(sum.y * inv);
     dst[2] = T(sum.z * inv);
     dst[3] = T(sum.w * inv);
   }
-  if (tid == 0) p.lse[lse_off] = m + logf(total);
+  if (tid == 0 && blockIdx.y == 0) p.lse[lse_off] = m + logf(total);
+}
+
+// Column chunks of the block kernel for `rows` rows of head_dim / 4 float4 columns and `splits` splits: halved
+// while the grid has fewer than kCombineMinBlocks blocks (two per SM of an H100/H200), a chunk keeps at least 4 float4
+// columns (64 bytes) and each thread at least kCombineMinLoads partial loads (below that the extra blocks' weight
+// set-up costs more than the loads' latency saves: on an H200, 8 rows of 256 splits 7.4 -> ~5 us with 8 chunks,
+// 64 rows of 66 splits ~0.8 us slower), and the count divides the columns evenly.
+inline constexpr int kCombineMinBlocks = 264;
+inline constexpr int kCombineMinLoads = 4;
+inline int CombineChunks(int64_t rows, int head_dim, int splits) {
+  const int cols = head_dim / 4;
+  int chunks = 1;
+  auto halves = [&](int next) {  // `next` chunks still meet every condition
+    const int chunk_cols = cols / next;
+    return cols % next == 0 && chunk_cols >= 4 &&
+           int64_t(splits) * chunk_cols >= int64_t(kCombineMinLoads) * kCombineThreads;
+  };
+  while (rows * chunks < kCombineMinBlocks && halves(2 * chunks)) chunks *= 2;
+  return chunks;
 }
 
 }  // namespace jax_flash::cuda::decode

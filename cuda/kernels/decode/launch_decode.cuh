@@ -14,7 +14,7 @@
 namespace jax_flash::cuda {
 
 // The combine kernel that merges the split kernel's partial results: a warp per (batch, step, query head) row for
-// many rows of few splits, a block per row otherwise (combine.cuh).
+// many rows of few splits, a block per row and column chunk otherwise (combine.cuh).
 template <typename T>
 cudaError_t launch_decode_combine(const FlashParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads_q;
@@ -23,7 +23,8 @@ cudaError_t launch_decode_combine(const FlashParams& p, cudaStream_t stream) {
     decode::flash_decode_combine_warp_kernel<T>
         <<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), kRowsPerBlock * kWarpSize, 0, stream>>>(p);
   } else {
-    decode::flash_decode_combine_kernel<T><<<unsigned(rows), decode::kCombineThreads, 0, stream>>>(p);
+    const dim3 grid(unsigned(rows), unsigned(decode::CombineChunks(rows, p.head_dim, p.num_splits)));
+    decode::flash_decode_combine_kernel<T><<<grid, decode::kCombineThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
