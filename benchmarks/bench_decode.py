@@ -45,8 +45,9 @@ Implementations (those that apply to a row; a failure is recorded with its error
   tokamax       tokamax.dot_product_attention(implementation="mosaic"): dense, Tq = 1
 
 Writes <out>/<name>.json (rows: impl, B, Tq, Sk, Hq, Hkv, D, paged, page_size, ragged, us, gbps, kv_bytes,
-pct_peak, device, jax_version, error) and <name>.md (tables and the targets' check), and <name>.png when matplotlib
-is installed.
+pct_peak, wall_us, device, jax_version, error; rewritten after every shape, its meta counting the shapes done, so a
+run cut short keeps its rows) and <name>.md (tables and the targets' check), and <name>.png when matplotlib is
+installed.
     python3 benchmarks/bench_decode.py [--preset full|core|smoke] [--impls ...] [--out DIR]
 """
 
@@ -461,17 +462,17 @@ def main(argv=None):
         print("No GPU: a smoke run (tiny shapes; not performance numbers)", flush=True)
     shapes = [(hq, hkv, d, tq, b, s) for (hq, hkv, d) in heads for tq in tqs for (b, s) in preset["bs"]
               if b * s * hkv * d * 2 * 2 <= args.max_cache_gb * 2**30]
+    out = args.out or (RESULTS_DIR if platform == "gpu" else SMOKE_OUT)
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, args.name or f"decode-{device.device_kind.replace(' ', '_')}-{meta['date']}")
     t0 = time.perf_counter()
     rows = []
     for i, (hq, hkv, d, tq, b, s) in enumerate(shapes):
         def progress(msg, i=i):
             print(f"[{i + 1}/{len(shapes)} {time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
         rows += rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress)
-    out = args.out or (RESULTS_DIR if platform == "gpu" else SMOKE_OUT)
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, args.name or f"decode-{device.device_kind.replace(' ', '_')}-{meta['date']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        with open(stem + ".json", "w") as f:  # after every shape: a run cut short keeps its rows
+            json.dump(dict(meta=dict(meta, shapes_done=i + 1, shapes=len(shapes)), rows=rows), f, indent=1)
     text = markdown(rows, meta)
     with open(stem + ".md", "w") as f:
         f.write(text)

@@ -36,7 +36,8 @@ def test_smoke_run_writes_rows_and_table(tmp_path):
     assert all(r["kv_bytes"] == 2 * 256 * 2 * 64 * 2 * 4 for r in equal)  # B S Hkv D, K and V, float32 on the CPU
     md = (tmp_path / "run.md").read_text()
     assert "Smoke run without a GPU" in md and "Targets not checked" in md
-    assert json.loads((tmp_path / "run.json").read_text())["meta"]["timing"] == "program"
+    meta = json.loads((tmp_path / "run.json").read_text())["meta"]
+    assert meta["timing"] == "program" and meta["shapes_done"] == meta["shapes"] == 2  # Tq 1 and 4
     assert "Medians of chained calls in one program" in md
 
 
