@@ -92,8 +92,10 @@ __global__ void __launch_bounds__(kCombineWarpsPerBlock * kWarpSize) flash_decod
 // shared-memory tree over the groups), so many splits of few rows cost little. Chunk 0 writes the lse.
 inline constexpr int kCombineThreads = 256;
 inline constexpr int kCombineSerialGroups = 16;
+// At least 4 blocks an SM (64 registers a thread): with the thread count alone ptxas held the kernel to 32 registers
+// (eight blocks an SM) and spilled one.
 template <typename T>
-__global__ void __launch_bounds__(kCombineThreads) flash_decode_combine_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(kCombineThreads, 4) flash_decode_combine_kernel(const FlashParams p) {
   __shared__ float s_weight[kMaxDecodeSplits];
   __shared__ float4 s_acc[kCombineThreads];
   __shared__ float s_red[kCombineThreads / kWarpSize];
