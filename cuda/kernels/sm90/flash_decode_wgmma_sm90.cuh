@@ -136,8 +136,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
     wgmma_wait<0>();  // the previous P V done: O and P's registers are free
     fence_regs(acc_o);
     fence_regs(a_p);
+    // O's rows rescale only when a row's max moved (FlashAttention-4's conditional rescale, warp-uniform): over a
+    // long cache the max settles early and most tiles skip these kD / 2 multiplies on the tile-to-tile path.
+    if (!__all_sync(0xffffffffu, correction[0] == 1.f && correction[1] == 1.f)) {
 #pragma unroll
-    for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] *= correction[(i / 2) % 2];
+      for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] *= correction[(i / 2) % 2];
+    }
 #pragma unroll
     for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {  // 16 keys per step = S column tiles 2 kk, 2 kk + 1
 #pragma unroll
