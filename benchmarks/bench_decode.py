@@ -6,9 +6,12 @@ Timing (`--timing`, the median over `--reps` repetitions of a time divided by th
 --warmup seconds of untimed runs (clocks settle after the previous row's compile)):
   device     (default on a GPU) one jitted program makes `--calls` calls one after another (each call's output is
              the next one's query, so they cannot overlap, as a model's layers do not); each repetition runs it
-             once under JAX's profiler (CUPTI), and its time is the GPU's: from the program's first kernel's start
-             to its last kernel's end (the calls' kernels and the gaps between them), as a decode step inside a
-             jitted model sees it. Neither the host's dispatch of the program nor its synchronisation counts: on an
+             once under JAX's profiler (CUPTI), and its time is the GPU's: from the program's first kernel's (or
+             copy's) start to its last one's end (the calls' kernels and the gaps between them), as a decode step
+             inside a jitted model sees it. While it profiles, XLA launches the program op by op instead of as CUDA
+             graphs (its flag xla_enable_command_buffers_during_profiling), so the gaps between a call's kernels
+             are those of op-by-op launches: 0-3 µs per call in the traces of 2026-11-24, more for implementations
+             with more kernels per call. Neither the host's dispatch of the program nor its synchronisation counts: on an
              H200 they added 8-20 % to the wall-clock time of a 20-call program of large calls, and varied it by
              up to 10 % between runs of one build (2026-11-24, `tools/timeline_decode.py`), while the traced
              spans repeat within 0.5 %. The row also keeps `wall_us`, the wall-clock time per call of the
@@ -146,14 +149,31 @@ def traced_gpu_events(work):
 
 def program_spans_us(events, programs):
     """Microseconds from the first event's start to the last one's end of each of `programs` programs that ran
-    one after another (the host waiting for each): equal numbers of events each, in order of start."""
+    one after another (the host waiting for each): equal numbers of events each, in order of start, each program
+    the same sequence of kernels and copies (so that an event of something else cannot shift the programs' bounds
+    unnoticed)."""
     if not events or len(events) % programs:
         raise RuntimeError(f"device timing: {len(events)} GPU events traced for {programs} programs (no GPU "
                            "activity recorded by JAX's profiler, or programs of different kernels); "
                            "use --timing program")
     per = len(events) // programs
-    return [(max(e for _, e, _ in events[i * per:(i + 1) * per]) - events[i * per][0]) / 1e3
-            for i in range(programs)]
+    groups = [events[i * per:(i + 1) * per] for i in range(programs)]
+    names = [n for _, _, n in groups[0]]
+    if any([n for _, _, n in g] != names for g in groups[1:]):
+        raise RuntimeError(f"device timing: the {programs} traced programs did not run the same {per} kernels and "
+                           "copies (GPU work from elsewhere in the trace?); use --timing program")
+    return [(max(e for _, e, _ in g) - g[0][0]) / 1e3 for g in groups]
+
+
+def check_device_timing():
+    """Raises with the --timing program advice where JAX's profiler records no GPU activity here (no CUPTI, no
+    permission), before any row pays its warm-up."""
+    x = jnp.ones((256, 256), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(f(x))
+    if not traced_gpu_events(lambda: jax.block_until_ready(f(x))):
+        raise SystemExit("--timing device: JAX's profiler recorded no GPU activity on this machine (CUPTI missing "
+                         "or not permitted?); use --timing program")
 
 
 def _time_us(fn, q, caches, n, table, calls, reps, timing, warmup_s=0.05):
@@ -437,6 +457,8 @@ def main(argv=None):
     platform = device.platform
     preset = PRESETS[args.preset or ("full" if platform == "gpu" else "smoke")]
     args.timing = args.timing or ("device" if platform == "gpu" else "program")
+    if args.timing == "device":
+        check_device_timing()
     heads = preset["heads"] if args.heads is None else tuple(tuple(int(x) for x in h.split("/"))
                                                              for h in args.heads.split(","))
     tqs = preset["tq"] if args.tq is None else tuple(int(x) for x in args.tq.split(","))

@@ -11,7 +11,7 @@ import pytest
 
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_decode.py"
 FIELDS = {"impl", "B", "Tq", "Sk", "Hq", "Hkv", "D", "paged", "page_size", "ragged", "us", "gbps", "kv_bytes",
-          "pct_peak", "device", "jax_version"}
+          "pct_peak", "wall_us", "device", "jax_version"}
 
 
 def _run(tmp_path, *extra):
@@ -129,13 +129,17 @@ def test_device_timing_spans_each_program():
     several streams may overlap); programs are told apart by their equal event counts; anything else (no GPU
     activity traced, as on a CPU) is a clear error, not a number."""
     bench = _bench()
-    events = [(0, 5_000, "split"), (5_000, 6_000, "combine"),  # program 1: 6 us
-              (50_000, 52_000, "a"), (51_000, 60_000, "b")]    # program 2: 10 us, overlapping events
+    events = [(0, 5_000, "split"), (5_000, 6_000, "combine"),           # program 1: 6 us
+              (50_000, 59_000, "split"), (51_000, 60_000, "combine")]  # program 2: 10 us, overlapping events
     assert bench.program_spans_us(events, 2) == [6.0, 10.0]
     assert bench.program_spans_us(events, 1) == [60.0]
     for bad, programs in (([], 1), (events[:3], 2)):
         with pytest.raises(RuntimeError, match="device timing.*--timing program"):
             bench.program_spans_us(bad, programs)
+    # a stray event that keeps the counts even: the programs' kernel sequences differ, an error, not a shifted span
+    stray = [(0, 5_000, "split"), (5_000, 6_000, "memcpy"), (50_000, 52_000, "split"), (51_000, 60_000, "combine")]
+    with pytest.raises(RuntimeError, match="did not run the same"):
+        bench.program_spans_us(stray, 2)
 
 
 def test_device_timing_without_gpu_events_is_a_clear_error():

@@ -140,6 +140,8 @@ KERNEL_CASES = {
     # ~156 splits at d128: 4 chunks; at d80, 20 float4 columns: 2 chunks of 10)
     "combine_chunks_rows8": dict(batch=1, rows=1, hq=8, hkv=1, d=128, capacity=20000, lengths=(19990,), sinks=True),
     "combine_chunks_d80": dict(batch=1, rows=2, hq=4, hkv=1, d=80, capacity=16000, lengths=(15999,), softcap=25.0),
+    # rows that see no key (kv_length 2 < Tq 4) over many splits: the no-key output of every column chunk
+    "combine_chunks_no_key": dict(batch=1, rows=4, hq=4, hkv=1, d=128, capacity=20000, lengths=(2,), sinks=True),
     "paged16_long_ragged": dict(batch=3, rows=2, hq=8, hkv=2, d=64, capacity=4096, lengths=(4096, 1, 2500),
                                 page_size=16),
     "rows256_falls_back": dict(batch=1, rows=16, hq=16, hkv=1, d=64, capacity=64, lengths=(40,)),
@@ -264,12 +266,13 @@ def test_rows_before_the_sequence_see_nothing():
 
 @pytest.mark.parametrize("name", ["dense_gqa_t1", "paged16_long_ragged", "rows128_paged64_window",
                                   "rows64_d64_softcap_sinks", "rows48_d64_paged16_softcap",
-                                  "rows1024_d96_softcap_sinks"])
-@pytest.mark.parametrize("num_splits", [1, 3, 8, 33, 64, 65])
+                                  "rows1024_d96_softcap_sinks", "d40_softcap_sinks", "combine_chunks_no_key"])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 33, 64, 65, 256])
 def test_independent_of_num_splits(name, num_splits):
     """Any split count (more splits than key tiles included) gives the default's result within rounding, sinks
     and soft cap included (33, 64, 65: split counts either side of where the combine changes kernel; 1024 output
-    rows take the warp-per-row one up to 64 splits)."""
+    rows take the warp-per-row one up to 64 splits; 256 splits of few rows spread over column chunks, head dims
+    under 64 sum their split groups by a tree, and rows that see no key write zeros in every chunk)."""
     base, base_lse, _ = _run(_case(name))
     out, lse, _ = _run(_case(name), num_splits=num_splits)
     np.testing.assert_allclose(out, base, atol=TOL, rtol=TOL)

@@ -39,7 +39,7 @@ def split_programs(events, gap_ns):
 
 
 def summarise(program, calls):
-    span = program[-1][1] - program[0][0]
+    span = max(e for _, e, _ in program) - program[0][0]
     busy, end = 0, program[0][0]
     for s, e, _ in program:  # union of the kernels' intervals
         busy += max(0, e - max(s, end))
@@ -86,7 +86,7 @@ def main():
         jax.block_until_ready(run(q, caches, n, None))
         events = bench.traced_gpu_events(
             lambda: [jax.block_until_ready(run(q, caches, n, None)) for _ in range(a.programs)])
-        # bench_decode's pattern: programs enqueued back to back, one wait
+        # --timing program's pattern: programs enqueued back to back, one wait
         b2b = bench.traced_gpu_events(
             lambda: jax.block_until_ready([run(q, caches, n, None) for _ in range(a.back_to_back)]))
         programs = [p for p in split_programs(events, 20_000) if len(p) >= a.calls]

@@ -171,9 +171,9 @@ __global__ void __launch_bounds__(kCombineThreads, 4) flash_decode_combine_kerne
     }
   }
   s_acc[tid] = acc;
-  // The groups' sums: one thread per column adds them in turn (up to kCombineSerialGroups: one chunk, as many
-  // groups as 256 threads over a row's float4 columns), or a shared-memory tree (group g adds group g + half while
-  // groups remain; any group count) for the many groups of narrow chunks.
+  // The groups' sums: one thread per column adds them in turn (up to kCombineSerialGroups: one chunk at head dims
+  // from 64), or a shared-memory tree (group g adds group g + half while groups remain; any group count) for the
+  // many groups of narrow chunks and of head dims under 64.
   if (groups > kCombineSerialGroups) {
     for (int n = groups; n > 1;) {
       const int half = (n + 1) / 2;
