@@ -11,7 +11,8 @@ Timing (`--timing`, the median over `--reps` repetitions of a time divided by th
              inside a jitted model sees it. While it profiles, XLA launches the program op by op instead of as CUDA
              graphs (its flag xla_enable_command_buffers_during_profiling), so the gaps between a call's kernels
              are those of op-by-op launches: 0-3 µs per call in the traces of 2026-11-24, more for implementations
-             with more kernels per call. Neither the host's dispatch of the program nor its synchronisation counts: on an
+             with more kernels per call (XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true keeps the
+             graphs; meta records XLA_FLAGS). Neither the host's dispatch of the program nor its synchronisation counts: on an
              H200 they added 8-20 % to the wall-clock time of a 20-call program of large calls, and varied it by
              up to 10 % between runs of one build (2026-11-24, `tools/timeline_decode.py`), while the traced
              spans repeat within 0.5 %. The row also keeps `wall_us`, the wall-clock time per call of the
@@ -474,7 +475,8 @@ def main(argv=None):
     meta = dict(device=device.device_kind, platform=platform, jax_version=jax.__version__,
                 date=datetime.date.today().isoformat(), peak_gbps=peak_gbps(device.device_kind),
                 preset=args.preset or ("full" if platform == "gpu" else "smoke"), timing=args.timing,
-                calls=args.calls, reps=args.reps, warmup_s=args.warmup, min_rep_s=MIN_REP_S)
+                calls=args.calls, reps=args.reps, warmup_s=args.warmup, min_rep_s=MIN_REP_S,
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
     missing = {name: why for name, (fn, why) in (("fa3_jax", _fa3()), ("tokamax", _tokamax()))
                if name in args.impls and fn is None and platform == "gpu"}
     meta["not_installed"] = missing

@@ -38,6 +38,7 @@ def test_smoke_run_writes_rows_and_table(tmp_path):
     assert "Smoke run without a GPU" in md and "Targets not checked" in md
     meta = json.loads((tmp_path / "run.json").read_text())["meta"]
     assert meta["timing"] == "program" and meta["shapes_done"] == meta["shapes"] == 2  # Tq 1 and 4
+    assert "xla_flags" in meta
     assert "Medians of chained calls in one program" in md
 
 
