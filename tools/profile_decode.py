@@ -21,20 +21,21 @@ def _bench():
     return types.SimpleNamespace(**runpy.run_path(os.path.join(here, "..", "benchmarks", "bench_decode.py")))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impl", default="jax_flash", help="jax_flash, jax_flash_sm80, cudnn, xla, fa3_jax or tokamax")
+def add_shape_args(ap, tq=16, paged=True):
+    """The decode shape's arguments (tools/timeline_decode.py takes them too)."""
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=32768)
-    ap.add_argument("--tq", type=int, default=16)
+    ap.add_argument("--tq", type=int, default=tq)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=None)
+    if paged:
+        ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--ragged", action="store_true", help="lengths uniform in [Tq, S] (bench_decode's ragged rows)")
-    ap.add_argument("--runs", type=int, default=2, help="runs after the compile")
-    a = ap.parse_args()
-    bench = _bench()
+
+
+def decode_inputs(a):
+    """(q, k, v, lengths, page_table) of the shape in `a` (bfloat16; paged: a pool of pages in shuffled order)."""
     kq, kk, kv, kp, kl = jax.random.split(jax.random.PRNGKey(0), 5)
     q = jax.random.normal(kq, (a.batch, a.tq, a.heads, a.head_dim), jnp.bfloat16)
     k = jax.random.normal(kk, (a.batch, a.seqlen, a.kv_heads, a.head_dim), jnp.bfloat16)
@@ -42,11 +43,22 @@ def main():
     n = (jax.random.randint(kl, (a.batch,), a.tq, a.seqlen + 1, jnp.int32) if a.ragged
          else jnp.full((a.batch,), a.seqlen, jnp.int32))
     table = None
-    if a.page_size:  # page j of the pool holds the keys of page order[j] of the dense caches
+    if getattr(a, "page_size", None):  # page j of the pool holds the keys of page order[j] of the dense caches
         pages = a.batch * a.seqlen // a.page_size
         order = jax.random.permutation(kp, pages)
         k, v = (x.reshape(pages, a.page_size, a.kv_heads, a.head_dim)[order] for x in (k, v))
         table = jnp.argsort(order).astype(jnp.int32).reshape(a.batch, -1)
+    return q, k, v, n, table
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impl", default="jax_flash", help="jax_flash, jax_flash_sm80, cudnn, xla, fa3_jax or tokamax")
+    add_shape_args(ap)
+    ap.add_argument("--runs", type=int, default=2, help="runs after the compile")
+    a = ap.parse_args()
+    bench = _bench()
+    q, k, v, n, table = decode_inputs(a)
     layout = "dense" if a.page_size is None else f"paged{a.page_size}"
     # fa3_jax runs with jax_flash's split count, as in bench_decode (its own default is one split)
     splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen) if a.impl == "fa3_jax" else None

@@ -16,12 +16,17 @@ import statistics
 import types
 
 import jax
-import jax.numpy as jnp
+
+
+def _tool(name):
+    """A module's functions, loaded from this directory (tools are scripts, not a package)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return types.SimpleNamespace(**runpy.run_path(os.path.join(here, name)))
 
 
 def _bench():
-    here = os.path.dirname(os.path.abspath(__file__))
-    return types.SimpleNamespace(**runpy.run_path(os.path.join(here, "..", "benchmarks", "bench_decode.py")))
+    """benchmarks/bench_decode.py's functions."""
+    return _tool(os.path.join("..", "benchmarks", "bench_decode.py"))
 
 
 def split_programs(events, gap_ns):
@@ -51,13 +56,8 @@ def summarise(program, calls):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default="jax_flash,cudnn")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seqlen", type=int, default=32768)
-    ap.add_argument("--tq", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--ragged", action="store_true")
+    profile = _tool("profile_decode.py")
+    profile.add_shape_args(ap, tq=1, paged=False)
     ap.add_argument("--calls", type=int, default=10, help="calls chained in one program (bench_decode's --calls)")
     ap.add_argument("--programs", type=int, default=3, help="programs profiled (the median one is listed)")
     ap.add_argument("--back-to-back", type=int, default=5,
@@ -65,12 +65,7 @@ def main():
     ap.add_argument("--out", default=None, help="directory for timeline-<shape>.json")
     a = ap.parse_args()
     bench = _bench()
-    kq, kk, kv, kl = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(kq, (a.batch, a.tq, a.heads, a.head_dim), jnp.bfloat16)
-    k = jax.random.normal(kk, (a.batch, a.seqlen, a.kv_heads, a.head_dim), jnp.bfloat16)
-    v = jax.random.normal(kv, (a.batch, a.seqlen, a.kv_heads, a.head_dim), jnp.bfloat16)
-    n = (jax.random.randint(kl, (a.batch,), a.tq, a.seqlen + 1, jnp.int32) if a.ragged
-         else jnp.full((a.batch,), a.seqlen, jnp.int32))
+    q, k, v, n, _ = profile.decode_inputs(a)
     caches = bench._cache_copies(k, v, "program", a.calls)
     splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen)
     shape = (f"{a.heads}/{a.kv_heads}x{a.head_dim} Tq{a.tq} B{a.batch} S{a.seqlen}"
