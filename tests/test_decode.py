@@ -433,7 +433,8 @@ def test_forward_only():
 
 def test_split_count_fills_one_wave(monkeypatch):
     """decode_splits sizes the grid to the blocks the GPU holds at once (from the kernel's shared memory and
-    threads), with at least two key tiles per split and bounded partial-result traffic."""
+    threads; one block per SM for one sequence at one query row over at most 8 kv heads), with at least two key
+    tiles per split and bounded partial-result traffic."""
     from jax_flash import _ffi
 
     class FakeCudaModule:
@@ -445,9 +446,13 @@ def test_split_count_fills_one_wave(monkeypatch):
 
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
     monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)
-    # two blocks per SM: 264 resident; B x Hkv = 8 -> 33 splits; 64 x 8 = 512 >= 264 -> 1 split
-    assert _ffi.decode_splits((1, 1, 32, 128), 8, 131072) == 33
+    # two blocks per SM: 264 resident; one sequence at Tq 1 over 8 kv heads: one block per SM, 16 splits; 8 sequences
+    # x 1 kv head -> 33; 16 x 8 = 128 (sequence, kv head) pairs -> 2; 64 x 8 = 512 >= 264 -> 1; one sequence at Tq 2: 33
+    assert _ffi.decode_splits((1, 1, 32, 128), 8, 131072) == 16
+    assert _ffi.decode_splits((8, 1, 8, 128), 1, 32768) == 33
+    assert _ffi.decode_splits((16, 1, 32, 128), 8, 32768) == 2
     assert _ffi.decode_splits((64, 1, 32, 128), 8, 8192) == 1
+    assert _ffi.decode_splits((1, 2, 32, 128), 8, 131072) == 33
     # short caches: at least two 64-key tiles per split; many packed rows: the partials' traffic bound
     assert _ffi.decode_splits((1, 1, 32, 128), 8, 512) == 4
     assert _ffi.decode_splits((1, 16, 32, 128), 8, 4096) == 4096 // (8 * 64)
@@ -458,5 +463,5 @@ def test_split_count_fills_one_wave(monkeypatch):
     # left to jax_flash, a batch of several sequences gets twice the splits, of one size across the batch; one
     # sequence, or one split each, stays as it is
     assert _ffi.decode_split_plan((4, 1, 32, 128), 8, 32768) == (16, True)
-    assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072) == (33, False)
+    assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072) == (16, False)
     assert _ffi.decode_split_plan((64, 1, 32, 128), 8, 8192) == (1, False)

@@ -272,6 +272,25 @@ struct KVTileLoader {
   }
   // The tile of keys [key0, key0 + kBlockN) into stage buffers sK, sV.
   __device__ __forceinline__ void load(T* sK, T* sV, const int* pool_rows, int key0, int hi) const {
+    if constexpr (!kPaged) {
+      if (key0 + Traits::kBlockN <= hi && col_ok) {  // every key in range (all tiles of a split but its last)
+        // One 64-bit row offset per tile, then a fixed step per row (instead of a multiply, bound test and select
+        // per copy pair: the 128-row wgmma kernel's loop issued ~100 integer instructions a tile for its copies).
+        const int64_t step = int64_t(kRowStep) * row_stride;
+        const int64_t off = int64_t(key0 + row0) * row_stride;
+        const T* ks = k + off;
+        const T* vs = v + off;
+#pragma unroll
+        for (int j = 0; j < kPerThread; ++j) {
+          const int dst = Traits::kv_offset(row0 + j * kRowStep, col);
+          cp_async_16(smem_addr(sK + dst), ks, true);
+          cp_async_16(smem_addr(sV + dst), vs, true);
+          ks += step;
+          vs += step;
+        }
+        return;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int i = row0 + j * kRowStep;
@@ -371,7 +390,9 @@ __device__ __forceinline__ void softmax_step(float* s, int key0, int t, const in
     }
     mx = quad_max(mx);
     const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-    correction[rr] = exp2f(row_max[rr] * scale_log2 - max_scaled);
+    // Exactly 1 when the max did not move (exp2 of the fused multiply-add's rounding residue is not: ex2.approx
+    // returns 1 -+ an ulp there), so that the callers can skip the rescale of O.
+    correction[rr] = mx == row_max[rr] ? 1.f : exp2f(row_max[rr] * scale_log2 - max_scaled);
     row_max[rr] = mx;
     float sum = 0.f;
 #pragma unroll

@@ -104,7 +104,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
 
   // Q: column block cb starts at q + cb * kRows * 64, its rows at 128-byte pitch; this warpgroup's 64 rows from
   // row 64 (tid / 128) (a whole number of 1024-byte swizzle atoms in).
-  const uint32_t q_base = smem_addr(smem.q) + tid / kWarpgroupThreads * kWgmmaM * kSwizzleBytes;
+  // (warp_uniform: the wgmma descriptors built from it stay on the uniform datapath, not per-thread arithmetic and
+  // register-to-uniform moves at every k-step)
+  const uint32_t q_base = smem_addr(smem.q) + warp_uniform(tid / kWarpgroupThreads) * kWgmmaM * kSwizzleBytes;
   constexpr uint32_t kQColBlockBytes = Traits::kRows * kSwizzleBytes;
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr uint32_t kStageBytes = kBN * kD * sizeof(T);
@@ -122,7 +124,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
     float acc_s[kSTiles * 4];
     wgmma_fence();
     issue_qk<kBN, kD, T>(acc_s, q_base, kQColBlockBytes, k_base0 + stage * kStageBytes, kKVColBlockBytes);
-    if (pv_stage >= 0) {
+    // (warp_uniform: without it ptxas took the branch for a divergent one in the one-warpgroup dense kernels and
+    // serialised every wgmma there, warning C7520)
+    if (warp_uniform(pv_stage) >= 0) {
       issue_pv_prev();
       wgmma_wait<1>();  // S done; P V may still run
     } else {
@@ -136,8 +140,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
     wgmma_wait<0>();  // the previous P V done: O and P's registers are free
     fence_regs(acc_o);
     fence_regs(a_p);
-    // O's rows rescale only when a row's max moved (FlashAttention-4's conditional rescale, warp-uniform): over a
-    // long cache the max settles early and most tiles skip these kD / 2 multiplies on the tile-to-tile path.
+    // O's rows rescale only when a row's max moved (FlashAttention-4's conditional rescale, warp-uniform; the
+    // correction is exactly 1 otherwise): over a long cache the max settles early and most tiles skip these kD / 2
+    // multiplies on the tile-to-tile path.
     if (!__all_sync(0xffffffffu, correction[0] == 1.f && correction[1] == 1.f)) {
 #pragma unroll
       for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] *= correction[(i / 2) % 2];
