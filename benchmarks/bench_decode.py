@@ -300,7 +300,6 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
     q = jax.random.normal(kq, (b, tq, hq, d), dtype)
     k = jax.random.normal(kk, (b, s, hkv, d), dtype)
     v = jax.random.normal(kv, (b, s, hkv, d), dtype)
-    splits = _ffi.decode_splits(q.shape, hkv, s) if meta["platform"] == "gpu" else None  # for fa3_jax (GPU only)
     for lengths_kind in args.lengths:
         if lengths_kind == "equal":
             n = jnp.full((b,), s, jnp.int32)
@@ -314,6 +313,8 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
             else:
                 kc, vc, table = k, v, None
             caches = _cache_copies(kc, vc, args.timing, args.calls)
+            # jax_flash's split count, for fa3_jax (GPU only)
+            splits = _ffi.decode_splits(q.shape, hkv, s, page_size is not None) if meta["platform"] == "gpu" else None
             for impl in args.impls:
                 fn, why = implementations(impl, tq, layout, splits, meta["platform"])
                 row = dict(impl=impl, B=b, Tq=tq, Sk=s, Hq=hq, Hkv=hkv, D=d, paged=page_size is not None,

@@ -319,14 +319,15 @@ def _sm_count():
 _SMEM_PER_SM = 228 * 1024
 
 
-def decode_splits(q_shape, heads_kv, capacity):
+def decode_splits(q_shape, heads_kv, capacity, paged=False):
     """Parts of the key range for the decode kernel of q [B, Tq, Hq, D] over caches of `capacity` keys per sequence: as
     many blocks (batch x kv heads x splits) as the GPU holds at once (from the shared memory and threads of the split
     kernel the call will run, cuda/kernels/decode/decode_traits.h; the runtime keeps 1 KB of shared memory per block),
-    so that one wave streams the cache with no tail, except one block per SM for one sequence at one query row over
-    at most 8 kv heads (each split then streams a long range: on an H200 one block an SM did so faster than two and
-    left the combine fewer partials, 32/8 x 128 at one sequence of 131072 keys 127.2 µs against 129.3, where at Tq 16
-    or over batches it was up to 28 % slower; NOTES.md, session 29); at least two key tiles (64 keys) per split, and
+    so that one wave streams the cache with no tail, except one block per SM for one sequence of a dense cache at one
+    query row over at most 8 kv heads (each split then streams a long range: on an H200 one block an SM did so faster
+    than two and left the combine fewer partials, 32/8 x 128 at one sequence of 131072 keys 127.2 µs against 129.3,
+    where at Tq 16, over batches or from a paged cache it was up to 39 % slower; NOTES.md, session 29); at least two
+    key tiles (64 keys) per split, and
     the splits' float32 partial results (written and read back: 8 bytes per packed row and dim per split) at most about
     a quarter of the K/V bytes they stand for (an eighth left one sequence of 128 packed rows, which is bound by the
     tensor cores, on half the SMs); a long sequence of a balanced batch (decode_split_plan) may take up to twice this
@@ -334,7 +335,7 @@ def decode_splits(q_shape, heads_kv, capacity):
     batch, rows, heads_q, head_dim = q_shape
     packed = heads_q // heads_kv * rows
     base = max(1, batch * heads_kv)
-    if batch == 1 and rows == 1 and heads_kv <= 8:
+    if batch == 1 and rows == 1 and heads_kv <= 8 and not paged:
         per_sm = 1
     else:
         smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed, int(_kernel_choice()))
@@ -343,12 +344,12 @@ def decode_splits(q_shape, heads_kv, capacity):
     return max(1, min(want, capacity // 128, capacity // (8 * packed), 256))
 
 
-def decode_split_plan(q_shape, heads_kv, capacity):
+def decode_split_plan(q_shape, heads_kv, capacity, paged=False):
     """(num_splits, balance_splits) of a decode call that leaves the split count to jax_flash: decode_splits' equal
     share for one sequence (or when one split fills the GPU); for a batch of several, twice that many splits of one
     size across the batch (the kernel gives each sequence as many as its length needs, FlashParams::balance_splits),
     so that ragged lengths keep every block streaming about as many keys."""
-    splits = decode_splits(q_shape, heads_kv, capacity)
+    splits = decode_splits(q_shape, heads_kv, capacity, paged)
     if q_shape[0] < 2 or splits < 2:
         return splits, False
     return min(2 * splits, MAX_DECODE_SPLITS), True

@@ -125,7 +125,7 @@ def _local_decode(cfg, num_splits, q, k_cache, v_cache, lengths, page_table, sin
     def kernel(q, k_cache, v_cache, lengths, page_table, sinks):
         capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
         splits, balance = ((num_splits, False) if num_splits
-                           else _ffi.decode_split_plan(q.shape, k_cache.shape[2], capacity))
+                           else _ffi.decode_split_plan(q.shape, k_cache.shape[2], capacity, page_table is not None))
         return _ffi.flash_decode(q, k_cache, v_cache, lengths, page_table, sinks, num_splits=splits,
                                  balance_splits=balance, **cfg.attrs())
 

@@ -453,6 +453,7 @@ def test_split_count_fills_one_wave(monkeypatch):
     assert _ffi.decode_splits((16, 1, 32, 128), 8, 32768) == 2
     assert _ffi.decode_splits((64, 1, 32, 128), 8, 8192) == 1
     assert _ffi.decode_splits((1, 2, 32, 128), 8, 131072) == 33
+    assert _ffi.decode_splits((1, 1, 32, 128), 8, 131072, paged=True) == 33  # paged: two blocks an SM stay faster
     # short caches: at least two 64-key tiles per split; many packed rows: the partials' traffic bound
     assert _ffi.decode_splits((1, 1, 32, 128), 8, 512) == 4
     assert _ffi.decode_splits((1, 16, 32, 128), 8, 4096) == 4096 // (8 * 64)
@@ -464,4 +465,5 @@ def test_split_count_fills_one_wave(monkeypatch):
     # sequence, or one split each, stays as it is
     assert _ffi.decode_split_plan((4, 1, 32, 128), 8, 32768) == (16, True)
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072) == (16, False)
+    assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072, paged=True) == (33, False)
     assert _ffi.decode_split_plan((64, 1, 32, 128), 8, 8192) == (1, False)

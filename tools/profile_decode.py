@@ -61,7 +61,7 @@ def main():
     q, k, v, n, table = decode_inputs(a)
     layout = "dense" if a.page_size is None else f"paged{a.page_size}"
     # fa3_jax runs with jax_flash's split count, as in bench_decode (its own default is one split)
-    splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen) if a.impl == "fa3_jax" else None
+    splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen, table is not None) if a.impl == "fa3_jax" else None
     fn, why = bench.implementations(a.impl, a.tq, layout, splits)
     if fn is None:
         raise SystemExit(f"{a.impl} does not run this call: {why}")
