@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
     float correction[2];
     softmax_tile<kNTiles, kSoftCap>(&acc_s[0][0], key0, t, lo_r, hi_r, cap, p.scale_log2, row_max, row_sum,
                                     correction);
-    if (!__all_sync(0xffffffffu, correction[0] == 1.f && correction[1] == 1.f)) {  // a row's max moved
+    if (warp_rows_rescale(correction)) {
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
 #pragma unroll

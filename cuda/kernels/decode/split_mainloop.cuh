@@ -408,6 +408,13 @@ __device__ __forceinline__ void softmax_step(float* s, int key0, int t, const in
   }
 }
 
+// Whether O's rows need the corrections softmax_step returned: some row of the warp had its max move (otherwise both
+// corrections are exactly 1 in every lane). Warp-uniform, so that the callers skip the kD / 2 multiplies together
+// (FlashAttention-4's conditional rescale, without its threshold: exact).
+__device__ __forceinline__ bool warp_rows_rescale(const float (&correction)[2]) {
+  return !__all_sync(0xffffffffu, correction[0] == 1.f && correction[1] == 1.f);
+}
+
 // softmax_step without mask code when every row of the warp sees all of keys [key0, key0 + 8 kNTiles) (a decision
 // the whole warp takes: most tiles of a long cache), with it otherwise.
 template <int kNTiles, bool kSoftCap>

@@ -104,8 +104,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
 
   // Q: column block cb starts at q + cb * kRows * 64, its rows at 128-byte pitch; this warpgroup's 64 rows from
   // row 64 (tid / 128) (a whole number of 1024-byte swizzle atoms in).
-  // (warp_uniform: the wgmma descriptors built from it stay on the uniform datapath, not per-thread arithmetic and
-  // register-to-uniform moves at every k-step)
+  // (warp_uniform, meant to keep the descriptors built from it on the uniform datapath, did not: the SASS is the same
+  // with and without it, the descriptors still in vector registers with two R2UR per k-step; NOTES, session 29)
   const uint32_t q_base = smem_addr(smem.q) + warp_uniform(tid / kWarpgroupThreads) * kWgmmaM * kSwizzleBytes;
   constexpr uint32_t kQColBlockBytes = Traits::kRows * kSwizzleBytes;
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
@@ -140,10 +140,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
     wgmma_wait<0>();  // the previous P V done: O and P's registers are free
     fence_regs(acc_o);
     fence_regs(a_p);
-    // O's rows rescale only when a row's max moved (FlashAttention-4's conditional rescale, warp-uniform; the
-    // correction is exactly 1 otherwise): over a long cache the max settles early and most tiles skip these kD / 2
-    // multiplies on the tile-to-tile path.
-    if (!__all_sync(0xffffffffu, correction[0] == 1.f && correction[1] == 1.f)) {
+    // Over a long cache the max settles early: most tiles skip these multiplies on the tile-to-tile path.
+    if (decode::warp_rows_rescale(correction)) {
 #pragma unroll
       for (int i = 0; i < kOTiles * 4; ++i) acc_o[i] *= correction[(i / 2) % 2];
     }
