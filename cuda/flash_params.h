@@ -36,9 +36,11 @@ enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // Which CUDA kernel family a call may use (an FFI attribute, chosen per call from Python). kAuto: the sm_90a kernels
 // on compute capability 9.0, the sm_80-class ones elsewhere. kSm80 runs the sm_80-class kernels on any device;
 // kSm80SmallSmem also picks their backward as on a device with 99 KB of shared memory a block (sm_86, sm_89), so
-// both sm_80-class backwards can be tested on one GPU. The CPU has one kernel and ignores it.
-enum class KernelChoice : int { kAuto = 0, kSm80 = 1, kSm80SmallSmem = 2 };
-inline constexpr int kNumKernelChoices = 3;
+// both sm_80-class backwards can be tested on one GPU. kSm90DecodeCpAsync is kAuto but for decode calls that would
+// take the TMA decode kernel, which take the cp.async wgmma one instead (so both can be tested on one GPU). The CPU
+// has one kernel and ignores it.
+enum class KernelChoice : int { kAuto = 0, kSm80 = 1, kSm80SmallSmem = 2, kSm90DecodeCpAsync = 3 };
+inline constexpr int kNumKernelChoices = 4;
 
 struct FlashParams {
   // Shapes.

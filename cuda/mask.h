@@ -355,6 +355,56 @@ struct AttentionMask {
   }
 };
 
+// The decode kernels' mask over packed query rows (query heads per kv head x Tq, row r = step r / group of query
+// head hk * group + r % group): every step is a row of `steps`, an AttentionMask over Tq rows whose diagonal is
+// shifted to the bottom right (step t at position kv_len - Tq + t), and packed row r takes the keys of step
+// r / group. The hooks are the ones the sm_90a forward's main loop asks (lo, hi, tile_masking_warp,
+// unmasked_blocks, segments), with its row limit (FlashParams::seqlen_q, Tq for decode) counted in steps: rows at
+// or past step_limit x group, padding of the tile, see nothing and never force masking. Since r / group never
+// decreases with r, lo() and hi() never decrease either.
+struct PackedRowsMask {
+  AttentionMask steps;
+  int group;
+  SegmentPolicy segments;  // none: decode has no segment ids
+
+  JF_HD int lo(int r) const { return steps.lo(r / group); }
+  JF_HD int hi(int r) const { return steps.hi(r / group); }
+  // Every packed row of [row_begin, row_end) below step_limit x group sees all of [key_begin, key_end) (true when
+  // there is no such row).
+  JF_HD bool intervals_cover(int row_begin, int row_end, int key_begin, int key_end, int step_limit) const {
+    const int last = imin(row_end, step_limit * group) - 1;
+    if (last < row_begin) return true;
+    return steps.intervals_cover(row_begin / group, last / group + 1, key_begin, key_end, steps.length.q_len);
+  }
+  JF_HD TileMasking tile_masking_warp(int row_begin, int row_end, int key_begin, int key_end, int step_limit) const {
+    return intervals_cover(row_begin, row_end, key_begin, key_end, step_limit) ? TileMasking::kNone
+                                                                                : TileMasking::kInterval;
+  }
+  JF_HD void unmasked_blocks(int row_begin, int row_end, int step_limit, int block_n, int n_begin, int n_end,
+                             int* full_begin, int* full_end) const {
+    const int last = imin(row_end, step_limit * group) - 1;
+    if (last < row_begin) {
+      *full_begin = n_begin;
+      *full_end = n_end;
+      return;
+    }
+    steps.unmasked_blocks(row_begin / group, last / group + 1, steps.length.q_len, block_n, n_begin, n_end,
+                          full_begin, full_end);
+  }
+};
+
+// Decode's mask of batch element b (FlashParams' decode fields: seqlen_q is Tq, kv_lens the valid keys clamped to
+// the capacity seqlen_k): the steps at positions kv_len - Tq + t, with the window bounds mask_for_batch would
+// leave them. Row r of `group` packed rows per step.
+JF_HD PackedRowsMask decode_mask_for_batch(const FlashParams& p, int b) {
+  const int kv_len = imin(imax(p.kv_lens[b], 0), p.seqlen_k);
+  const int q_len = p.seqlen_q;
+  const int shift = kv_len - q_len;
+  const int left = p.window_left >= 0 && q_len - 1 + shift - p.window_left <= 0 ? -1 : p.window_left;
+  const int right = p.window_right >= 0 && shift + p.window_right >= kv_len - 1 ? -1 : p.window_right;
+  return PackedRowsMask{AttentionMask(p.causal, left, right, q_len, kv_len, shift), p.group_size(), SegmentPolicy{}};
+}
+
 // How a mask takes a call's segment ids: not at all (kNone, for a caller launched only when the call has none);
 // as ids (kIds: SegmentPolicy); as runs (kRuns: RunPolicy, for a batch element whose ids segment_runs_exact says
 // are runs); or as runs where they are and as ids elsewhere (kAuto).

@@ -70,7 +70,7 @@ def cuda_device_count():
 
 
 #: CUDA kernel families a call can be forced to (KernelChoice in cuda/flash_params.h); "auto" picks by device.
-KERNELS = {"auto": 0, "sm80": 1, "sm80-small-smem": 2}
+KERNELS = {"auto": 0, "sm80": 1, "sm80-small-smem": 2, "decode-cp-async": 3}
 _forced_kernel = contextvars.ContextVar("jax_flash_forced_kernel", default=None)
 
 
@@ -79,8 +79,9 @@ def force_kernel(kernel):
     """Runs the jax_flash calls traced inside the ``with`` block on one CUDA kernel family.
 
     ``kernel``: ``"auto"`` (the sm_90a kernels on compute capability 9.0, the sm_80-class ones elsewhere),
-    ``"sm80"`` (the sm_80-class kernels on any GPU) or ``"sm80-small-smem"`` (also their backward as on a device
-    with 99 KB of shared memory a block). For tests and comparisons of both paths in one process. The choice is
+    ``"sm80"`` (the sm_80-class kernels on any GPU), ``"sm80-small-smem"`` (also their backward as on a device
+    with 99 KB of shared memory a block) or ``"decode-cp-async"`` (``"auto"``, but decode calls that would run the
+    sm_90a TMA decode kernel run the cp.async one). For tests and comparisons of both paths in one process. The choice is
     made when a call is traced: a function that ``jax.jit`` already compiled keeps the kernels it was traced with.
     The CPU has one kernel and ignores it. Without this context the environment variable ``JAX_FLASH_FORCE_SM80``
     decides, read at each trace: unset or ``0`` for ``"auto"``, ``small-smem`` for ``"sm80-small-smem"``, anything
@@ -338,7 +339,7 @@ def decode_splits(q_shape, heads_kv, capacity, paged=False):
     if batch == 1 and rows == 1 and heads_kv <= 8 and not paged:
         per_sm = 1
     else:
-        smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed, int(_kernel_choice()))
+        smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed, bool(paged), int(_kernel_choice()))
         per_sm = max(1, min(_SMEM_PER_SM // (smem + 1024), 2048 // max(threads, 1)))
     want = max(1, per_sm * _sm_count() // base)
     return max(1, min(want, capacity // 128, capacity // (8 * packed), 256))

@@ -166,6 +166,18 @@ KERNEL_CASES = {
                                              page_size=16, softcap=12.0, sinks=True),
     "rows128_softcap_ragged": dict(batch=3, rows=16, hq=8, hkv=1, d=128, capacity=3000, lengths=(3000, 1, 1777),
                                    softcap=20.0),
+    # the TMA kernel (65-128 packed rows over a dense cache on an H100/H200): 56 padding rows at d64 with a window
+    # (keys below it in the range's first 128-key tile) and sinks; a padded head dim (d96: a column block past it)
+    # over a balanced ragged batch with sequences of 1, 128 and 129 keys (tiles that end at the range and past it);
+    # 6 query heads per kv head (96 rows) capped; one long sequence over many splits; sequences shorter than Tq
+    "rows72_d64_window_sinks": dict(batch=2, rows=9, hq=8, hkv=1, d=64, capacity=1000, lengths=(999, 130),
+                                    window=(300, 0), sinks=True),
+    "rows112_d96_noncausal_b5": dict(batch=5, rows=14, hq=8, hkv=1, d=96, capacity=777,
+                                     lengths=(777, 1, 128, 129, 500), is_causal=False),
+    "rows96_g6_softcap": dict(batch=2, rows=8, hq=12, hkv=2, d=128, capacity=2000, lengths=(2000, 1500),
+                              softcap=20.0),
+    "rows128_long_one_sequence": dict(batch=1, rows=16, hq=16, hkv=2, d=128, capacity=20000, lengths=(19999,)),
+    "rows128_short_sequences": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(5, 300)),
     # one split per sequence (a capacity under 256 keys): ragged batches whose blocks take the sequences longest
     # first (ties in batch order; the mma.sync kernel, and the wgmma one at 64 packed rows; up to 64 sequences, the
     # longest-first limit), and larger ones, which keep the batch order
@@ -202,6 +214,23 @@ MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_
              "rows80_d64_paged16_softcap_sinks", "rows128_softcap_ragged"]
 
 
+TMA_ROWS = ["rows128_softcap_ragged", "rows72_d64_window_sinks", "rows112_d96_noncausal_b5", "rows96_g6_softcap",
+            "rows128_long_one_sequence", "rows128_short_sequences"]
+
+
+@pytest.mark.parametrize("name", TMA_ROWS)
+def test_cp_async_decode_kernel(name):
+    """Calls that an H100/H200 runs on the TMA decode kernel (65-128 packed rows, dense cache) forced onto the
+    cp.async wgmma kernel, which takes paged caches: the same reference."""
+    if not ON_GPU:
+        pytest.skip("a GPU kernel choice")
+    with jax_flash.force_kernel("decode-cp-async"):
+        out, lse, (ref_o, ref_lse) = _run(_case(name))
+    np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
+
+
 @pytest.mark.parametrize("name", MANY_ROWS)
 def test_sm80_class_decode_kernel(name):
     """Calls of more than 16 packed rows (an H100/H200 runs those past 32 on the wgmma kernel) forced onto the
@@ -235,25 +264,33 @@ def test_force_kernel_reaches_the_decode_target():
 
 def test_decode_launch_shape_follows_the_kernel_choice():
     """The split count is sized from the kernel a call runs: on compute capability 9.0 a call of 64 packed rows at
-    head dim 128 runs the wgmma kernel (one warpgroup, 3 stages), 128 rows one block of two warpgroups (6 stages),
-    forced to the sm_80 class the mma.sync kernel (eight warps)."""
+    head dim 128 runs the cp.async wgmma kernel (one warpgroup, 3 stages), 65-128 rows over a dense cache the TMA
+    kernel (the forward's CTA: a producer and two consumer warpgroups, Q 128 rows and two stages of 128-key K/V
+    tiles at d128, three at d64, one block an SM), over a paged cache (or with "decode-cp-async") the cp.async one's
+    block of two warpgroups (6 stages), forced to the sm_80 class the mma.sync kernel (eight warps)."""
     if not ON_GPU:
         pytest.skip("needs the CUDA module and a GPU")
     from jax_flash import _ffi
     shape = _ffi._jax_flash_cuda.decode_launch_shape
     mma_sync_64 = ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
-    assert shape(128, 64, _ffi.KERNELS["sm80"]) == mma_sync_64
-    assert shape(128, 32, _ffi.KERNELS["auto"]) == ((32 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
-    assert shape(64, 300, _ffi.KERNELS["auto"]) == (0, 0)
+    assert shape(128, 64, False, _ffi.KERNELS["sm80"]) == mma_sync_64
+    assert shape(128, 32, False, _ffi.KERNELS["auto"]) == ((32 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
+    assert shape(64, 300, False, _ffi.KERNELS["auto"]) == (0, 0)
     # head dim 256 stays on the mma.sync kernel everywhere (two row tiles of 32-key slices: four warps)
-    assert shape(256, 32, _ffi.KERNELS["auto"]) == ((32 * 256 + 2 * 3 * 32 * 256) * 2 + 3 * 32 * 4, 128)
+    assert shape(256, 32, False, _ffi.KERNELS["auto"]) == ((32 * 256 + 2 * 3 * 32 * 256) * 2 + 3 * 32 * 4, 128)
     if getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0":
-        assert shape(128, 64, _ffi.KERNELS["auto"]) == ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 128)
-        assert shape(128, 128, _ffi.KERNELS["auto"]) == ((128 * 128 + 2 * 6 * 64 * 128) * 2 + 6 * 64 * 4, 256)
-        assert shape(64, 33, _ffi.KERNELS["auto"]) == ((64 * 64 + 2 * 4 * 64 * 64) * 2 + 4 * 64 * 4, 128)
-        assert shape(64, 65, _ffi.KERNELS["auto"]) == ((128 * 64 + 2 * 5 * 64 * 64) * 2 + 5 * 64 * 4, 256)
+        cp_async_128 = ((128 * 128 + 2 * 6 * 64 * 128) * 2 + 6 * 64 * 4, 256)
+        assert shape(128, 64, False, _ffi.KERNELS["auto"]) == ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 128)
+        assert shape(128, 128, True, _ffi.KERNELS["auto"]) == cp_async_128
+        assert shape(128, 128, False, _ffi.KERNELS["decode-cp-async"]) == cp_async_128
+        assert shape(64, 33, False, _ffi.KERNELS["auto"]) == ((64 * 64 + 2 * 4 * 64 * 64) * 2 + 4 * 64 * 4, 128)
+        assert shape(64, 65, True, _ffi.KERNELS["auto"]) == ((128 * 64 + 2 * 5 * 64 * 64) * 2 + 5 * 64 * 4, 256)
+        # the TMA kernel: its shared storage (Q and the K/V rings, then the unused O buffer's stand-in and the
+        # barriers in the last 1 KB) plus 1 KB of alignment slack
+        assert shape(128, 128, False, _ffi.KERNELS["auto"]) == ((128 * 128 + 2 * 2 * 128 * 128) * 2 + 2 * 1024, 384)
+        assert shape(64, 65, False, _ffi.KERNELS["auto"]) == ((128 * 64 + 3 * 2 * 128 * 64) * 2 + 2 * 1024, 384)
     else:
-        assert shape(128, 64, _ffi.KERNELS["auto"]) == mma_sync_64
+        assert shape(128, 64, False, _ffi.KERNELS["auto"]) == mma_sync_64
 
 
 def test_rows_before_the_sequence_see_nothing():
@@ -266,7 +303,8 @@ def test_rows_before_the_sequence_see_nothing():
 
 @pytest.mark.parametrize("name", ["dense_gqa_t1", "paged16_long_ragged", "rows128_paged64_window",
                                   "rows64_d64_softcap_sinks", "rows48_d64_paged16_softcap",
-                                  "rows1024_d96_softcap_sinks", "d40_softcap_sinks", "combine_chunks_no_key"])
+                                  "rows1024_d96_softcap_sinks", "d40_softcap_sinks", "combine_chunks_no_key",
+                                  "rows72_d64_window_sinks", "rows112_d96_noncausal_b5"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 33, 64, 65, 256])
 def test_independent_of_num_splits(name, num_splits):
     """Any split count (more splits than key tiles included) gives the default's result within rounding, sinks
@@ -314,6 +352,24 @@ def test_nonfinite_propagate_as_jax_nn():
     out = jax_flash.decode_attention(q, k, k, jnp.asarray([300, 200], jnp.int32), num_splits=4)
     out = np.asarray(out, np.float32)
     assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("kernel", ["auto", "decode-cp-async"])
+def test_nonfinite_outside_the_range_never_read_many_rows(kernel):
+    """128 packed rows (the TMA decode kernel on an H100/H200 reads whole 128-key tiles of the cache): nans in K and
+    V past kv_length, and below a window's first key, leave every output finite."""
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((2, 16, 8, 128)), DTYPE)
+    k, v = (np.asarray(rng.standard_normal((2, 600, 1, 128)), np.float32) for _ in range(2))
+    for x in (k, v):
+        x[0, 521:] = np.nan  # past sequence 0's length (mid-tile)
+        x[1, 10] = np.nan    # below sequence 1's window (keys 484-599 seen)
+    n = jnp.asarray([521, 600], jnp.int32)
+    with jax_flash.force_kernel(kernel):
+        for splits in (None, 1, 3):
+            out = jax_flash.decode_attention(q, jnp.asarray(k, DTYPE), jnp.asarray(v, DTYPE), n,
+                                             local_window_size=(100, 0), num_splits=splits)
+            assert np.isfinite(np.asarray(out, np.float32)).all(), splits
 
 
 def test_vmap_matches_a_loop():
@@ -441,7 +497,7 @@ def test_split_count_fills_one_wave(monkeypatch):
         # the CUDA module's answer at d128: ~100 KB and 128 threads up to 64 packed rows, ~226 KB and 256 threads
         # (one block an SM) past that
         @staticmethod
-        def decode_launch_shape(head_dim, packed_rows, kernel):
+        def decode_launch_shape(head_dim, packed_rows, paged, kernel):
             return (226 * 1024, 256) if packed_rows > 64 else (102 * 1024, 128)
 
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)

@@ -94,11 +94,16 @@ DECODE_CASES = [
     (24, 8, 16, 2, 128, 250, 16, 1, dict()),
     (300, 1, 2, 1, 64, 64, None, 1, dict()),
     (5, 2, 8, 2, 128, 160, None, 1, dict(equal_lengths=True)),
+    # the TMA kernel (65-128 packed rows, dense): 56 padding rows at d64 with a window and sinks (keys below the
+    # window zeroed in the first tile); a padded head dim capped over 3 splits of a ragged batch
+    (2, 9, 8, 1, 64, 1000, None, None, dict(local_window_size=(300, 0), sinks=True)),
+    (5, 14, 8, 1, 96, 777, None, 3, dict(is_causal=False, logits_soft_cap=5.0)),
 ]
 
 
-def decode(kernels=("auto", "sm80"), cases=slice(None)):
-    """Each case on the default decode kernels and forced onto the sm_80-class (mma.sync) one, which an H100/H200
+def decode(kernels=("auto", "decode-cp-async", "sm80"), cases=slice(None)):
+    """Each case on the default decode kernels, on the cp.async wgmma kernel where an H100/H200 runs the TMA one
+    (65-128 packed rows over a dense cache), and forced onto the sm_80-class (mma.sync) one, which an H100/H200
     runs by default only up to 32 packed rows."""
     for kernel in kernels:
         with jax_flash.force_kernel(kernel):
@@ -159,8 +164,8 @@ if __name__ == "__main__":
     ap.add_argument("--cases", default=":", metavar="START:STOP",
                     help="a slice of the attention calls (CASES on the default kernels, then the last three forced "
                          "onto the sm_80-class ones)")
-    ap.add_argument("--decode-kernel", choices=("auto", "sm80"), action="append",
-                    help="decode kernels to run (default both; repeatable)")
+    ap.add_argument("--decode-kernel", choices=("auto", "decode-cp-async", "sm80"), action="append",
+                    help="decode kernels to run (default all three; repeatable)")
     ap.add_argument("--decode-cases", default=":", metavar="START:STOP",
                     help="a slice of DECODE_CASES (racecheck in several smaller processes)")
     a = ap.parse_args()
@@ -174,4 +179,4 @@ if __name__ == "__main__":
         raise SystemExit
     if not a.decode_only:
         main(cut(a.cases))
-    decode(tuple(a.decode_kernel or ("auto", "sm80")), cut(a.decode_cases))
+    decode(tuple(a.decode_kernel or ("auto", "decode-cp-async", "sm80")), cut(a.decode_cases))

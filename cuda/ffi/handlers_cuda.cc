@@ -159,13 +159,13 @@ NB_MODULE(_jax_flash_cuda, m) {
     d["jax_flash_segment_operands"] = nb::capsule(reinterpret_cast<void*>(JaxFlashSegmentOperandsCuda));
     return d;
   });
-  // The decode split kernel's dynamic shared memory (bytes) and threads per block (one block per split) for a head
-  // dim, a number of packed query rows and a KernelChoice on the current device (jax_flash._ffi.decode_splits sizes
+  // The decode split kernel's dynamic shared memory (bytes) and threads per block for a head dim, a number of packed
+  // query rows, a paged cache or not and a KernelChoice on the current device (jax_flash._ffi.decode_splits sizes
   // the grid from them); (0, 0) past 128 rows.
-  m.def("decode_launch_shape", [](int head_dim, int packed_rows, int kernel) {
+  m.def("decode_launch_shape", [](int head_dim, int packed_rows, bool paged, int kernel) {
     jax_flash::KernelChoice choice;
     if (jax_flash::ToKernelChoice(kernel, &choice).failure()) throw nb::value_error("unknown kernel choice");
-    const auto shape = jax_flash::cuda::GetDecodeLaunchShape(head_dim, packed_rows, choice);
+    const auto shape = jax_flash::cuda::GetDecodeLaunchShape(head_dim, packed_rows, paged, choice);
     return nb::make_tuple(shape.smem_bytes, shape.threads);
   });
   m.def("device_count", []() {

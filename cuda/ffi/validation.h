@@ -204,8 +204,8 @@ inline ffi::Error FillSinks(ffi::Buffer<ffi::F32> sinks, bool has_sinks, FlashPa
 // The `kernel` attribute as a KernelChoice.
 inline ffi::Error ToKernelChoice(int32_t kernel, KernelChoice* choice) {
   if (kernel < 0 || kernel >= kNumKernelChoices) {
-    return Invalid("kernel must be 0 (auto), 1 (sm_80-class) or 2 (sm_80-class, small shared memory), got " +
-                   std::to_string(kernel));
+    return Invalid("kernel must be 0 (auto), 1 (sm_80-class), 2 (sm_80-class, small shared memory) or 3 (auto, "
+                   "decode on the cp.async kernel), got " + std::to_string(kernel));
   }
   *choice = static_cast<KernelChoice>(kernel);
   return ffi::Error::Success();

@@ -8,6 +8,9 @@
 #include "kernels/common/launch_utils.h"
 #include "kernels/decode/decode_traits.h"
 #include "kernels/flash_api.h"
+#if defined(JAX_FLASH_HAVE_SM90A)
+#include "kernels/sm90/kernel_traits_sm90.h"
+#endif
 
 namespace jax_flash::cuda {
 namespace {
@@ -61,10 +64,15 @@ cudaError_t for_head_dim_class(int head_dim, Launch&& launch) {
 // The sm_90a kernels run on compute capability 9.0 exactly (sm_90a code runs nowhere else) unless the call asks
 // for the sm_80-class family. TMA needs 16-byte aligned base addresses (XLA's buffers are; the forward also stores
 // O through a tensor map) and at least one key.
+bool sm90_family(KernelChoice choice) {
+  return choice == KernelChoice::kAuto || choice == KernelChoice::kSm90DecodeCpAsync;
+}
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
 bool use_sm90(const FlashParams& p, KernelChoice choice) {
 #if defined(JAX_FLASH_HAVE_SM90A)
-  const auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
-  return choice == KernelChoice::kAuto && current_cc() == 90 && p.seqlen_k > 0 && aligned(p.q) && aligned(p.k) &&
+  const auto aligned = aligned16;
+  return sm90_family(choice) && current_cc() == 90 && p.seqlen_k > 0 && aligned(p.q) && aligned(p.k) &&
          aligned(p.v) && aligned(p.o) && aligned(p.dout);
 #else
   (void)p;
@@ -127,28 +135,45 @@ cudaError_t RunFlashForward(const FlashParams& p, KernelChoice choice, cudaStrea
 
 namespace {
 
-// The wgmma decode kernel runs on compute capability 9.0 (sm_90a built, no forced sm_80-class kernel) for more than
-// 32 packed rows at head dims up to 128 (at 17-32 rows the mma.sync kernel measured level or faster); the mma.sync
-// kernel everywhere else.
-bool use_decode_wgmma(int head_dim, int packed_rows, KernelChoice choice) {
+// The sm_90a decode kernels run on compute capability 9.0 (sm_90a built, no forced sm_80-class kernel) for more
+// than 32 packed rows at head dims up to 128 (at 17-32 rows the mma.sync kernel measured level or faster): the TMA
+// kernel for 65-128 rows over a dense cache (unless the call asks for the cp.async one), the cp.async wgmma kernel
+// for the rest; the mma.sync kernel everywhere else.
+enum class DecodeKernel { kMmaSync, kWgmmaCpAsync, kTma };
+DecodeKernel decode_kernel(int head_dim, int packed_rows, bool paged, KernelChoice choice) {
 #if defined(JAX_FLASH_HAVE_SM90A)
-  return choice == KernelChoice::kAuto && head_dim_class(head_dim) <= 128 && packed_rows >= decode::kWgmmaMinRows &&
-         packed_rows <= kMaxDecodeRows && current_cc() == 90;
+  if (sm90_family(choice) && head_dim_class(head_dim) <= 128 && packed_rows >= decode::kWgmmaMinRows &&
+      packed_rows <= kMaxDecodeRows && current_cc() == 90) {
+    return !paged && packed_rows > decode::kWgmmaGroupRows && choice == KernelChoice::kAuto
+               ? DecodeKernel::kTma
+               : DecodeKernel::kWgmmaCpAsync;
+  }
 #else
   (void)head_dim;
   (void)packed_rows;
+  (void)paged;
   (void)choice;
-  return false;
 #endif
+  return DecodeKernel::kMmaSync;
 }
 
 }  // namespace
 
-DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice) {
+DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, bool paged, KernelChoice choice) {
   const int kd = head_dim_class(head_dim);
-  if (use_decode_wgmma(head_dim, packed_rows, choice)) {
-    const int groups = decode::WgmmaGroups(packed_rows);
-    return {decode::WgmmaSmemBytes(kd, groups), decode::WgmmaThreads(groups)};
+  switch (decode_kernel(head_dim, packed_rows, paged, choice)) {
+    case DecodeKernel::kTma:
+#if defined(JAX_FLASH_HAVE_SM90A)
+      return {kd <= 64 ? sm90::FwdKernelTraitsSm90<__nv_bfloat16, sm90::DecodeTmaTileTraits<64>>::kSmemBytes
+                       : sm90::FwdKernelTraitsSm90<__nv_bfloat16, sm90::DecodeTmaTileTraits<128>>::kSmemBytes,
+              sm90::FwdKernelTraitsSm90<__nv_bfloat16, sm90::DecodeTmaTileTraits<128>>::kThreads};
+#endif
+    case DecodeKernel::kWgmmaCpAsync: {
+      const int groups = decode::WgmmaGroups(packed_rows);
+      return {decode::WgmmaSmemBytes(kd, groups), decode::WgmmaThreads(groups)};
+    }
+    case DecodeKernel::kMmaSync:
+      break;
   }
   const int row_tiles = decode::RowTiles(packed_rows);
   if (packed_rows < 1 || row_tiles == 0) return {0, 0};
@@ -165,7 +190,7 @@ const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice) {
   if (cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem) != cudaSuccess) {
     return "could not query the CUDA device's shared memory";
   }
-  if (GetDecodeLaunchShape(p.head_dim, rows, choice).smem_bytes > smem) {
+  if (GetDecodeLaunchShape(p.head_dim, rows, p.page_table != nullptr, choice).smem_bytes > smem) {
     return "decode with head_dim > 128 and more than 64 packed query rows (query heads per kv head x query rows) "
            "needs 128 KB of shared memory per block, more than this GPU has";
   }
@@ -174,11 +199,18 @@ const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice) {
 
 cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return cudaSuccess;
-  [[maybe_unused]] const bool wgmma = use_decode_wgmma(p.head_dim, p.group_size() * p.seqlen_q, choice);
+  [[maybe_unused]] const DecodeKernel kernel =
+      decode_kernel(p.head_dim, p.group_size() * p.seqlen_q, p.page_table != nullptr, choice);
   auto run = [&](auto t) -> cudaError_t {
     using T = decltype(t);
 #if defined(JAX_FLASH_HAVE_SM90A)
-    if (wgmma) {
+    // TMA reads q and the caches through 16-byte aligned tensor maps (XLA's buffers always are; the launch shape,
+    // and with it the split count, assumes so).
+    if (kernel == DecodeKernel::kTma && aligned16(p.q) && aligned16(p.k) && aligned16(p.v)) {
+      if (head_dim_class(p.head_dim) == 64) return sm90::launch_decode_tma<T, 64>(p, stream);
+      return sm90::launch_decode_tma<T, 128>(p, stream);
+    }
+    if (kernel != DecodeKernel::kMmaSync) {
       if (head_dim_class(p.head_dim) == 64) return sm90::launch_decode_wgmma<T, 64>(p, stream);
       return sm90::launch_decode_wgmma<T, 128>(p, stream);
     }

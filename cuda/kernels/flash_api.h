@@ -17,19 +17,20 @@ cudaError_t RunFlashBackward(const FlashParams& p, KernelChoice choice, cudaStre
 // Decode (few query rows against a dense or paged cache, split-KV): writes p.o and p.lse, using p.o_partial and
 // p.lse_partial as workspace. At most kMaxDecodeRows packed query rows (heads per kv head x Tq). On compute
 // capability 9.0 (unless `choice` asks for the sm_80 class) calls of more than 32 packed rows at head dims up to 128
-// run the wgmma split kernel, all others the mma.sync one.
+// run an sm_90a kernel (the TMA one for 65-128 rows over a dense cache, else the cp.async wgmma one), all others
+// the mma.sync one.
 inline constexpr int kMaxDecodeRows = 128;
 cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream_t stream);
 // Empty string when the decode kernels can run `p` on the current device; otherwise why not.
 const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice);
-// The split kernel's dynamic shared memory (bytes) and threads per block (one block per split) that a decode call of
-// `packed_rows` rows at `head_dim` runs with on the current device ({0, 0} past kMaxDecodeRows): the split count is
-// sized from them.
+// The split kernel's dynamic shared memory (bytes) and threads per block that a decode call of `packed_rows` rows at
+// `head_dim` (over a paged cache or not) runs with on the current device ({0, 0} past kMaxDecodeRows): the split
+// count is sized from them.
 struct DecodeLaunchShape {
   int smem_bytes;
   int threads;
 };
-DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice);
+DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, bool paged, KernelChoice choice);
 
 // Empty string when `p` can run on the current device; otherwise why not.
 const char* UnsupportedReason(const FlashParams& p);
@@ -53,6 +54,8 @@ template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream);
 template <typename T, int kD>
 cudaError_t launch_decode_wgmma(const FlashParams& p, cudaStream_t stream);
+template <typename T, int kD>
+cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream);
 template <typename T, int kD>
 cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream);
 }  // namespace sm90

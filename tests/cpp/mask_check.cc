@@ -191,6 +191,78 @@ int main() {
       }
     }
   }
+  // Decode's packed rows (PackedRowsMask, decode_mask_for_batch): row r is step r / group at position kv_len - Tq +
+  // r / group; its interval, the tile tests and unmasked_blocks agree with the definition for every row below the
+  // packed rows (rows past them, a tile's padding, are never stored).
+  for (int causal = 0; causal < 2; ++causal) {
+    for (int left = -1; left < 5; ++left) {
+      for (int right = -1; right < 3; ++right) {
+        for (int group : {1, 2, 3, 5}) {
+          for (int tq = 1; tq <= 4; ++tq) {
+            for (int kv_len = 0; kv_len <= kKeys; ++kv_len) {
+              const int32_t lens[1] = {kv_len};
+              jax_flash::FlashParams p{};
+              p.batch = 1;
+              p.seqlen_q = tq;
+              p.seqlen_k = kKeys;
+              p.heads_q = group;
+              p.heads_kv = 1;
+              p.causal = causal;
+              p.window_left = left;
+              p.window_right = right;
+              p.kv_lens = lens;
+              const jax_flash::PackedRowsMask mask = jax_flash::decode_mask_for_batch(p, 0);
+              const int rows = group * tq;
+              auto visible = [&](int r, int j) {
+                const int pos = kv_len - tq + r / group;
+                return j >= 0 && j < kv_len && (!causal || j <= pos) && (left < 0 || j >= pos - left) &&
+                       (right < 0 || j <= pos + right);
+              };
+              const int tag = tq * 100 + group;  // Tq and group in the report's q_len column
+              for (int r = 0; r < rows; ++r) {
+                for (int j = 0; j < kKeys; ++j) {
+                  ++cases;
+                  if (visible(r, j) != (j >= mask.lo(r) && j < mask.hi(r))) {
+                    fail("packed rows lo/hi", causal, left, right, tag, kv_len, r, j);
+                  }
+                }
+              }
+              for (int block_n = 1; block_n <= 4; ++block_n) {
+                for (int row_begin = 0; row_begin < rows + 2; row_begin += 2) {
+                  const int row_end = row_begin + 3;
+                  for (int n = 0; n * block_n < kKeys; ++n) {
+                    bool all = true;
+                    for (int r = row_begin; r < row_end && r < rows; ++r) {
+                      for (int j = n * block_n; j < (n + 1) * block_n; ++j) all = all && visible(r, j);
+                    }
+                    ++cases;
+                    const bool none = mask.tile_masking_warp(row_begin, row_end, n * block_n, (n + 1) * block_n,
+                                                             tq) == jax_flash::TileMasking::kNone;
+                    if (none != all) fail("packed rows tile masking", causal, left, right, tag, kv_len, row_begin,
+                                          n * block_n);
+                  }
+                  const int n_end = (kKeys + block_n - 1) / block_n;
+                  int full_begin, full_end;
+                  mask.unmasked_blocks(row_begin, row_end, tq, block_n, 0, n_end, &full_begin, &full_end);
+                  if (full_begin < 0 || full_end > n_end || full_end < full_begin) {
+                    fail("packed rows unmasked_blocks range", causal, left, right, tag, kv_len, row_begin,
+                         full_begin);
+                  }
+                  for (int n = full_begin; n < full_end; ++n) {
+                    for (int r = row_begin; r < row_end && r < rows; ++r) {
+                      for (int j = n * block_n; j < (n + 1) * block_n; ++j) {
+                        if (!visible(r, j)) fail("packed rows unmasked_blocks", causal, left, right, tag, kv_len, r, j);
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
   if (bad) {
     std::printf("%ld of %ld disagree\n", bad, cases);
     return 1;

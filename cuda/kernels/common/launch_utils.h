@@ -44,6 +44,26 @@ cudaError_t ensure_smem_limit(int bytes) {
       &done);
 }
 
+// CTAs of `kernel` that fit on one SM with `smem_bytes` of dynamic shared memory, times the SMs of the current
+// device: the grid of a persistent kernel. Queried once per kernel and device (no synchronisation).
+template <auto kernel>
+cudaError_t resident_ctas(int threads, int smem_bytes, int* ctas) {
+  return once_per_device(
+      [&](int dev, int* value) {
+        int sms = 0, per_sm = 0;
+        if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) {
+          return e;
+        }
+        if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+            e != cudaSuccess) {
+          return e;
+        }
+        *value = sms * per_sm;
+        return per_sm < 1 ? cudaErrorInvalidConfiguration : cudaSuccess;
+      },
+      ctas);
+}
+
 // Calls f(std::bool_constant<flag>{}...) with each runtime flag turned into a compile-time constant, so one call
 // site picks among the 2^n instantiations of a kernel whose features are compiled in or out (segment ids, a soft
 // cap, ordered dQ additions): f(segments, soft_cap) reads them as decltype(segments)::value.

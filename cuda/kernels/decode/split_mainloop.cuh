@@ -103,56 +103,74 @@ __device__ __forceinline__ int batch_element(const FlashParams& p, int z, int* s
   return b;
 }
 
+// Key tiles of kBlockN keys in a range: from r.lo (the split kernels' tiles start at the range), or kAligned, on
+// the grid of key 0 (whole tiles of the cache, the TMA decode kernel's boxes), which may take one more.
+template <int kBlockN, bool kAligned>
+__device__ __forceinline__ int split_range_tiles(const DecodeRange& r) {
+  if constexpr (kAligned) return r.hi > r.lo ? (r.hi - 1) / kBlockN - r.lo / kBlockN + 1 : 0;
+  return range_tiles<kBlockN>(r);
+}
+
 // The key tiles [begin, end) of split `split` of a batch element's range (FlashParams::balance_splits): equal shares
 // of its own tiles, or shares of one size across the batch, so that a ragged batch's long sequences take more
 // splits than its short ones and every block streams about as many tiles. The balanced share starts at the batch's
 // tiles over the blocks an equal split would run, batch x num_splits / 2 per kv head (one wave), and is raised (at
 // most four times, in proportion to the excess) until the sequences' splits, sum over the batch of ceil(tiles_b /
 // share), fit those blocks: rounding each sequence's count up adds up to one block per sequence, which would spill a
-// few blocks into a second wave. The batch's sums are block-wide: every thread calls this (before any of them
-// returns); `scratch` holds kThreads / 32 ints of shared memory that nothing else uses until the call returns.
+// few blocks into a second wave. split_share() finds the share (0 without balance_splits); its batch sums are
+// block-wide: every thread calls it (before any of them returns); `scratch` holds kThreads / 32 ints of shared
+// memory that nothing else uses until the call returns. split_of() is then per thread.
 struct SplitTiles {
   int begin;
   int end;
 };
-template <int kBlockN, int kThreads>
-__device__ __forceinline__ SplitTiles split_tiles(const FlashParams& p, const DecodeRange& range, int split,
-                                                  int* scratch, int tid) {
-  const int tiles = range_tiles<kBlockN>(range);
-  int splits = p.num_splits;
-  if (p.balance_splits) {
-    // Sum over the batch of f(tiles of element b), f returning an int64 (block-wide; lanes clamped so that a warp's
-    // sum cannot wrap).
-    auto batch_sum = [&](auto f) {
-      int64_t mine = 0;
-      for (int b = tid; b < p.batch; b += kThreads) mine += f(range_tiles<kBlockN>(decode_range(p, b)));
-      int part = int(min(mine, int64_t(INT32_MAX / 32)));
+template <int kBlockN, int kThreads, bool kAligned = false>
+__device__ __forceinline__ int64_t split_share(const FlashParams& p, int* scratch, int tid) {
+  if (!p.balance_splits) return 0;
+  // Sum over the batch of f(tiles of element b), f returning an int64 (block-wide; lanes clamped so that a warp's
+  // sum cannot wrap).
+  auto batch_sum = [&](auto f) {
+    int64_t mine = 0;
+    for (int b = tid; b < p.batch; b += kThreads) mine += f(split_range_tiles<kBlockN, kAligned>(decode_range(p, b)));
+    int part = int(min(mine, int64_t(INT32_MAX / 32)));
 #pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffff, part, offset);
-      if (tid % 32 == 0) scratch[tid / 32] = part;
-      __syncthreads();
-      int64_t total = 0;
+    for (int offset = 16; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffff, part, offset);
+    if (tid % 32 == 0) scratch[tid / 32] = part;
+    __syncthreads();
+    int64_t total = 0;
 #pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
-      __syncthreads();  // scratch is free again
-      return total;
-    };
-    auto splits_of = [&](int64_t t, int64_t share) {  // a sequence's splits at a share (at least one)
-      return min(int64_t(p.num_splits), max((t + share - 1) / share, int64_t(1)));
-    };
-    const int64_t total = batch_sum([](int t) { return int64_t(t); });
-    const int64_t target = max(int64_t(p.batch) * p.num_splits / 2, int64_t(1));  // blocks per kv head
-    int64_t share = max((total + target - 1) / target, int64_t(1));
-    for (int round = 0; round < 4; ++round) {  // the first share fits unless rounding adds blocks; 1-2 rounds
-      const int64_t count = batch_sum([&](int t) { return t > 0 ? splits_of(t, share) : int64_t(0); });
-      if (count <= target) break;
-      share = max(share + 1, (share * count + target - 1) / target);
-    }
-    splits = int(splits_of(tiles, share));
+    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+    __syncthreads();  // scratch is free again
+    return total;
+  };
+  auto splits_of = [&](int64_t t, int64_t share) {  // a sequence's splits at a share (at least one)
+    return min(int64_t(p.num_splits), max((t + share - 1) / share, int64_t(1)));
+  };
+  const int64_t total = batch_sum([](int t) { return int64_t(t); });
+  const int64_t target = max(int64_t(p.batch) * p.num_splits / 2, int64_t(1));  // blocks per kv head
+  int64_t share = max((total + target - 1) / target, int64_t(1));
+  for (int round = 0; round < 4; ++round) {  // the first share fits unless rounding adds blocks; 1-2 rounds
+    const int64_t count = batch_sum([&](int t) { return t > 0 ? splits_of(t, share) : int64_t(0); });
+    if (count <= target) break;
+    share = max(share + 1, (share * count + target - 1) / target);
   }
+  return share;
+}
+template <int kBlockN, bool kAligned = false>
+__device__ __forceinline__ SplitTiles split_of(const FlashParams& p, const DecodeRange& range, int split,
+                                               int64_t share) {
+  const int tiles = split_range_tiles<kBlockN, kAligned>(range);
+  const int splits =
+      share > 0 ? int(min(int64_t(p.num_splits), max((tiles + share - 1) / share, int64_t(1)))) : p.num_splits;
   const int per_split = (tiles + splits - 1) / splits;
   const int begin = split < splits ? split * per_split : tiles;
   return {begin, min(tiles, begin + per_split)};
+}
+// Both of the above in one call (every thread calls it, as split_share).
+template <int kBlockN, int kThreads>
+__device__ __forceinline__ SplitTiles split_tiles(const FlashParams& p, const DecodeRange& range, int split,
+                                                  int* scratch, int tid) {
+  return split_of<kBlockN>(p, range, split, split_share<kBlockN, kThreads>(p, scratch, tid));
 }
 
 // Partial outputs of split `split` for packed row r of kv head hk: O [split][b][t][h][d] float32, lse

@@ -85,6 +85,16 @@ struct FwdTraitsSm90<256> {
   static constexpr bool kPersistent = false;
 };
 
+// The TMA decode kernel (flash_decode_tma_sm90.cuh) of head-dim class kD: the forward's tiles (128 packed rows in
+// two consumer warpgroups, 128-key K/V tiles), O kept out of shared memory (its epilogue writes from registers) and
+// the grid persistent (one CTA an SM).
+template <int kD>
+struct DecodeTmaTileTraits : FwdTraitsSm90<kD> {
+  static_assert(kD <= 128 && FwdTraitsSm90<kD>::kConsumerWarpgroups == 2);
+  static constexpr bool kStoreOSmem = false;
+  static constexpr bool kPersistent = true;
+};
+
 template <typename T, typename Base>
 struct FwdKernelTraitsSm90 : Base {
   static constexpr int kBlockM = Base::kConsumerWarpgroups * kWgmmaM;

@@ -1,6 +1,9 @@
-// Launcher of the sm_90a wgmma decode kernel (flash_decode_wgmma_sm90.cuh), instantiated per (dtype, head-dim class
-// 64 / 128) in flash_decode_sm90_hdim*.cu: a block per split of one warpgroup (up to 64 packed rows) or two (65-128),
-// then the combine kernel when the key range is split.
+// Launchers of the sm_90a decode kernels, instantiated per (dtype, head-dim class 64 / 128) in
+// flash_decode_sm90_hdim*.cu, each followed by the combine kernel when the key range is split:
+//   launch_decode_wgmma: the cp.async wgmma kernel (flash_decode_wgmma_sm90.cuh), a block per split of one warpgroup
+//     (up to 64 packed rows) or two (65-128);
+//   launch_decode_tma: the TMA kernel (flash_decode_tma_sm90.cuh) for 65-128 rows over a dense cache, a persistent
+//     grid of one CTA per SM over the (split, kv head, batch element) units.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,7 +12,9 @@
 #include "kernels/common/launch_utils.h"
 #include "kernels/decode/launch_decode.cuh"
 #include "kernels/flash_api.h"
+#include "kernels/sm90/flash_decode_tma_sm90.cuh"
 #include "kernels/sm90/flash_decode_wgmma_sm90.cuh"
+#include "kernels/sm90/tensor_maps.h"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -35,7 +40,37 @@ cudaError_t launch_decode_wgmma(const FlashParams& p, cudaStream_t stream) {
   return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
 }
 
+template <typename T, int kD>
+cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
+  using Traits = FwdKernelTraitsSm90<T, DecodeTmaTileTraits<kD>>;
+  CUtensorMap tm_q, tm_k, tm_v;
+  if (cudaError_t e = make_decode_q_tensor_map<T>(&tm_q, p); e != cudaSuccess) return e;
+  if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
+      e != cudaSuccess) {
+    return e;
+  }
+  const int64_t units = int64_t(p.num_splits) * p.heads_kv * p.batch;
+  if (units > INT_MAX) return cudaErrorInvalidConfiguration;
+  const cudaError_t e = with_static_flags(
+      [&](auto soft_cap) {
+        constexpr auto kernel = flash_decode_tma_kernel<T, Traits, decltype(soft_cap)::value>;
+        if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+        int ctas = 0;
+        if (cudaError_t e = resident_ctas<kernel>(Traits::kThreads, Traits::kSmemBytes, &ctas); e != cudaSuccess) {
+          return e;
+        }
+        kernel<<<int(units < ctas ? units : ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k,
+                                                                                                    tm_v);
+        return cudaGetLastError();
+      },
+      SoftCap(p).enabled());
+  if (e != cudaSuccess) return e;
+  return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
+}
+
 }  // namespace jax_flash::cuda::sm90
 
-#define JAX_FLASH_INSTANTIATE_DECODE_SM90(T, D) \
-  template cudaError_t jax_flash::cuda::sm90::launch_decode_wgmma<T, D>(const FlashParams&, cudaStream_t);
+#define JAX_FLASH_INSTANTIATE_DECODE_SM90(T, D)                                                              \
+  template cudaError_t jax_flash::cuda::sm90::launch_decode_wgmma<T, D>(const FlashParams&, cudaStream_t); \
+  template cudaError_t jax_flash::cuda::sm90::launch_decode_tma<T, D>(const FlashParams&, cudaStream_t);

@@ -3,10 +3,7 @@
 // travel by value as __grid_constant__ kernel parameters, so a captured CUDA graph keeps them.
 #pragma once
 
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
-
 #include <climits>
-#include <initializer_list>
 
 #include "kernels/common/bwd_pre_post.cuh"
 #include "kernels/common/launch_utils.h"
@@ -14,88 +11,9 @@
 #include "kernels/sm90/flash_bwd_sm90_tma_wgmma_ws.cuh"
 #include "kernels/sm90/flash_bwd_sm90_tma_wgmma_ws_splitd.cuh"
 #include "kernels/sm90/flash_fwd_sm90_tma_wgmma_ws.cuh"
+#include "kernels/sm90/tensor_maps.h"
 
 namespace jax_flash::cuda::sm90 {
-
-// cuTensorMapEncodeTiled from the driver, looked up once (the runtime is linked statically; no libcuda link).
-inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      return PFN_cuTensorMapEncodeTiled_v12000{nullptr};
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
-
-// A [batch][seqlen][heads][head_dim] tensor seen as 4-d (head_dim, seqlen, heads, batch), boxes of box_cols
-// columns x box_rows rows of one (head, batch), 128-byte swizzled in shared memory (box_cols * elem_bytes = 128).
-inline cudaError_t encode_bthd_tensor_map(CUtensorMap* map, CUtensorMapDataType dtype, int elem_bytes,
-                                          const void* base, int batch, int seqlen, int heads, int head_dim,
-                                          int box_cols, int box_rows) {
-  const auto encode = tensor_map_encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t elem = cuuint64_t(elem_bytes);
-  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {elem * heads * head_dim, elem * head_dim, elem * seqlen * heads * head_dim};
-  const cuuint32_t box[4] = {cuuint32_t(box_cols), cuuint32_t(box_rows), 1, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, dtype, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-template <typename T>
-cudaError_t make_bthd_tensor_map(CUtensorMap* map, const void* base, int batch, int seqlen, int heads, int head_dim,
-                                 int box_rows) {
-  const CUtensorMapDataType dtype =
-      std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  return encode_bthd_tensor_map(map, dtype, sizeof(T), base, batch, seqlen, heads, head_dim, kColBlock, box_rows);
-}
-
-// Tensor maps for several [batch][seqlen][heads][head_dim] tensors: {map, base, seqlen, heads, box rows} each.
-struct TensorMapSpec {
-  CUtensorMap* map;
-  const void* base;
-  int seqlen;
-  int heads;
-  int box_rows;
-};
-template <typename T>
-cudaError_t make_bthd_tensor_maps(const FlashParams& p, std::initializer_list<TensorMapSpec> specs) {
-  for (const TensorMapSpec& s : specs) {
-    if (cudaError_t e = make_bthd_tensor_map<T>(s.map, s.base, p.batch, s.seqlen, s.heads, p.head_dim, s.box_rows);
-        e != cudaSuccess) {
-      return e;
-    }
-  }
-  return cudaSuccess;
-}
-
-// CTAs of `kernel` that fit on one SM with `smem_bytes` of dynamic shared memory, times the SMs of the current
-// device: the grid of a persistent kernel. Queried once per kernel and device (no synchronisation).
-template <auto kernel>
-cudaError_t resident_ctas(int threads, int smem_bytes, int* ctas) {
-  return once_per_device(
-      [&](int dev, int* value) {
-        int sms = 0, per_sm = 0;
-        if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) {
-          return e;
-        }
-        if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
-            e != cudaSuccess) {
-          return e;
-        }
-        *value = sms * per_sm;
-        return per_sm < 1 ? cudaErrorInvalidConfiguration : cudaSuccess;
-      },
-      ctas);
-}
 
 template <typename T, typename TileTraits, SegmentMode kSegments, bool kSoftCap>
 cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {

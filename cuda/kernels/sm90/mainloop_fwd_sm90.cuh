@@ -151,9 +151,15 @@ struct FwdMainloop {
   // ---- consumer role: the key-tile loop of one tile ----------------------------------------------------------
   // Consumer warpgroup cw, warp `warp` of it, lane `lane`; rows [m0, m0 + kBM) see key tiles [n_begin, n_begin +
   // n_tiles) (n_tiles > 0). kv and q are this CTA's ring positions; both move on past the tile.
-  __device__ __forceinline__ void mma(const AttentionMask& mask, int m0, int n_begin, int n_tiles, int cw, int warp,
-                                      int lane, const PingPongT& pingpong, KVState& kv, QState& q,
-                                      Accumulators& acc) const {
+  // Mask: AttentionMask (the forward) or PackedRowsMask (the TMA decode kernel), asked with p.seqlen_q as the row
+  // limit (the rows the call stores; rows at or past it never force masking). before_pv(i, slot): called by every
+  // consumer thread once key tile i's V has landed in ring slot `slot` and before this warpgroup issues its P V
+  // product (both warpgroups reach it at the same tile before either issues that product; the forward's does
+  // nothing).
+  template <typename Mask, typename BeforePv>
+  __device__ __forceinline__ void mma(const Mask& mask, int m0, int n_begin, int n_tiles, int cw, int warp, int lane,
+                                      const PingPongT& pingpong, KVState& kv, QState& q, Accumulators& acc,
+                                      BeforePv&& before_pv) const {
     const bool lane0 = lane == 0;
     const int g = lane / 4;
     const int t = lane % 4;
@@ -307,6 +313,7 @@ struct FwdMainloop {
       const KVState kp = kv.ahead(i - 1);    // PV_{i-1}'s V
       smem.k_ring.consumer_wait(ki);
       smem.v_ring.consumer_wait(kp);
+      before_pv(i - 1, kp.slot());
       pingpong.begin_issue();
       wgmma_fence();
       issue_s(ki.slot());
@@ -335,6 +342,7 @@ struct FwdMainloop {
     kv.advance(n_tiles);
     const KVState last = kv.ahead(-1);
     smem.v_ring.consumer_wait(last);
+    before_pv(n_tiles - 1, last.slot());
     pingpong.begin_issue();
     wgmma_fence();
     issue_pv(last.slot());

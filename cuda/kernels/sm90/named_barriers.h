@@ -13,6 +13,9 @@ enum NamedBarrier : int {
   kPingPongBarrier = 1,                                       // 1..3: a consumer warpgroup's turn to issue wgmma
   kEpilogueBarrier = kPingPongBarrier + kMaxConsumerWarpgroups,  // 4..6: a consumer warpgroup's O tile in smem
   kFwdBarrierEnd = kEpilogueBarrier + kMaxConsumerWarpgroups,
+  // The TMA decode kernel (flash_decode_tma_sm90.cuh, the forward's main loop): both consumer warpgroups zeroed the
+  // keys outside the range in a V tile (256 threads).
+  kDecodeTailBarrier = kFwdBarrierEnd,
 
   // Backward (flash_bwd_sm90_tma_wgmma_ws.cuh; the split-head-dim kernel uses the first two).
   kDsBarrier = 1,       // both consumer warpgroups wrote dS^T; after a unit's loop, dS^T is free; after its
@@ -24,6 +27,6 @@ enum NamedBarrier : int {
   kDqDrainedBarrier = 10,  // 10..11: the writer has read a unit's last dQ tile of that warpgroup (128 + the writer)
   kBwdBarrierEnd = 12,
 };
-static_assert(kFwdBarrierEnd <= 16 && kBwdBarrierEnd <= 16, "16 named barriers per CTA");
+static_assert(kDecodeTailBarrier < 16 && kFwdBarrierEnd <= 16 && kBwdBarrierEnd <= 16, "16 named barriers per CTA");
 
 }  // namespace jax_flash::cuda::sm90
