@@ -7,10 +7,10 @@
 // keeps paged caches and up to 64 rows.
 //
 // What differs from the forward:
-//   - work units are (split, kv head, batch element), walked by a persistent grid (one CTA per SM) in that order;
-//     each unit's key tiles are its split of the sequence's range (decode/split_mainloop.cuh split_of, on the grid
-//     of whole 128-key tiles of the cache; balanced splits share one size across the batch, found block-wide before
-//     the roles part);
+//   - a CTA per work unit (split, kv head, batch element): the hardware hands CTAs to SMs as they free up, so units
+//     of unequal length (a ragged batch) balance; each unit's key tiles are its split of the sequence's range
+//     (decode/split_mainloop.cuh split_of, on the grid of whole 128-key tiles of the cache; balanced splits share
+//     one size across the batch, found block-wide before the roles part);
 //   - Q comes as one 5-d TMA box per 64-column block, (64 columns, group heads, Tq steps) of kv head hk of batch
 //     element b, which lands row-major: packed row r = step r / group of query head hk group + r % group, as the
 //     decode kernels pack them; rows past group x Tq stay zero (written once before the loop);
@@ -32,22 +32,21 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// A decode work unit, and their order: the kv head fastest, the split slowest. CTA c of the persistent grid takes
-// units c, c + gridDim.x, ...: with balanced splits at equal lengths each sequence's splits past those it needs
-// (half the grid) come last, so no CTA takes two units with work while another takes none.
+// A decode work unit, and the grid's order (CTA u takes unit u, and the hardware starts CTAs in that order): the kv
+// head fastest, the split slowest, so a balanced grid's splits past those a sequence needs (half of it at equal
+// lengths) come last and exit at once; with one split per sequence, a batch of up to kLongestFirstMaxBatch takes its
+// sequences longest first (decode::batch_element: every thread calls this; `scratch` as that function's).
 struct DecodeTile {
   int split;
   int hk;
   int b;
 };
-struct DecodeTileScheduler {
-  int units;  // num_splits x heads_kv x batch (the launcher checks that this fits an int)
-  const FlashParams& p;
-  __device__ __forceinline__ DecodeTile tile(int u) const {
-    const int per_split = p.heads_kv * p.batch;
-    return {u / per_split, u % p.heads_kv, (u % per_split) / p.heads_kv};
-  }
-};
+template <int kBlockN, int kThreads>
+__device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, int* scratch, int tid) {
+  const int per_split = p.heads_kv * p.batch;
+  const int z = (u % per_split) / p.heads_kv;
+  return {u / per_split, u % p.heads_kv, decode::batch_element<kBlockN, kThreads>(p, z, scratch, tid)};
+}
 
 // 5-d TMA load (c0 the innermost coordinate).
 __device__ __forceinline__ void tma_load_5d(void* smem, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
@@ -72,7 +71,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kConsumerThreads = Traits::kConsumerWarpgroups * kWarpgroupThreads;
 
   Storage& smem = shared_storage<Storage>();
-  const DecodeTileScheduler sched{p.num_splits * p.heads_kv * p.batch, p};
   const Mainloop mainloop{p, smem};
   const int tid = threadIdx.x;
   const int group = p.group_size();
@@ -86,9 +84,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
   fence_proxy_async_smem();
-  // The balanced splits' share (block-wide sums; the K ring is free until the first load).
-  const int64_t share =
-      decode::split_share<kBN, Traits::kThreads, true>(p, reinterpret_cast<int*>(smem.k[0]), tid);
+  // The unit and the balanced splits' share (block-wide; the K ring is free until the first load).
+  int* scratch = reinterpret_cast<int*>(smem.k[0]);
+  const DecodeTile unit = decode_tile<kBN, Traits::kThreads>(p, blockIdx.x, scratch, tid);
+  const int64_t share = decode::split_share<kBN, Traits::kThreads, true>(p, scratch, tid);
   // The unit's key tiles [*n_begin, *n_begin + count) on the grid of whole tiles, and its range.
   auto unit_tiles = [&](const DecodeTile& u, decode::DecodeRange* range, int* n_begin) {
     *range = decode::decode_range(p, u.b);
@@ -96,9 +95,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     *n_begin = range->lo / kBN + st.begin;
     return imax(st.end - st.begin, 0);
   };
-  auto for_each_unit = [&](auto&& fn) {
-    for (int u = blockIdx.x; u < sched.units; u += gridDim.x) fn(sched.tile(u));
-  };
+  auto for_each_unit = [&](auto&& fn) { fn(unit); };  // one (the main loop's roles are written for several)
 
   if (tid == 0) {
     mainloop.init_barriers();

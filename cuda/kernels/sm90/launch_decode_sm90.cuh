@@ -2,8 +2,8 @@
 // flash_decode_sm90_hdim*.cu, each followed by the combine kernel when the key range is split:
 //   launch_decode_wgmma: the cp.async wgmma kernel (flash_decode_wgmma_sm90.cuh), a block per split of one warpgroup
 //     (up to 64 packed rows) or two (65-128);
-//   launch_decode_tma: the TMA kernel (flash_decode_tma_sm90.cuh) for 65-128 rows over a dense cache, a persistent
-//     grid of one CTA per SM over the (split, kv head, batch element) units.
+//   launch_decode_tma: the TMA kernel (flash_decode_tma_sm90.cuh) for 65-128 rows over a dense cache, a CTA per
+//     (split, kv head, batch element) unit.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -56,12 +56,7 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
       [&](auto soft_cap) {
         constexpr auto kernel = flash_decode_tma_kernel<T, Traits, decltype(soft_cap)::value>;
         if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-        int ctas = 0;
-        if (cudaError_t e = resident_ctas<kernel>(Traits::kThreads, Traits::kSmemBytes, &ctas); e != cudaSuccess) {
-          return e;
-        }
-        kernel<<<int(units < ctas ? units : ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k,
-                                                                                                    tm_v);
+        kernel<<<int(units), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
         return cudaGetLastError();
       },
       SoftCap(p).enabled());
