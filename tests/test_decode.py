@@ -178,6 +178,11 @@ KERNEL_CASES = {
                               softcap=20.0),
     "rows128_long_one_sequence": dict(batch=1, rows=16, hq=16, hkv=2, d=128, capacity=20000, lengths=(19999,)),
     "rows128_short_sequences": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(5, 300)),
+    # paged caches of 128 packed rows (the cp.async kernel): pages longer than the TMA kernel's 128-key tile (two
+    # tiles a page, a window) and of 48 keys
+    "rows72_d64_paged256_window": dict(batch=2, rows=9, hq=8, hkv=1, d=64, capacity=1024, lengths=(1000, 300),
+                                       page_size=256, window=(300, 0)),
+    "rows128_paged48": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=960, lengths=(960, 333), page_size=48),
     # one split per sequence (a capacity under 256 keys): ragged batches whose blocks take the sequences longest
     # first (ties in batch order; the mma.sync kernel, and the wgmma one at 64 packed rows; up to 64 sequences, the
     # longest-first limit), and larger ones, which keep the batch order
@@ -355,19 +360,25 @@ def test_nonfinite_propagate_as_jax_nn():
 
 
 @pytest.mark.parametrize("kernel", ["auto", "decode-cp-async"])
-def test_nonfinite_outside_the_range_never_read_many_rows(kernel):
-    """128 packed rows (the TMA decode kernel on an H100/H200 reads whole 128-key tiles of the cache): nans in K and
-    V past kv_length, and below a window's first key, leave every output finite."""
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_nonfinite_outside_the_range_never_read_many_rows(kernel, page_size):
+    """128 packed rows (the TMA decode kernel on an H100/H200 reads whole 128-key tiles of a dense cache; paged, the
+    cp.async one): nans in K and V past kv_length, and below a window's first key, leave every output finite."""
     rng = np.random.default_rng(6)
     q = jnp.asarray(rng.standard_normal((2, 16, 8, 128)), DTYPE)
-    k, v = (np.asarray(rng.standard_normal((2, 600, 1, 128)), np.float32) for _ in range(2))
+    k, v = (np.asarray(rng.standard_normal((2, 608, 1, 128)), np.float32) for _ in range(2))
     for x in (k, v):
         x[0, 521:] = np.nan  # past sequence 0's length (mid-tile)
         x[1, 10] = np.nan    # below sequence 1's window (keys 484-599 seen)
     n = jnp.asarray([521, 600], jnp.int32)
+    table = None
+    if page_size:  # pages in order: sequence b's page j is pool page b * pages + j
+        pages = 608 // page_size
+        k, v = (x.reshape(2 * pages, page_size, 1, 128) for x in (k, v))
+        table = jnp.arange(2 * pages, dtype=jnp.int32).reshape(2, pages)
     with jax_flash.force_kernel(kernel):
         for splits in (None, 1, 3):
-            out = jax_flash.decode_attention(q, jnp.asarray(k, DTYPE), jnp.asarray(v, DTYPE), n,
+            out = jax_flash.decode_attention(q, jnp.asarray(k, DTYPE), jnp.asarray(v, DTYPE), n, page_table=table,
                                              local_window_size=(100, 0), num_splits=splits)
             assert np.isfinite(np.asarray(out, np.float32)).all(), splits
 
