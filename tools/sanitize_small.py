@@ -98,8 +98,7 @@ DECODE_CASES = [
     # window zeroed in the first tile); a padded head dim capped over 3 splits of a ragged batch
     (2, 9, 8, 1, 64, 1000, None, None, dict(local_window_size=(300, 0), sinks=True)),
     (5, 14, 8, 1, 96, 777, None, 3, dict(is_causal=False, logits_soft_cap=5.0)),
-    # 128 and 72 packed rows over pages of 16 (capped, sinks) and of 256 (cp.async kernel; they ran on the TMA one
-    # of a dropped try under both tools)
+    # 128 and 72 packed rows over pages of 16 (capped, sinks) and of 256 (the cp.async kernel)
     (3, 16, 8, 1, 128, 1000, 16, None, dict(logits_soft_cap=20.0, sinks=True)),
     (2, 9, 8, 1, 64, 1024, 256, 3, dict(local_window_size=(300, 0))),
 ]
