@@ -168,14 +168,18 @@ KERNEL_CASES = {
                                    softcap=20.0),
     # the TMA kernel (65-128 packed rows over a dense cache on an H100/H200): 56 padding rows at d64 with a window
     # (keys below it in the range's first 128-key tile) and sinks; a padded head dim (d96: a column block past it)
-    # over a balanced ragged batch with sequences of 1, 128 and 129 keys (tiles that end at the range and past it);
-    # 6 query heads per kv head (96 rows) capped; one long sequence over many splits; sequences shorter than Tq
+    # over a ragged batch with sequences of 1, 128 and 129 keys (tiles that end at the range and past it; one split
+    # each, longest first); 6 query heads per kv head (96 rows) capped; 5 per kv head x 13 steps (65 rows: a group
+    # that is no power of two, a partial 8-row swizzle block); one long sequence over many splits; sequences shorter
+    # than Tq
     "rows72_d64_window_sinks": dict(batch=2, rows=9, hq=8, hkv=1, d=64, capacity=1000, lengths=(999, 130),
                                     window=(300, 0), sinks=True),
     "rows112_d96_noncausal_b5": dict(batch=5, rows=14, hq=8, hkv=1, d=96, capacity=777,
                                      lengths=(777, 1, 128, 129, 500), is_causal=False),
-    "rows96_g6_softcap": dict(batch=2, rows=8, hq=12, hkv=2, d=128, capacity=2000, lengths=(2000, 1500),
+    "rows96_g6_softcap": dict(batch=2, rows=16, hq=12, hkv=2, d=128, capacity=2000, lengths=(2000, 1500),
                               softcap=20.0),
+    "rows65_g5_window": dict(batch=2, rows=13, hq=10, hkv=2, d=128, capacity=1500, lengths=(1500, 700),
+                             window=(400, 0)),
     "rows128_long_one_sequence": dict(batch=1, rows=16, hq=16, hkv=2, d=128, capacity=20000, lengths=(19999,)),
     "rows128_short_sequences": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(5, 300)),
     # paged caches of 128 packed rows (the cp.async kernel): pages longer than the TMA kernel's 128-key tile (two
@@ -220,7 +224,7 @@ MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_
 
 
 TMA_ROWS = ["rows128_softcap_ragged", "rows72_d64_window_sinks", "rows112_d96_noncausal_b5", "rows96_g6_softcap",
-            "rows128_long_one_sequence", "rows128_short_sequences"]
+            "rows65_g5_window", "rows128_long_one_sequence", "rows128_short_sequences"]
 
 
 @pytest.mark.parametrize("name", TMA_ROWS)
@@ -369,7 +373,7 @@ def test_nonfinite_outside_the_range_never_read_many_rows(kernel, page_size):
     k, v = (np.asarray(rng.standard_normal((2, 608, 1, 128)), np.float32) for _ in range(2))
     for x in (k, v):
         x[0, 521:] = np.nan  # past sequence 0's length (mid-tile)
-        x[1, 10] = np.nan    # below sequence 1's window (keys 484-599 seen)
+        x[1, 400] = np.nan   # below sequence 1's window (keys 484-599 seen), in its first 128-key tile (384-511)
     n = jnp.asarray([521, 600], jnp.int32)
     table = None
     if page_size:  # pages in order: sequence b's page j is pool page b * pages + j
@@ -381,6 +385,15 @@ def test_nonfinite_outside_the_range_never_read_many_rows(kernel, page_size):
             out = jax_flash.decode_attention(q, jnp.asarray(k, DTYPE), jnp.asarray(v, DTYPE), n, page_table=table,
                                              local_window_size=(100, 0), num_splits=splits)
             assert np.isfinite(np.asarray(out, np.float32)).all(), splits
+
+
+def test_empty_cache_many_rows():
+    """A dense cache of capacity 0 under 128 packed rows (the TMA kernel's tensor maps cannot have an empty
+    dimension: the cp.async kernel takes it): every row sees no key, output 0 and lse -inf."""
+    q = jnp.ones((1, 16, 8, 128), DTYPE)
+    k = jnp.zeros((1, 0, 1, 128), DTYPE)
+    out, lse = jax_flash.decode_attention(q, k, k, jnp.zeros((1,), jnp.int32), return_residual=True)
+    assert not np.asarray(out, np.float32).any() and (np.asarray(lse) == -np.inf).all()
 
 
 def test_vmap_matches_a_loop():

@@ -205,8 +205,8 @@ cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream
     using T = decltype(t);
 #if defined(JAX_FLASH_HAVE_SM90A)
     // TMA reads q and the caches through 16-byte aligned tensor maps (XLA's buffers always are; the launch shape,
-    // and with it the split count, assumes so).
-    if (kernel == DecodeKernel::kTma && aligned16(p.q) && aligned16(p.k) && aligned16(p.v)) {
+    // and with it the split count, assumes so) of at least one key (a tensor map has no empty dimension).
+    if (kernel == DecodeKernel::kTma && p.seqlen_k > 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v)) {
       if (head_dim_class(p.head_dim) == 64) return sm90::launch_decode_tma<T, 64>(p, stream);
       return sm90::launch_decode_tma<T, 128>(p, stream);
     }

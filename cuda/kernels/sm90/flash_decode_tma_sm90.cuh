@@ -83,11 +83,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       *reinterpret_cast<uint4*>(smem.q + cb * Traits::kBlockM * kColBlock + i) = make_uint4(0, 0, 0, 0);
     }
   }
-  fence_proxy_async_smem();
   // The unit and the balanced splits' share (block-wide; the K ring is free until the first load).
   int* scratch = reinterpret_cast<int*>(smem.k[0]);
   const DecodeTile unit = decode_tile<kBN, Traits::kThreads>(p, blockIdx.x, scratch, tid);
   const int64_t share = decode::split_share<kBN, Traits::kThreads, true>(p, scratch, tid);
+  // The generic-proxy writes above (Q's zero rows, the scratch in the K ring) ordered before the async proxy's: wgmma
+  // reads Q, TMA rewrites the ring.
+  fence_proxy_async_smem();
   // The unit's key tiles [*n_begin, *n_begin + count) on the grid of whole tiles, and its range.
   auto unit_tiles = [&](const DecodeTile& u, decode::DecodeRange* range, int* n_begin) {
     *range = decode::decode_range(p, u.b);
