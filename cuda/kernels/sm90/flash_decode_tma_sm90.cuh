@@ -48,16 +48,6 @@ __device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, i
   return {u / per_split, u % p.heads_kv, decode::batch_element<kBlockN, kThreads>(p, z, scratch, tid)};
 }
 
-// 5-d TMA load (c0 the innermost coordinate).
-__device__ __forceinline__ void tma_load_5d(void* smem, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
-                                            int c3, int c4) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, "
-      "%7}], [%2];\n" ::"r"(smem_addr(smem)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-      : "memory");
-}
-
 // kSoftCap: the call has a logit soft cap. tm_q: q [B, Tq, Hq, D] as (D, group, Tq, Hkv, B) in boxes of (64, group,
 // Tq, 1, 1); tm_k, tm_v: the caches [B, S, Hkv, D] as (D, S, Hkv, B) in boxes of 64 columns x kBlockN keys.
 template <typename T, typename Traits, bool kSoftCap>
