@@ -227,26 +227,18 @@ TMA_ROWS = ["rows128_softcap_ragged", "rows72_d64_window_sinks", "rows112_d96_no
             "rows65_g5_window", "rows128_long_one_sequence", "rows128_short_sequences"]
 
 
-@pytest.mark.parametrize("name", TMA_ROWS)
-def test_cp_async_decode_kernel(name):
-    """Calls that an H100/H200 runs on the TMA decode kernel (65-128 packed rows, dense cache) forced onto the
-    cp.async wgmma kernel, which takes paged caches: the same reference."""
-    if not ON_GPU:
-        pytest.skip("a GPU kernel choice")
-    with jax_flash.force_kernel("decode-cp-async"):
-        out, lse, (ref_o, ref_lse) = _run(_case(name))
-    np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
-    finite = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
+# (kernel, case) pairs run on a GPU with the kernel forced: calls of more than 16 packed rows (an H100/H200 runs those
+# past 32 on a wgmma kernel) on the mma.sync kernel, which other GPUs run; calls that an H100/H200 runs on the TMA
+# decode kernel (65-128 packed rows, dense cache) on the cp.async wgmma kernel, which takes paged caches.
+FORCED = [("sm80", name) for name in MANY_ROWS] + [("decode-cp-async", name) for name in TMA_ROWS]
 
 
-@pytest.mark.parametrize("name", MANY_ROWS)
-def test_sm80_class_decode_kernel(name):
-    """Calls of more than 16 packed rows (an H100/H200 runs those past 32 on the wgmma kernel) forced onto the
-    mma.sync kernel, which other GPUs run: the same reference."""
+@pytest.mark.parametrize("kernel,name", FORCED)
+def test_forced_decode_kernel(kernel, name):
+    """A call forced onto another decode kernel family: the same reference."""
     if not ON_GPU:
         pytest.skip("a GPU kernel choice")
-    with jax_flash.force_kernel("sm80"):
+    with jax_flash.force_kernel(kernel):
         out, lse, (ref_o, ref_lse) = _run(_case(name))
     np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
     finite = np.isfinite(ref_lse)

@@ -118,20 +118,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         q.advance();
         for (int i = 0; i < n_tiles; ++i, kv.advance()) {
-          const int n0 = (n_begin + i) * kBN;
-          const int s = kv.slot();
-          smem.k_ring.producer_acquire(kv, Traits::kKVBytes);
-#pragma unroll
-          for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-            tma_load_4d(smem.k[s] + cb * kBN * kColBlock, &tm_k, smem.k_ring.full_barrier(kv), cb * kColBlock, n0,
-                        u.hk, u.b);
-          }
-          smem.v_ring.producer_acquire(kv, Traits::kKVBytes);
-#pragma unroll
-          for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-            tma_load_4d(smem.v[s] + cb * kBN * kColBlock, &tm_v, smem.v_ring.full_barrier(kv), cb * kColBlock, n0,
-                        u.hk, u.b);
-          }
+          mainloop.load_kv_tile(&tm_k, &tm_v, kv, (n_begin + i) * kBN, u.hk, u.b);
         }
       });
     }

@@ -131,21 +131,25 @@ struct FwdMainloop {
         tma_load_4d(smem.q + cb * kBM * kColBlock, tm_q, smem.q_ring.full_barrier(q), cb * kColBlock, m0, tile.h, tile.b);
       }
       q.advance();
-      for (int i = 0; i < n_tiles; ++i, kv.advance()) {
-        const int n0 = (n_begin + i) * kBN;
-        const int s = kv.slot();
-        smem.k_ring.producer_acquire(kv, Traits::kKVBytes);
-#pragma unroll
-        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(smem.k[s] + cb * kBN * kColBlock, tm_k, smem.k_ring.full_barrier(kv), cb * kColBlock, n0, hk, tile.b);
-        }
-        smem.v_ring.producer_acquire(kv, Traits::kKVBytes);
-#pragma unroll
-        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_load_4d(smem.v[s] + cb * kBN * kColBlock, tm_v, smem.v_ring.full_barrier(kv), cb * kColBlock, n0, hk, tile.b);
-        }
-      }
+      for (int i = 0; i < n_tiles; ++i, kv.advance()) load_kv_tile(tm_k, tm_v, kv, (n_begin + i) * kBN, hk, tile.b);
     });
+  }
+
+  // The producer's loads of the key tile from key n0 of kv head hk, batch element b, into ring position kv: K, then
+  // V, each once its slot is free (the TMA decode kernel's producer takes it too).
+  __device__ __forceinline__ void load_kv_tile(const CUtensorMap* tm_k, const CUtensorMap* tm_v, KVState kv, int n0,
+                                               int hk, int b) const {
+    const int s = kv.slot();
+    smem.k_ring.producer_acquire(kv, Traits::kKVBytes);
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      tma_load_4d(smem.k[s] + cb * kBN * kColBlock, tm_k, smem.k_ring.full_barrier(kv), cb * kColBlock, n0, hk, b);
+    }
+    smem.v_ring.producer_acquire(kv, Traits::kKVBytes);
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      tma_load_4d(smem.v[s] + cb * kBN * kColBlock, tm_v, smem.v_ring.full_barrier(kv), cb * kColBlock, n0, hk, b);
+    }
   }
 
   // ---- consumer role: the key-tile loop of one tile ----------------------------------------------------------
