@@ -339,7 +339,7 @@ def decode_splits(q_shape, heads_kv, capacity, paged=False):
     if batch == 1 and rows == 1 and heads_kv <= 8 and not paged:
         per_sm = 1
     else:
-        smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed, bool(paged), int(_kernel_choice()))
+        smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed, int(_kernel_choice()))
         per_sm = max(1, min(_SMEM_PER_SM // (smem + 1024), 2048 // max(threads, 1)))
     want = max(1, per_sm * _sm_count() // base)
     return max(1, min(want, capacity // 128, capacity // (8 * packed), 256))

@@ -166,7 +166,7 @@ KERNEL_CASES = {
                                              page_size=16, softcap=12.0, sinks=True),
     "rows128_softcap_ragged": dict(batch=3, rows=16, hq=8, hkv=1, d=128, capacity=3000, lengths=(3000, 1, 1777),
                                    softcap=20.0),
-    # the TMA kernel (65-128 packed rows over a dense cache on an H100/H200): 56 padding rows at d64 with a window
+    # the TMA kernel (65-128 packed rows on an H100/H200; dense caches here): 56 padding rows at d64 with a window
     # (keys below it in the range's first 128-key tile) and sinks; a padded head dim (d96: a column block past it)
     # over a ragged batch with sequences of 1, 128 and 129 keys (tiles that end at the range and past it; one split
     # each, longest first); 6 query heads per kv head (96 rows) capped; 5 per kv head x 13 steps (65 rows: a group
@@ -182,8 +182,8 @@ KERNEL_CASES = {
                              window=(400, 0)),
     "rows128_long_one_sequence": dict(batch=1, rows=16, hq=16, hkv=2, d=128, capacity=20000, lengths=(19999,)),
     "rows128_short_sequences": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(5, 300)),
-    # paged caches of 128 packed rows (the cp.async kernel): pages longer than the TMA kernel's 128-key tile (two
-    # tiles a page, a window) and of 48 keys
+    # paged caches of 72-128 packed rows (the TMA kernel's cp.async gather on an H100/H200): pages longer than its
+    # 128-key tile (two tiles a page, a window) and of 48 keys (no power of two)
     "rows72_d64_paged256_window": dict(batch=2, rows=9, hq=8, hkv=1, d=64, capacity=1024, lengths=(1000, 300),
                                        page_size=256, window=(300, 0)),
     "rows128_paged48": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=960, lengths=(960, 333), page_size=48),
@@ -224,12 +224,14 @@ MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_
 
 
 TMA_ROWS = ["rows128_softcap_ragged", "rows72_d64_window_sinks", "rows112_d96_noncausal_b5", "rows96_g6_softcap",
-            "rows65_g5_window", "rows128_long_one_sequence", "rows128_short_sequences"]
+            "rows65_g5_window", "rows128_long_one_sequence", "rows128_short_sequences", "rows96_d80_paged16",
+            "rows128_paged64_window", "rows80_d64_paged16_softcap_sinks", "rows72_d64_paged256_window",
+            "rows128_paged48"]
 
 
 # (kernel, case) pairs run on a GPU with the kernel forced: calls of more than 16 packed rows (an H100/H200 runs those
 # past 32 on a wgmma kernel) on the mma.sync kernel, which other GPUs run; calls that an H100/H200 runs on the TMA
-# decode kernel (65-128 packed rows, dense cache) on the cp.async wgmma kernel, which takes paged caches.
+# decode kernel (65-128 packed rows, dense or paged caches) on the cp.async wgmma kernel.
 FORCED = [("sm80", name) for name in MANY_ROWS] + [("decode-cp-async", name) for name in TMA_ROWS]
 
 
@@ -265,33 +267,32 @@ def test_force_kernel_reaches_the_decode_target():
 
 def test_decode_launch_shape_follows_the_kernel_choice():
     """The split count is sized from the kernel a call runs: on compute capability 9.0 a call of 64 packed rows at
-    head dim 128 runs the cp.async wgmma kernel (one warpgroup, 3 stages), 65-128 rows over a dense cache the TMA
-    kernel (the forward's CTA: a producer and two consumer warpgroups, Q 128 rows and two stages of 128-key K/V
-    tiles at d128, three at d64, one block an SM), over a paged cache (or with "decode-cp-async") the cp.async one's
-    block of two warpgroups (6 stages), forced to the sm_80 class the mma.sync kernel (eight warps)."""
+    head dim 128 runs the cp.async wgmma kernel (one warpgroup, 3 stages), 65-128 rows (dense or paged caches) the
+    TMA kernel (the forward's CTA: a producer and two consumer warpgroups, Q 128 rows and two stages of 128-key K/V
+    tiles at d128, three at d64, one block an SM), with "decode-cp-async" the cp.async one's block of two
+    warpgroups (6 stages), forced to the sm_80 class the mma.sync kernel (eight warps)."""
     if not ON_GPU:
         pytest.skip("needs the CUDA module and a GPU")
     from jax_flash import _ffi
     shape = _ffi._jax_flash_cuda.decode_launch_shape
     mma_sync_64 = ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
-    assert shape(128, 64, False, _ffi.KERNELS["sm80"]) == mma_sync_64
-    assert shape(128, 32, False, _ffi.KERNELS["auto"]) == ((32 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
-    assert shape(64, 300, False, _ffi.KERNELS["auto"]) == (0, 0)
+    assert shape(128, 64, _ffi.KERNELS["sm80"]) == mma_sync_64
+    assert shape(128, 32, _ffi.KERNELS["auto"]) == ((32 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 256)
+    assert shape(64, 300, _ffi.KERNELS["auto"]) == (0, 0)
     # head dim 256 stays on the mma.sync kernel everywhere (two row tiles of 32-key slices: four warps)
-    assert shape(256, 32, False, _ffi.KERNELS["auto"]) == ((32 * 256 + 2 * 3 * 32 * 256) * 2 + 3 * 32 * 4, 128)
+    assert shape(256, 32, _ffi.KERNELS["auto"]) == ((32 * 256 + 2 * 3 * 32 * 256) * 2 + 3 * 32 * 4, 128)
     if getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0":
-        cp_async_128 = ((128 * 128 + 2 * 6 * 64 * 128) * 2 + 6 * 64 * 4, 256)
-        assert shape(128, 64, False, _ffi.KERNELS["auto"]) == ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 128)
-        assert shape(128, 128, True, _ffi.KERNELS["auto"]) == cp_async_128
-        assert shape(128, 128, False, _ffi.KERNELS["decode-cp-async"]) == cp_async_128
-        assert shape(64, 33, False, _ffi.KERNELS["auto"]) == ((64 * 64 + 2 * 4 * 64 * 64) * 2 + 4 * 64 * 4, 128)
-        assert shape(64, 65, True, _ffi.KERNELS["auto"]) == ((128 * 64 + 2 * 5 * 64 * 64) * 2 + 5 * 64 * 4, 256)
+        assert shape(128, 64, _ffi.KERNELS["auto"]) == ((64 * 128 + 2 * 3 * 64 * 128) * 2 + 3 * 64 * 4, 128)
+        assert shape(128, 128, _ffi.KERNELS["decode-cp-async"]) == ((128 * 128 + 2 * 6 * 64 * 128) * 2 + 6 * 64 * 4,
+                                                                    256)
+        assert shape(64, 65, _ffi.KERNELS["decode-cp-async"]) == ((128 * 64 + 2 * 5 * 64 * 64) * 2 + 5 * 64 * 4, 256)
+        assert shape(64, 33, _ffi.KERNELS["auto"]) == ((64 * 64 + 2 * 4 * 64 * 64) * 2 + 4 * 64 * 4, 128)
         # the TMA kernel: its shared storage (Q and the K/V rings, then the unused O buffer's stand-in and the
         # barriers in the last 1 KB) plus 1 KB of alignment slack
-        assert shape(128, 128, False, _ffi.KERNELS["auto"]) == ((128 * 128 + 2 * 2 * 128 * 128) * 2 + 2 * 1024, 384)
-        assert shape(64, 65, False, _ffi.KERNELS["auto"]) == ((128 * 64 + 3 * 2 * 128 * 64) * 2 + 2 * 1024, 384)
+        assert shape(128, 128, _ffi.KERNELS["auto"]) == ((128 * 128 + 2 * 2 * 128 * 128) * 2 + 2 * 1024, 384)
+        assert shape(64, 65, _ffi.KERNELS["auto"]) == ((128 * 64 + 3 * 2 * 128 * 64) * 2 + 2 * 1024, 384)
     else:
-        assert shape(128, 64, False, _ffi.KERNELS["auto"]) == mma_sync_64
+        assert shape(128, 64, _ffi.KERNELS["auto"]) == mma_sync_64
 
 
 def test_rows_before_the_sequence_see_nothing():
@@ -358,8 +359,9 @@ def test_nonfinite_propagate_as_jax_nn():
 @pytest.mark.parametrize("kernel", ["auto", "decode-cp-async"])
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_nonfinite_outside_the_range_never_read_many_rows(kernel, page_size):
-    """128 packed rows (the TMA decode kernel on an H100/H200 reads whole 128-key tiles of a dense cache; paged, the
-    cp.async one): nans in K and V past kv_length, and below a window's first key, leave every output finite."""
+    """128 packed rows (the TMA decode kernel on an H100/H200 reads whole 128-key tiles of a dense cache and
+    gathers a paged one; the cp.async kernel forced): nans in K and V past kv_length, and below a window's first
+    key, leave every output finite."""
     rng = np.random.default_rng(6)
     q = jnp.asarray(rng.standard_normal((2, 16, 8, 128)), DTYPE)
     k, v = (np.asarray(rng.standard_normal((2, 608, 1, 128)), np.float32) for _ in range(2))
@@ -483,11 +485,12 @@ def test_bad_arguments(name):
         call()
 
 
-def test_traced_bad_values_read_nothing_outside():
+@pytest.mark.parametrize("rows,heads_q,head_dim", [(1, 2, 32), (16, 8, 128)])
+def test_traced_bad_values_read_nothing_outside(rows, heads_q, head_dim):
     """Under jit the values are not known: page ids and lengths out of range are clamped (finite results, no
-    out-of-bounds read)."""
-    q = jnp.ones((1, 1, 2, 32), DTYPE)
-    k = jnp.ones((2, 16, 1, 32), DTYPE)
+    out-of-bounds read), at 2 packed rows and at 128 (the TMA kernel's gather on an H100/H200)."""
+    q = jnp.ones((1, rows, heads_q, head_dim), DTYPE)
+    k = jnp.ones((2, 16, 1, head_dim), DTYPE)
     f = jax.jit(lambda t, n: jax_flash.decode_attention(q, k, k, n, page_table=t))
     out = f(jnp.asarray([[5, -3]], jnp.int32), jnp.asarray([1000], jnp.int32))
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -513,7 +516,7 @@ def test_split_count_fills_one_wave(monkeypatch):
         # the CUDA module's answer at d128: ~100 KB and 128 threads up to 64 packed rows, ~226 KB and 256 threads
         # (one block an SM) past that
         @staticmethod
-        def decode_launch_shape(head_dim, packed_rows, paged, kernel):
+        def decode_launch_shape(head_dim, packed_rows, kernel):
             return (226 * 1024, 256) if packed_rows > 64 else (102 * 1024, 128)
 
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)

@@ -79,9 +79,9 @@ DECODE_CASES = [
     (2, 5, 8, 1, 128, 1024, 16, None, dict(logits_soft_cap=15.0, local_window_size=(200, 0))),
     # 1024 output rows of 8 splits: the warp-per-row combine (16 float4 columns at d64: half the lanes idle)
     (8, 16, 8, 1, 64, 300, None, 8, dict(sinks=True)),
-    # two warpgroups of the wgmma kernel at d64 (the 5-stage ring), paged + soft cap + sinks, 48 padding rows
-    (2, 10, 8, 1, 64, 2000, 16, None, dict(logits_soft_cap=12.0, sinks=True)),
-    # two warpgroups at d128 (the 6-stage ring at the shared-memory limit), paged + soft cap, and dense ragged
+    # 80 and 128 packed rows (the TMA kernel on an H100/H200; forced, the wgmma kernel's two warpgroups at d64 (the
+    # 5-stage ring) and d128 (the 6-stage ring at the shared-memory limit)): paged + soft cap (+ sinks, 48 padding
+    # rows), and dense ragged
     (2, 16, 8, 1, 128, 3000, 64, None, dict(logits_soft_cap=20.0)),
     (3, 16, 8, 1, 128, 3000, None, None, dict()),
     # more splits than the warp-per-row combine takes (the block-per-row one); 8 rows of 256 splits (more than the
@@ -98,7 +98,7 @@ DECODE_CASES = [
     # window zeroed in the first tile); a padded head dim capped over 3 splits of a ragged batch
     (2, 9, 8, 1, 64, 1000, None, None, dict(local_window_size=(300, 0), sinks=True)),
     (5, 14, 8, 1, 96, 777, None, 3, dict(is_causal=False, logits_soft_cap=5.0)),
-    # 128 and 72 packed rows over pages of 16 (capped, sinks) and of 256 (the cp.async kernel)
+    # 128 and 72 packed rows over pages of 16 (capped, sinks) and of 256 (the TMA kernel's gather)
     (3, 16, 8, 1, 128, 1000, 16, None, dict(logits_soft_cap=20.0, sinks=True)),
     (2, 9, 8, 1, 64, 1024, 256, 3, dict(local_window_size=(300, 0))),
 ]
@@ -106,7 +106,7 @@ DECODE_CASES = [
 
 def decode(kernels=("auto", "decode-cp-async", "sm80"), cases=slice(None)):
     """Each case on the default decode kernels, on the cp.async wgmma kernel where an H100/H200 runs the TMA one
-    (65-128 packed rows over a dense cache), and forced onto the sm_80-class (mma.sync) one, which an H100/H200
+    (65-128 packed rows), and forced onto the sm_80-class (mma.sync) one, which an H100/H200
     runs by default only up to 32 packed rows."""
     for kernel in kernels:
         with jax_flash.force_kernel(kernel):

@@ -160,12 +160,12 @@ NB_MODULE(_jax_flash_cuda, m) {
     return d;
   });
   // The decode split kernel's dynamic shared memory (bytes) and threads per block for a head dim, a number of packed
-  // query rows, a paged cache or not and a KernelChoice on the current device (jax_flash._ffi.decode_splits sizes
-  // the grid from them); (0, 0) past 128 rows.
-  m.def("decode_launch_shape", [](int head_dim, int packed_rows, bool paged, int kernel) {
+  // query rows and a KernelChoice on the current device (jax_flash._ffi.decode_splits sizes the grid from them);
+  // (0, 0) past 128 rows.
+  m.def("decode_launch_shape", [](int head_dim, int packed_rows, int kernel) {
     jax_flash::KernelChoice choice;
     if (jax_flash::ToKernelChoice(kernel, &choice).failure()) throw nb::value_error("unknown kernel choice");
-    const auto shape = jax_flash::cuda::GetDecodeLaunchShape(head_dim, packed_rows, paged, choice);
+    const auto shape = jax_flash::cuda::GetDecodeLaunchShape(head_dim, packed_rows, choice);
     return nb::make_tuple(shape.smem_bytes, shape.threads);
   });
   m.def("device_count", []() {

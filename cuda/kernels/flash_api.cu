@@ -137,21 +137,19 @@ namespace {
 
 // The sm_90a decode kernels run on compute capability 9.0 (sm_90a built, no forced sm_80-class kernel) for more
 // than 32 packed rows at head dims up to 128 (at 17-32 rows the mma.sync kernel measured level or faster): the TMA
-// kernel for 65-128 rows over a dense cache (unless the call asks for the cp.async one), the cp.async wgmma kernel
-// for the rest; the mma.sync kernel everywhere else.
+// kernel for 65-128 rows over dense or paged caches (unless the call asks for the cp.async one), the cp.async wgmma
+// kernel for the rest; the mma.sync kernel everywhere else.
 enum class DecodeKernel { kMmaSync, kWgmmaCpAsync, kTma };
-DecodeKernel decode_kernel(int head_dim, int packed_rows, bool paged, KernelChoice choice) {
+DecodeKernel decode_kernel(int head_dim, int packed_rows, KernelChoice choice) {
 #if defined(JAX_FLASH_HAVE_SM90A)
   if (sm90_family(choice) && head_dim_class(head_dim) <= 128 && packed_rows >= decode::kWgmmaMinRows &&
       packed_rows <= kMaxDecodeRows && current_cc() == 90) {
-    return !paged && packed_rows > decode::kWgmmaGroupRows && choice == KernelChoice::kAuto
-               ? DecodeKernel::kTma
-               : DecodeKernel::kWgmmaCpAsync;
+    return packed_rows > decode::kWgmmaGroupRows && choice == KernelChoice::kAuto ? DecodeKernel::kTma
+                                                                                    : DecodeKernel::kWgmmaCpAsync;
   }
 #else
   (void)head_dim;
   (void)packed_rows;
-  (void)paged;
   (void)choice;
 #endif
   return DecodeKernel::kMmaSync;
@@ -159,9 +157,9 @@ DecodeKernel decode_kernel(int head_dim, int packed_rows, bool paged, KernelChoi
 
 }  // namespace
 
-DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, bool paged, KernelChoice choice) {
+DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice) {
   const int kd = head_dim_class(head_dim);
-  switch (decode_kernel(head_dim, packed_rows, paged, choice)) {
+  switch (decode_kernel(head_dim, packed_rows, choice)) {
     case DecodeKernel::kTma:
 #if defined(JAX_FLASH_HAVE_SM90A)
       return {kd <= 64 ? sm90::FwdKernelTraitsSm90<__nv_bfloat16, sm90::DecodeTmaTileTraits<64>>::kSmemBytes
@@ -190,7 +188,7 @@ const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice) {
   if (cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem) != cudaSuccess) {
     return "could not query the CUDA device's shared memory";
   }
-  if (GetDecodeLaunchShape(p.head_dim, rows, p.page_table != nullptr, choice).smem_bytes > smem) {
+  if (GetDecodeLaunchShape(p.head_dim, rows, choice).smem_bytes > smem) {
     return "decode with head_dim > 128 and more than 64 packed query rows (query heads per kv head x query rows) "
            "needs 128 KB of shared memory per block, more than this GPU has";
   }
@@ -200,7 +198,7 @@ const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice) {
 cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return cudaSuccess;
   [[maybe_unused]] const DecodeKernel kernel =
-      decode_kernel(p.head_dim, p.group_size() * p.seqlen_q, p.page_table != nullptr, choice);
+      decode_kernel(p.head_dim, p.group_size() * p.seqlen_q, choice);
   auto run = [&](auto t) -> cudaError_t {
     using T = decltype(t);
 #if defined(JAX_FLASH_HAVE_SM90A)

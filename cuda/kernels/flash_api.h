@@ -24,13 +24,12 @@ cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream
 // Empty string when the decode kernels can run `p` on the current device; otherwise why not.
 const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice);
 // The split kernel's dynamic shared memory (bytes) and threads per block that a decode call of `packed_rows` rows at
-// `head_dim` (over a paged cache or not) runs with on the current device ({0, 0} past kMaxDecodeRows): the split
-// count is sized from them.
+// `head_dim` runs with on the current device ({0, 0} past kMaxDecodeRows): the split count is sized from them.
 struct DecodeLaunchShape {
   int smem_bytes;
   int threads;
 };
-DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, bool paged, KernelChoice choice);
+DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice);
 
 // Empty string when `p` can run on the current device; otherwise why not.
 const char* UnsupportedReason(const FlashParams& p);

@@ -210,12 +210,20 @@ __device__ __forceinline__ void mark_split_empty(const FlashParams& p, int split
 // i's): its page-table entry clamped into the pool (nothing outside the cache is read, whatever the table holds)
 // times the page size plus the key's place in its page; 0 past `hi`. The pool has fewer than 2^31 rows (checked by
 // the handler).
-__device__ __forceinline__ int fetch_pool_row(const FlashParams& p, int b, int key, int hi) {
-  if (key >= hi) return 0;
+// In two steps: page_table_entry loads the entry of key `key` (< the sequence's capacity), pool_row_of turns it
+// into the pool row (a caller can issue the load well before it needs the value).
+__device__ __forceinline__ int page_table_entry(const FlashParams& p, int b, int key) {
   const int index = p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
-  const int page = min(max(p.page_table[int64_t(b) * p.max_pages + index], 0), p.num_pages - 1);
+  return p.page_table[int64_t(b) * p.max_pages + index];
+}
+__device__ __forceinline__ int pool_row_of(const FlashParams& p, int entry, int key) {
+  const int page = min(max(entry, 0), p.num_pages - 1);
   const int in_page = p.page_shift >= 0 ? key & (p.page_size - 1) : key % p.page_size;
   return page * p.page_size + in_page;
+}
+__device__ __forceinline__ int fetch_pool_row(const FlashParams& p, int b, int key, int hi) {
+  if (key >= hi) return 0;
+  return pool_row_of(p, page_table_entry(p, b, key), key);
 }
 
 // The split kernels' dynamic shared memory: Q [kRows x kD], K and V [kStages][kBlockN x kD] (each in the kernel's

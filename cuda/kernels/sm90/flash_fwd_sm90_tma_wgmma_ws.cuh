@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       epilogue.store_unattended(tile, m0, rows_valid, tid - kWarpgroupThreads);
       return;
     }
-    mainloop.mma(mask, m0, n_begin, n_tiles, cw, warp, lane, pingpong, kv, q, acc, [](int, int) {});
+    mainloop.mma(mask, m0, n_begin, n_tiles, cw, warp, lane, pingpong, kv, q, acc, [] {}, [](int, int) {});
     epilogue.store(tile, mask, m0, rows_valid, acc, cw, warp, lane, wg_tid);
   });
   epilogue.finish(wg_tid);

@@ -2,8 +2,8 @@
 // flash_decode_sm90_hdim*.cu, each followed by the combine kernel when the key range is split:
 //   launch_decode_wgmma: the cp.async wgmma kernel (flash_decode_wgmma_sm90.cuh), a block per split of one warpgroup
 //     (up to 64 packed rows) or two (65-128);
-//   launch_decode_tma: the TMA kernel (flash_decode_tma_sm90.cuh) for 65-128 rows over a dense cache, a CTA per
-//     (split, kv head, batch element) unit.
+//   launch_decode_tma: the TMA kernel (flash_decode_tma_sm90.cuh) for 65-128 rows (dense caches by TMA, paged ones
+//     gathered by cp.async), a CTA per (split, kv head, batch element) unit.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,23 +43,28 @@ cudaError_t launch_decode_wgmma(const FlashParams& p, cudaStream_t stream) {
 template <typename T, int kD>
 cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, DecodeTmaTileTraits<kD>>;
+  const bool paged = p.page_table != nullptr;
   CUtensorMap tm_q, tm_k, tm_v;
   if (cudaError_t e = make_decode_q_tensor_map<T>(&tm_q, p); e != cudaSuccess) return e;
-  if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                   {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
-      e != cudaSuccess) {
+  if (paged) {  // the producer warpgroup gathers the pages: the K/V maps are not read
+    tm_k = tm_q;
+    tm_v = tm_q;
+  } else if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+                                                          {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
+             e != cudaSuccess) {
     return e;
   }
   const int64_t units = int64_t(p.num_splits) * p.heads_kv * p.batch;
   if (units > INT_MAX) return cudaErrorInvalidConfiguration;
   const cudaError_t e = with_static_flags(
-      [&](auto soft_cap) {
-        constexpr auto kernel = flash_decode_tma_kernel<T, Traits, decltype(soft_cap)::value>;
+      [&](auto is_paged, auto soft_cap) {
+        constexpr auto kernel =
+            flash_decode_tma_kernel<T, Traits, decltype(is_paged)::value, decltype(soft_cap)::value>;
         if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
         kernel<<<int(units), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
         return cudaGetLastError();
       },
-      SoftCap(p).enabled());
+      paged, SoftCap(p).enabled());
   if (e != cudaSuccess) return e;
   return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
 }

@@ -94,11 +94,12 @@ struct FwdMainloop {
   const FlashParams& p;
   Storage& smem;  // its q_ring (Q of the current tile), k_ring and v_ring guard the loads
 
-  // One thread, before the CTA's first barrier: every ring's slots are released by one arrival per consumer warp.
-  __device__ __forceinline__ void init_barriers() const {
+  // One thread, before the CTA's first barrier: every ring's slots are released by one arrival per consumer warp;
+  // a K or V slot is filled by `kv_producer_arrivals` (the TMA producer's one, or a gather's one per thread).
+  __device__ __forceinline__ void init_barriers(int kv_producer_arrivals = 1) const {
     smem.q_ring.init(kConsumerWarps);
-    smem.k_ring.init(kConsumerWarps);
-    smem.v_ring.init(kConsumerWarps);
+    smem.k_ring.init(kConsumerWarps, kv_producer_arrivals);
+    smem.v_ring.init(kConsumerWarps, kv_producer_arrivals);
   }
 
   // The key tiles [*n_begin, *n_begin + count) that some row of the query block starting at m0 sees (the threads
@@ -156,14 +157,15 @@ struct FwdMainloop {
   // Consumer warpgroup cw, warp `warp` of it, lane `lane`; rows [m0, m0 + kBM) see key tiles [n_begin, n_begin +
   // n_tiles) (n_tiles > 0). kv and q are this CTA's ring positions; both move on past the tile.
   // Mask: AttentionMask (the forward) or PackedRowsMask (the TMA decode kernel), asked with p.seqlen_q as the row
-  // limit (the rows the call stores; rows at or past it never force masking). before_pv(i, slot): called by every
-  // consumer thread once key tile i's V has landed in ring slot `slot` and before this warpgroup issues its P V
-  // product (both warpgroups reach it at the same tile before either issues that product; the forward's does
-  // nothing).
-  template <typename Mask, typename BeforePv>
+  // limit (the rows the call stores; rows at or past it never force masking). Two hooks, called by every consumer
+  // thread (the forward's do nothing): landed() after each wait for K or V tiles and before the products that read
+  // them are issued (the TMA decode kernel's paged caches, gathered with cp.async in the generic proxy, fence there
+  // to wgmma's async proxy); before_pv(i, slot) once key tile i's V has landed in ring slot `slot` and before this
+  // warpgroup issues its P V product (both warpgroups reach it at the same tile before either issues that product).
+  template <typename Mask, typename Landed, typename BeforePv>
   __device__ __forceinline__ void mma(const Mask& mask, int m0, int n_begin, int n_tiles, int cw, int warp, int lane,
                                       const PingPongT& pingpong, KVState& kv, QState& q, Accumulators& acc,
-                                      BeforePv&& before_pv) const {
+                                      Landed&& landed, BeforePv&& before_pv) const {
     const bool lane0 = lane == 0;
     const int g = lane / 4;
     const int t = lane % 4;
@@ -295,6 +297,7 @@ struct FwdMainloop {
     // Key tile 0: S_0 alone. Key tile i sits at ring position kv + i.
     float correction[2];
     smem.k_ring.consumer_wait(kv);
+    landed();
     pingpong.begin_issue();
     wgmma_fence();
     issue_s(kv.slot());
@@ -317,6 +320,7 @@ struct FwdMainloop {
       const KVState kp = kv.ahead(i - 1);    // PV_{i-1}'s V
       smem.k_ring.consumer_wait(ki);
       smem.v_ring.consumer_wait(kp);
+      landed();
       before_pv(i - 1, kp.slot());
       pingpong.begin_issue();
       wgmma_fence();
@@ -346,6 +350,7 @@ struct FwdMainloop {
     kv.advance(n_tiles);
     const KVState last = kv.ahead(-1);
     smem.v_ring.consumer_wait(last);
+    landed();
     before_pv(n_tiles - 1, last.slot());
     pingpong.begin_issue();
     wgmma_fence();

@@ -7,10 +7,10 @@
 namespace jax_flash::cuda::sm90 {
 
 template <int kStages>
-__device__ __forceinline__ void PipelineBarriers<kStages>::init(int consumer_arrivals) {
+__device__ __forceinline__ void PipelineBarriers<kStages>::init(int consumer_arrivals, int producer_arrivals) {
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
-    mbar_init(&full[s], 1);
+    mbar_init(&full[s], producer_arrivals);
     mbar_init(&empty[s], consumer_arrivals);
   }
 }

@@ -44,9 +44,10 @@ struct PipelineBarriers {
   uint64_t full[kStages];
   uint64_t empty[kStages];
 
-  // One thread, before the CTA's first barrier: the producer arrives once per use (with its transaction bytes),
-  // `consumer_arrivals` arrivals release a slot.
-  JF_DEVICE void init(int consumer_arrivals);
+  // One thread, before the CTA's first barrier: `producer_arrivals` arrivals fill a slot (one TMA producer's, with
+  // its transaction bytes; or one per thread of a cp.async gather, each when its copies have landed),
+  // `consumer_arrivals` arrivals release it.
+  JF_DEVICE void init(int consumer_arrivals, int producer_arrivals = 1);
   // Producer: waits until the consumers released the slot's previous use, then expects `bytes` of loads on its
   // full barrier (the loads name full_barrier(state) as their completion barrier).
   JF_DEVICE void producer_acquire(State s, uint32_t bytes);
