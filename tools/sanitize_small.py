@@ -82,6 +82,7 @@ DECODE_CASES = [
     # 80 and 128 packed rows (the TMA kernel on an H100/H200; forced, the wgmma kernel's two warpgroups at d64 (the
     # 5-stage ring) and d128 (the 6-stage ring at the shared-memory limit)): paged + soft cap (+ sinks, 48 padding
     # rows), and dense ragged
+    (2, 10, 8, 1, 64, 2000, 16, None, dict(logits_soft_cap=12.0, sinks=True)),
     (2, 16, 8, 1, 128, 3000, 64, None, dict(logits_soft_cap=20.0)),
     (3, 16, 8, 1, 128, 3000, None, None, dict()),
     # more splits than the warp-per-row combine takes (the block-per-row one); 8 rows of 256 splits (more than the

@@ -202,8 +202,9 @@ cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream
   auto run = [&](auto t) -> cudaError_t {
     using T = decltype(t);
 #if defined(JAX_FLASH_HAVE_SM90A)
-    // TMA reads q and the caches through 16-byte aligned tensor maps (XLA's buffers always are; the launch shape,
-    // and with it the split count, assumes so) of at least one key (a tensor map has no empty dimension).
+    // TMA reads q (and a dense cache) through 16-byte aligned tensor maps, a paged cache's gather copies 16-byte
+    // chunks (XLA's buffers always are aligned; the launch shape, and with it the split count, assumes so), of at
+    // least one key (a tensor map has no empty dimension).
     if (kernel == DecodeKernel::kTma && p.seqlen_k > 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v)) {
       if (head_dim_class(p.head_dim) == 64) return sm90::launch_decode_tma<T, 64>(p, stream);
       return sm90::launch_decode_tma<T, 128>(p, stream);

@@ -17,8 +17,8 @@ cudaError_t RunFlashBackward(const FlashParams& p, KernelChoice choice, cudaStre
 // Decode (few query rows against a dense or paged cache, split-KV): writes p.o and p.lse, using p.o_partial and
 // p.lse_partial as workspace. At most kMaxDecodeRows packed query rows (heads per kv head x Tq). On compute
 // capability 9.0 (unless `choice` asks for the sm_80 class) calls of more than 32 packed rows at head dims up to 128
-// run an sm_90a kernel (the TMA one for 65-128 rows over a dense cache, else the cp.async wgmma one), all others
-// the mma.sync one.
+// run an sm_90a kernel (the TMA one for 65-128 rows over dense or paged caches, else the cp.async wgmma one), all
+// others the mma.sync one.
 inline constexpr int kMaxDecodeRows = 128;
 cudaError_t RunFlashDecode(const FlashParams& p, KernelChoice choice, cudaStream_t stream);
 // Empty string when the decode kernels can run `p` on the current device; otherwise why not.

@@ -1,11 +1,10 @@
-// The sm_90a decode split kernel for 65-128 packed rows (query heads per kv head x Tq) over a dense or paged cache,
-// at head dims up to 128: the forward's machinery (flash_fwd_sm90_tma_wgmma_ws.cuh) with decode's tiles. At these rows a
-// K/V byte carries 130-256 FLOP, so the stream is bound by the tensor cores as much as by memory, and what paces it
-// is how busy the kernel keeps them: here a producer thread issues every load with TMA (a paged cache's K/V tiles:
-// the producer warpgroup gathers them with cp.async, PagedKVGather), two consumer warpgroups (64 packed rows each)
-// take turns issuing their products (ping-pong) and each runs a tile's softmax under its own previous P V (the
-// forward's main loop, FwdMainloop::mma). The cp.async wgmma kernel (flash_decode_wgmma_sm90.cuh) keeps up to 64
-// rows.
+// The sm_90a decode split kernel for 65-128 packed rows (query heads per kv head x Tq) over a dense or paged cache, at
+// head dims up to 128: the forward's machinery (flash_fwd_sm90_tma_wgmma_ws.cuh) with decode's tiles. At these rows a
+// K/V byte carries 130-256 FLOP, so the stream is bound by the tensor cores as much as by memory, and what paces it is
+// how busy the kernel keeps them: here a producer thread issues every load with TMA (a paged cache's K/V tiles: the
+// producer warpgroup gathers them with cp.async, PagedKVGather), two consumer warpgroups (64 packed rows each) take
+// turns issuing their products (ping-pong) and each runs a tile's softmax under its own previous P V (the forward's
+// main loop, FwdMainloop::mma). The cp.async wgmma kernel (flash_decode_wgmma_sm90.cuh) keeps up to 64 rows.
 //
 // What differs from the forward:
 //   - a CTA per work unit (split, kv head, batch element): the hardware hands CTAs to SMs as they free up, so units
@@ -55,12 +54,12 @@ __device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, i
 // session 30). The producer's issue rate paces the gather (fewer registers, more spill code: slower; a third stage:
 // no faster; session 31), so each copy is kept to an address XOR and the copy itself: lane l of warp w copies keys
 // 32 w + l / 2 and 32 w + 16 + l / 2 (kRows), every other 16-byte chunk of each (chunk 2 c + l % 2, c < kCopies:
-// a lane pair reads a whole 32-byte sector per copy, a warp's copy 16 keys), from its own page-table lookups (no
-// shuffles); the chunk's offset in the key's global row is an immediate, its swizzled place in the stage the row's
-// place XOR a constant. The lookups of a tile are loaded a tile ahead (entry()) and turned into pool rows
-// (pool_row()) only when that tile's copies start, so the producer never waits for them between a tile's K and V.
-// Keys outside the unit's range [lo, hi) (pool row -1) and chunks past head_dim are zero-filled and read nothing,
-// so no tile of a paged call needs the V zeroing.
+// a lane pair reads a 32-byte sector per copy where kv head x head_dim is a multiple of 16 elements, a warp's copy
+// 16 keys), from its own page-table lookups (no shuffles); the chunk's offset in the key's global row is an
+// immediate, its swizzled place in the stage the row's place XOR a constant. The lookups of a tile are loaded a
+// tile ahead (entries()) and turned into pool rows (pool_rows()) only when that tile's copies start, so the
+// producer never waits for them between a tile's K and V. Keys outside the unit's range [lo, hi) (pool row -1) and
+// chunks past head_dim are zero-filled and read nothing, so no tile of a paged call needs the V zeroing.
 template <typename T, typename Traits>
 struct PagedKVGather {
   static constexpr int kChunks = Traits::kHeadDim / 8;  // 16-byte chunks of a row: 16 or 8
@@ -173,7 +172,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int n_begin = range.lo / kBN + st.begin;
   const int n_tiles = imax(st.end - st.begin, 0);
   // The generic-proxy writes above (Q's zero rows, the scratch in the K ring) ordered before the async proxy's: wgmma
-  // reads Q, TMA rewrites the ring.
+  // reads Q, TMA (or the gather's cp.async) rewrites the ring.
   fence_proxy_async_smem();
 
   if (tid == 0) {
@@ -209,17 +208,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     if constexpr (kPaged) {  // the whole warpgroup gathers each tile, K then V, each once its slot is free
       const PagedKVGather<T, Traits> gather(p, unit.hk, tid);
-      int entries[PagedKVGather<T, Traits>::kRows], rows[PagedKVGather<T, Traits>::kRows];
+      int entries[PagedKVGather<T, Traits>::kRows], tile_rows[PagedKVGather<T, Traits>::kRows];
       gather.entries(unit.b, n_begin * kBN, range, entries);
       for (int i = 0; i < n_tiles; ++i, kv.advance()) {
         const int n0 = (n_begin + i) * kBN;
-        gather.pool_rows(entries, n0, range, rows);
+        gather.pool_rows(entries, n0, range, tile_rows);
         smem.k_ring.producer_wait_empty(kv);
-        gather.copy(smem.k[kv.slot()], false, rows);
+        gather.copy(smem.k[kv.slot()], false, tile_rows);
         cp_async_mbar_arrive(smem.k_ring.full_barrier(kv));
         if (i + 1 < n_tiles) gather.entries(unit.b, n0 + kBN, range, entries);  // used by the next tile
         smem.v_ring.producer_wait_empty(kv);
-        gather.copy(smem.v[kv.slot()], true, rows);
+        gather.copy(smem.v[kv.slot()], true, tile_rows);
         cp_async_mbar_arrive(smem.v_ring.full_barrier(kv));
       }
     }
@@ -264,8 +263,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   mainloop.mma(mask, 0, n_begin, n_tiles, cw, warp, lane, pingpong, kv, q, acc, landed, zero_outside);
   float row_sum[2] = {quad_sum(acc.row_sum[0]), quad_sum(acc.row_sum[1])};
-  decode::store_split_rows<T, Traits::kHeadDim / 8>(p, unit.split, unit.b, unit.hk, rows, cw * kWgmmaM + warp * kWarpRows,
-                                                    lane / 4, lane % 4, acc.o, acc.row_max, row_sum);
+  decode::store_split_rows<T, Traits::kHeadDim / 8>(p, unit.split, unit.b, unit.hk, rows,
+                                                    cw * kWgmmaM + warp * kWarpRows, lane / 4, lane % 4, acc.o,
+                                                    acc.row_max, row_sum);
   pingpong.close();
 #else
   __trap();  // built for a target without wgmma; the dispatcher only launches this on compute capability 9.0

@@ -1,5 +1,6 @@
 // The one idiom for every shared-memory ring of the sm_90a kernels: a ring of kStages slots, each guarded by a
-// "full" mbarrier (completed by the producer's arrival plus the bytes of its TMA loads, or by st.async bytes) and an
+// "full" mbarrier (completed by the producer's arrival plus the bytes of its TMA loads, by st.async bytes, or by the
+// arrivals of a cp.async gather's threads once their copies land) and an
 // "empty" mbarrier (completed by the consumers' arrivals when they are done with the slot).
 //
 // PipelineState counts the ring's uses since the kernel began (a persistent CTA's count runs on across tiles):
