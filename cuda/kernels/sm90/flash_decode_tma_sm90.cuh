@@ -163,14 +163,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   // The unit, the balanced splits' share (block-wide; the K ring is free until the first load), and from them the
   // unit's key range and its key tiles [n_begin, n_begin + n_tiles) on the grid of whole tiles (every thread alike,
-  // so the roles agree on them).
+  // so the roles agree on them). The unit and the tiles pass through warp_uniform: read from shared memory, they
+  // would not be uniform by construction, and the main loop's state and wgmma descriptors, which derive from them,
+  // would leave the uniform datapath (NOTES, sessions 26 and 31).
   int* scratch = reinterpret_cast<int*>(smem.k[0]);
-  const DecodeTile unit = decode_tile<kBN, Traits::kThreads>(p, blockIdx.x, scratch, tid);
+  const DecodeTile u = decode_tile<kBN, Traits::kThreads>(p, blockIdx.x, scratch, tid);
+  const DecodeTile unit{warp_uniform(u.split), warp_uniform(u.hk), warp_uniform(u.b)};
   const int64_t share = decode::split_share<kBN, Traits::kThreads, true>(p, scratch, tid);
   const decode::DecodeRange range = decode::decode_range(p, unit.b);
   const decode::SplitTiles st = decode::split_of<kBN, true>(p, range, unit.split, share);
-  const int n_begin = range.lo / kBN + st.begin;
-  const int n_tiles = imax(st.end - st.begin, 0);
+  const int n_begin = warp_uniform(range.lo / kBN + st.begin);
+  const int n_tiles = warp_uniform(imax(st.end - st.begin, 0));
   // The generic-proxy writes above (Q's zero rows, the scratch in the K ring) ordered before the async proxy's: wgmma
   // reads Q, TMA (or the gather's cp.async) rewrites the ring.
   fence_proxy_async_smem();
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  const int warpgroup = tid / kWarpgroupThreads;
+  const int warpgroup = warp_uniform(tid / kWarpgroupThreads);
   if (warpgroup == 0) {  // producer: Q and the unit's K/V tiles
     setmaxnreg_dec<kProducerRegs>();
     if (n_tiles == 0) return;
