@@ -102,6 +102,10 @@ DECODE_CASES = [
     # 128 and 72 packed rows over pages of 16 (capped, sinks) and of 256 (the TMA kernel's gather)
     (3, 16, 8, 1, 128, 1000, 16, None, dict(logits_soft_cap=20.0, sinks=True)),
     (2, 9, 8, 1, 64, 1024, 256, 3, dict(local_window_size=(300, 0))),
+    # more TMA-kernel units (CTAs) than the GPU runs at once: 48 x 4 units of one split each, ranked longest first;
+    # 80 x 2 paged units in batch order
+    (48, 16, 32, 4, 128, 200, None, 1, dict()),
+    (80, 16, 16, 2, 128, 160, 16, 1, dict()),
 ]
 
 
