@@ -7,7 +7,8 @@
 #   bash tools/ab_bench.sh "nameA nameB ..." SHAPES [ROUNDS=2] [extra bench_attention.py flags]
 # SHAPES as bench_attention.py --shapes takes them (BxSxHq[/Hkv]xD[c], comma-separated); with
 # --impls jax_flash,jax_flash+softcap (say) each variant is a row of its own. One build's run longer than
-# RUN_LIMIT seconds (default 200: an experimental kernel that hangs) is stopped and the rest go on.
+# RUN_LIMIT seconds (default 200: an experimental kernel that hangs) is stopped and the rest go on. A build whose
+# dist/<name>/env exists runs with its lines (NAME=value) in the environment (one wheel's run-time variants).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 names=$1; shapes=$2; rounds=${3:-2}; shift $(( $# < 3 ? $# : 3 ))
@@ -27,7 +28,8 @@ for r in $(seq 1 "$rounds"); do
     n=${builds[$(((i + r - 1) % nb))]}
     impls=jax_flash; [ $first = 1 ] && impls=jax_flash,cudnn; first=0
     t0=$SECONDS
-    (cd /tmp && PYTHONPATH="/tmp/jf_$n" timeout "${RUN_LIMIT:-200}" python3 "$root/benchmarks/bench_attention.py" --impls $impls --shapes "$shapes" \
+    envs=(); [ -f "dist/$n/env" ] && mapfile -t envs <"dist/$n/env"
+    (cd /tmp && env "${envs[@]}" PYTHONPATH="/tmp/jf_$n" timeout "${RUN_LIMIT:-200}" python3 "$root/benchmarks/bench_attention.py" --impls $impls --shapes "$shapes" \
         --iters 10 --min-time 0.15 --ref-heads 1 --out "$OUT/ab" --name "$n-r$r" "$@" >"/tmp/ab_$n-r$r.log" 2>&1) ||
       tail -5 "/tmp/ab_$n-r$r.log"
     echo "round $r $n: $((SECONDS - t0)) s"

@@ -2,7 +2,8 @@
 # A/B of decode builds in one device call: for each round, each carried wheel dist/<name>/ in turn (the first
 # build changes each round) runs bench_decode.py with the given arguments (jax_flash only); results under
 # $OUT/<name>-r<round>/; each build runs with its own Python (WHEEL_PYTHON=1: builds of tools/build_pending.sh may
-# differ there). Summaries: python3 tools/decode_ab.py $OUT [--table].
+# differ there; a build whose dist/<name>/env exists runs with its lines, NAME=value, in the environment). Summaries:
+# python3 tools/decode_ab.py $OUT [--table].
 #   bash tools/decode_ab.sh "a b" ROUNDS [bench_decode.py arguments...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,8 @@ echo "${NAMES[@]}" >"$BASE_OUT/builds"  # decode_ab.py's order: speeds relative 
 for ((r = 1; r <= ROUNDS; r++)); do
   for ((i = 0; i < ${#NAMES[@]}; i++)); do
     n=${NAMES[$(((i + r - 1) % ${#NAMES[@]}))]}
-    WHEEL=$(ls dist/"$n"/*.whl) WHEEL_PYTHON=1 OUT="$BASE_OUT/$n-r$r" bash tools/decode_gpu_check.sh bench --impls jax_flash \
+    envs=(); [ -f "dist/$n/env" ] && mapfile -t envs <"dist/$n/env"
+    env "${envs[@]}" WHEEL=$(ls dist/"$n"/*.whl) WHEEL_PYTHON=1 OUT="$BASE_OUT/$n-r$r" bash tools/decode_gpu_check.sh bench --impls jax_flash \
       --name "ab-$n-r$r" "$@" >"$BASE_OUT/$n-r$r.log" 2>&1 || echo "$n round $r failed"
   done
 done

@@ -40,6 +40,12 @@ cudaError_t launch_decode_wgmma(const FlashParams& p, cudaStream_t stream) {
   return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
 }
 
+// The dense K/V caches' tensor maps bring into L2 only what a load asks for: each key's row of a kv head is read
+// once, in 128-byte box rows, and the 256-byte promotion the other maps use (a miss also fetching the row's other
+// half, the next box's) cost the long streams 5-13 % (64/8 x 128 at Tq 16 on an H200: one sequence of 131072 keys
+// 150.6 -> 133.2 µs, 64 x 8192 547.8 -> 500.2; 128- and 64-byte promotion within 2 % of none; NOTES, session 32).
+inline constexpr CUtensorMapL2promotion kDecodeKVPromotion = CU_TENSOR_MAP_L2_PROMOTION_NONE;
+
 template <typename T, int kD>
 cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, DecodeTmaTileTraits<kD>>;
@@ -49,8 +55,9 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
   if (paged) {  // the producer warpgroup gathers the pages: the K/V maps are not read
     tm_k = tm_q;
     tm_v = tm_q;
-  } else if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN},
-                                                          {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
+  } else if (cudaError_t e = make_bthd_tensor_maps<T>(
+                 p, {{&tm_k, p.k, p.seqlen_k, p.heads_kv, Traits::kBlockN, kDecodeKVPromotion},
+                     {&tm_v, p.v, p.seqlen_k, p.heads_kv, Traits::kBlockN, kDecodeKVPromotion}});
              e != cudaSuccess) {
     return e;
   }

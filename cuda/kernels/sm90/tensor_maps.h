@@ -34,15 +34,17 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // A tensor of `rank` (<= 5) dims seen by TMA: dims[0] the innermost (contiguous) one, strides[i] the bytes between
 // consecutive indices of dims[i + 1], boxes of box[i] along each, 128-byte swizzled in shared memory (box[0] *
-// elem_bytes = 128).
+// elem_bytes = 128). `promotion`: the L2 fill a load's miss triggers (256 bytes, the forward's and backward's: a
+// 128-byte box row also brings the next 128 bytes into L2; the decode kernel's K/V maps take none).
 inline cudaError_t encode_tensor_map(CUtensorMap* map, CUtensorMapDataType dtype, const void* base, int rank,
-                                     const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
+                                     const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                                     CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
   const CUresult r = encode(map, dtype, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -55,12 +57,13 @@ constexpr CUtensorMapDataType tensor_map_dtype() {
 // columns x box_rows rows of one (head, batch).
 template <typename T>
 cudaError_t make_bthd_tensor_map(CUtensorMap* map, const void* base, int batch, int seqlen, int heads, int head_dim,
-                                 int box_rows) {
+                                 int box_rows,
+                                 CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   const cuuint64_t elem = sizeof(T);
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
   const cuuint64_t strides[3] = {elem * heads * head_dim, elem * head_dim, elem * seqlen * heads * head_dim};
   const cuuint32_t box[4] = {cuuint32_t(kColBlock), cuuint32_t(box_rows), 1, 1};
-  return encode_tensor_map(map, tensor_map_dtype<T>(), base, 4, dims, strides, box);
+  return encode_tensor_map(map, tensor_map_dtype<T>(), base, 4, dims, strides, box, promotion);
 }
 
 // Decode's query q [batch][Tq][heads_q][head_dim] seen as 5-d (head_dim, group, Tq, heads_kv, batch) (group = query
@@ -85,11 +88,13 @@ struct TensorMapSpec {
   int seqlen;
   int heads;
   int box_rows;
+  CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
 };
 template <typename T>
 cudaError_t make_bthd_tensor_maps(const FlashParams& p, std::initializer_list<TensorMapSpec> specs) {
   for (const TensorMapSpec& s : specs) {
-    if (cudaError_t e = make_bthd_tensor_map<T>(s.map, s.base, p.batch, s.seqlen, s.heads, p.head_dim, s.box_rows);
+    if (cudaError_t e =
+            make_bthd_tensor_map<T>(s.map, s.base, p.batch, s.seqlen, s.heads, p.head_dim, s.box_rows, s.promotion);
         e != cudaSuccess) {
       return e;
     }
