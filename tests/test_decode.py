@@ -187,6 +187,9 @@ KERNEL_CASES = {
     "rows72_d64_paged256_window": dict(batch=2, rows=9, hq=8, hkv=1, d=64, capacity=1024, lengths=(1000, 300),
                                        page_size=256, window=(300, 0)),
     "rows128_paged48": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=960, lengths=(960, 333), page_size=48),
+    # pages of 12 keys (no multiple of 8: the TMA kernel's gather looks each key up) with a window
+    "rows128_paged12_window": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(300, 77),
+                                   page_size=12, window=(100, 0)),
     # more of the TMA kernel's units (CTAs) than the GPU runs at once: one split per sequence of a ragged batch
     # taken longest first (48 x 4 units, sequences of 1 to 200 keys, some shorter than Tq), a paged batch past the
     # longest-first limit (80 x 2), and balanced splits over a ragged batch at d64 (40 sequences x 6 splits, half
@@ -236,7 +239,7 @@ MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_
 TMA_ROWS = ["rows128_softcap_ragged", "rows72_d64_window_sinks", "rows112_d96_noncausal_b5", "rows96_g6_softcap",
             "rows65_g5_window", "rows128_long_one_sequence", "rows128_short_sequences", "rows96_d80_paged16",
             "rows128_paged64_window", "rows80_d64_paged16_softcap_sinks", "rows72_d64_paged256_window",
-            "rows128_paged48", "rows128_units_ranked_b48", "rows128_units_paged16_b80",
+            "rows128_paged48", "rows128_paged12_window", "rows128_units_ranked_b48", "rows128_units_paged16_b80",
             "rows72_d64_units_balanced_b40"]
 
 

@@ -106,6 +106,8 @@ DECODE_CASES = [
     # 80 x 2 paged units in batch order
     (48, 16, 32, 4, 128, 200, None, 1, dict()),
     (80, 16, 16, 2, 128, 160, 16, 1, dict()),
+    # pages of 12 keys (the TMA kernel's gather looks each key up)
+    (2, 16, 8, 1, 128, 300, 12, None, dict(local_window_size=(100, 0))),
 ]
 
 

@@ -51,76 +51,88 @@ __device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, i
 
 // A paged cache's K or V tile gathered by the producer warpgroup with cp.async (TMA boxes of one page each starved
 // the ring at small pages: one thread issued 16 boxes of 2 KB a tile after eight dependent page-table loads; NOTES,
-// session 30). The producer's issue rate paces the gather (fewer registers, more spill code: slower; a third stage:
-// no faster; session 31), so each copy is kept to an address XOR and the copy itself: lane l of warp w copies keys
-// 32 w + l / 2 and 32 w + 16 + l / 2 (kRows), every other 16-byte chunk of each (chunk 2 c + l % 2, c < kCopies:
-// a lane pair reads a 32-byte sector per copy where kv head x head_dim is a multiple of 16 elements, a warp's copy
-// 16 keys), from its own page-table lookups (no shuffles); the chunk's offset in the key's global row is an
-// immediate, its swizzled place in the stage the row's place XOR a constant. The lookups of a tile are loaded a
-// tile ahead (entries()) and turned into pool rows (pool_rows()) only when that tile's copies start, so the
-// producer never waits for them between a tile's K and V. Keys outside the unit's range [lo, hi) (pool row -1) and
-// chunks past head_dim are zero-filled and read nothing, so no tile of a paged call needs the V zeroing.
+// session 30). Thread t copies chunk t % 8 of keys 8 (t / 8) + i, i < 8, in every 64-column block: eight
+// consecutive lanes one key's 128-byte row, so a warp's copy reads four whole lines (lane pairs per key, 16 lines of
+// one sector each, kept the L2 busier per byte than FlashAttention-3's gather; NOTES, session 32). A thread's eight
+// keys lie in one page when the page size is a multiple of 8, so one page-table lookup a tile gives their pool rows
+// (consecutive); other page sizes look each key up (copy_by_key). The lookup of a tile is loaded between the
+// previous tile's K and V copies (entry()) and turned into the first key's pool row when the tile's copies start
+// (first_row()). A key's place in the stage is the thread's place XOR a constant plus an immediate (the eight keys
+// are one swizzle period). Keys outside the unit's range [lo, hi) and chunks past head_dim are zero-filled and read
+// nothing, so no tile of a paged call needs the V zeroing.
 template <typename T, typename Traits>
 struct PagedKVGather {
-  static constexpr int kChunks = Traits::kHeadDim / 8;  // 16-byte chunks of a row: 16 or 8
-  static constexpr int kCopies = kChunks / 2;           // a lane's copies of one key
-  static constexpr int kRows = 2;                       // keys a lane copies in a tile
-  static_assert(Traits::kBlockN == 4 * kWarpSize && kCopies % 4 == 0);
+  static constexpr int kRowThreads = kSwizzleBytes / 16;  // lanes per 128-byte row: 8
+  static constexpr int kRows = kSwizzleRows;              // consecutive keys a thread copies in a tile: 8
+  static_assert(kWarpgroupThreads / kRowThreads * kRows == Traits::kBlockN);
 
   const FlashParams& p;
-  const T* k;          // this lane's first chunk (l % 2) of kv head hk in pool row 0
+  const T* k;           // this thread's chunk of kv head hk in pool row 0
   const T* v;
-  int64_t row_stride;  // elements between pool rows
-  int key0;            // this lane's first key in a tile (the second is 16 after it)
-  int copies;          // copies c < `copies` lie inside head_dim
-  uint32_t place[kRows];  // byte offset of row key0 (+ 16) in a stage, XOR the lane's chunk-parity swizzle
+  int64_t row_stride;   // elements between pool rows
+  int key0;             // the thread's first key in a tile
+  uint32_t place;       // byte offset of the thread's chunk of row key0 in a stage's first column block
+  uint32_t col_blocks;  // column blocks whose chunk lies inside head_dim (a bit each)
+  bool page_runs;       // the page size is a multiple of kRows: a thread's keys share a page
 
   __device__ __forceinline__ PagedKVGather(const FlashParams& p_, int hk, int ptid) : p(p_) {
-    const int warp = ptid / kWarpSize, lane = ptid % kWarpSize, parity = lane % 2;
-    key0 = warp * kWarpSize + lane / 2;
-    copies = (p.head_dim / 8 - parity + 1) / 2;
+    const int chunk = ptid % kRowThreads;
+    key0 = ptid / kRowThreads * kRows;
     row_stride = int64_t(p.heads_kv) * p.head_dim;
-    k = static_cast<const T*>(p.k) + int64_t(hk) * p.head_dim + parity * 8;
-    v = static_cast<const T*>(p.v) + int64_t(hk) * p.head_dim + parity * 8;
+    k = static_cast<const T*>(p.k) + int64_t(hk) * p.head_dim + chunk * 8;
+    v = static_cast<const T*>(p.v) + int64_t(hk) * p.head_dim + chunk * 8;
+    place = uint32_t(key0 * kSwizzleBytes + chunk * kSwizzleChunkBytes);  // row key0 % 8 == 0: no XOR
+    col_blocks = 0;
 #pragma unroll
-    for (int h = 0; h < kRows; ++h) {
-      const int r = key0 + 16 * h;
-      place[h] = swizzled_chunk_offset(r, parity);  // chunk 2 c + parity: this XOR (2 c % 8) x 16, + its column block
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      if (cb * kColBlock + chunk * 8 < p.head_dim) col_blocks |= 1u << cb;
     }
+    page_runs = p.page_size % kRows == 0;
   }
   __device__ __forceinline__ static bool in_range(int key, const decode::DecodeRange& range) {
     return key >= range.lo && key < range.hi;
   }
-  // This lane's page-table entries in the tile from key n0 (loads; 0 outside the range), and their pool rows (-1
-  // outside the range).
-  __device__ __forceinline__ void entries(int b, int n0, const decode::DecodeRange& range, int (&e)[kRows]) const {
+  // The page-table entry of the thread's first key in range in the tile from key n0 (a load; 0 when none is).
+  __device__ __forceinline__ int entry(int b, int n0, const decode::DecodeRange& range) const {
+    const int first = imax(n0 + key0, range.lo);
+    return first < imin(n0 + key0 + kRows, range.hi) ? decode::page_table_entry(p, b, first) : 0;
+  }
+  // The pool row of key n0 + key0 as if it shared that key's page (only keys in range are read).
+  __device__ __forceinline__ int first_row(int e, int n0, const decode::DecodeRange& range) const {
+    const int first = imax(n0 + key0, range.lo);
+    return decode::pool_row_of(p, e, first) - (first - (n0 + key0));
+  }
+  __device__ __forceinline__ void copy_row(uint32_t dst, const T* src, int i, bool ok) const {
 #pragma unroll
-    for (int h = 0; h < kRows; ++h) {
-      const int key = n0 + key0 + 16 * h;
-      e[h] = in_range(key, range) ? decode::page_table_entry(p, b, key) : 0;
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      cp_async_16((dst ^ uint32_t(i * kSwizzleChunkBytes)) + i * kSwizzleBytes + cb * Traits::kBlockN * kSwizzleBytes,
+                  src + cb * kColBlock, ok && (col_blocks >> cb & 1u));
     }
   }
-  __device__ __forceinline__ void pool_rows(const int (&e)[kRows], int n0, const decode::DecodeRange& range,
-                                            int (&rows)[kRows]) const {
-#pragma unroll
-    for (int h = 0; h < kRows; ++h) {
-      const int key = n0 + key0 + 16 * h;
-      rows[h] = in_range(key, range) ? decode::pool_row_of(p, e[h], key) : -1;
-    }
-  }
-  // One tensor's tile into `stage`.
-  __device__ __forceinline__ void copy(T* stage, bool value, const int (&rows)[kRows]) const {
+  // One tensor's tile from key n0 into `stage`; row0 = first_row() of the tile.
+  __device__ __forceinline__ void copy(T* stage, bool value, int b, int n0, const decode::DecodeRange& range,
+                                       int row0) const {
     const T* col = value ? v : k;
+    const uint32_t dst = smem_addr(stage) + place;
+    if (page_runs) {
+      const T* src = col + int64_t(row0) * row_stride;
 #pragma unroll
-    for (int h = 0; h < kRows; ++h) {
-      const bool row_ok = rows[h] >= 0;
-      const T* src = row_ok ? col + int64_t(rows[h]) * row_stride : col;
-      const uint32_t dst = smem_addr(stage) + place[h];
-#pragma unroll
-      for (int c = 0; c < kCopies; ++c) {
-        cp_async_16((dst ^ uint32_t((2 * c % 8) * kSwizzleChunkBytes)) + (c / 4) * Traits::kBlockN * kSwizzleBytes,
-                    src + 16 * c, row_ok && c < copies);
+      for (int i = 0; i < kRows; ++i) {
+        const bool ok = in_range(n0 + key0 + i, range);
+        copy_row(dst, ok ? src + i * row_stride : col, i, ok);
       }
+    } else {
+      copy_by_key(dst, col, b, n0, range);
+    }
+  }
+  // Page sizes that are no multiple of kRows: each key's own lookup.
+  __device__ __noinline__ void copy_by_key(uint32_t dst, const T* col, int b, int n0,
+                                           const decode::DecodeRange& range) const {
+#pragma unroll 1
+    for (int i = 0; i < kRows; ++i) {
+      const int key = n0 + key0 + i;
+      const bool ok = in_range(key, range);
+      copy_row(dst, ok ? col + int64_t(decode::fetch_pool_row(p, b, key, range.hi)) * row_stride : col, i, ok);
     }
   }
 };
@@ -211,17 +223,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     if constexpr (kPaged) {  // the whole warpgroup gathers each tile, K then V, each once its slot is free
       const PagedKVGather<T, Traits> gather(p, unit.hk, tid);
-      int entries[PagedKVGather<T, Traits>::kRows], tile_rows[PagedKVGather<T, Traits>::kRows];
-      gather.entries(unit.b, n_begin * kBN, range, entries);
+      int entry = gather.entry(unit.b, n_begin * kBN, range);
       for (int i = 0; i < n_tiles; ++i, kv.advance()) {
         const int n0 = (n_begin + i) * kBN;
-        gather.pool_rows(entries, n0, range, tile_rows);
+        const int row0 = gather.first_row(entry, n0, range);
         smem.k_ring.producer_wait_empty(kv);
-        gather.copy(smem.k[kv.slot()], false, tile_rows);
+        gather.copy(smem.k[kv.slot()], false, unit.b, n0, range, row0);
         cp_async_mbar_arrive(smem.k_ring.full_barrier(kv));
-        if (i + 1 < n_tiles) gather.entries(unit.b, n0 + kBN, range, entries);  // used by the next tile
+        if (i + 1 < n_tiles) entry = gather.entry(unit.b, n0 + kBN, range);  // used by the next tile
         smem.v_ring.producer_wait_empty(kv);
-        gather.copy(smem.v[kv.slot()], true, tile_rows);
+        gather.copy(smem.v[kv.slot()], true, unit.b, n0, range, row0);
         cp_async_mbar_arrive(smem.v_ring.full_barrier(kv));
       }
     }
