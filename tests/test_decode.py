@@ -187,9 +187,15 @@ KERNEL_CASES = {
     "rows72_d64_paged256_window": dict(batch=2, rows=9, hq=8, hkv=1, d=64, capacity=1024, lengths=(1000, 300),
                                        page_size=256, window=(300, 0)),
     "rows128_paged48": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=960, lengths=(960, 333), page_size=48),
-    # pages of 12 keys (no multiple of 8: the TMA kernel's gather looks each key up) with a window
+    # pages of 12 keys (no multiple of 8: the TMA kernel's gather looks each key up) with a window, also at a
+    # padded head dim; of 4 (a power of two below the 8 keys a gather thread copies) and of 8 (the smallest that
+    # share one lookup) with a window
     "rows128_paged12_window": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(300, 77),
                                    page_size=12, window=(100, 0)),
+    "rows96_d80_paged12": dict(batch=2, rows=12, hq=8, hkv=1, d=80, capacity=240, lengths=(240, 131), page_size=12),
+    "rows128_paged4": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=200, lengths=(200, 59), page_size=4),
+    "rows128_paged8_window": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=400, lengths=(400, 203),
+                                  page_size=8, window=(150, 0)),
     # more of the TMA kernel's units (CTAs) than the GPU runs at once: one split per sequence of a ragged batch
     # taken longest first (48 x 4 units, sequences of 1 to 200 keys, some shorter than Tq), a paged batch past the
     # longest-first limit (80 x 2), and balanced splits over a ragged batch at d64 (40 sequences x 6 splits, half
@@ -239,7 +245,8 @@ MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_
 TMA_ROWS = ["rows128_softcap_ragged", "rows72_d64_window_sinks", "rows112_d96_noncausal_b5", "rows96_g6_softcap",
             "rows65_g5_window", "rows128_long_one_sequence", "rows128_short_sequences", "rows96_d80_paged16",
             "rows128_paged64_window", "rows80_d64_paged16_softcap_sinks", "rows72_d64_paged256_window",
-            "rows128_paged48", "rows128_paged12_window", "rows128_units_ranked_b48", "rows128_units_paged16_b80",
+            "rows128_paged48", "rows128_paged12_window", "rows96_d80_paged12", "rows128_paged4",
+            "rows128_paged8_window", "rows128_units_ranked_b48", "rows128_units_paged16_b80",
             "rows72_d64_units_balanced_b40"]
 
 
@@ -499,12 +506,13 @@ def test_bad_arguments(name):
         call()
 
 
-@pytest.mark.parametrize("rows,heads_q,head_dim", [(1, 2, 32), (16, 8, 128)])
-def test_traced_bad_values_read_nothing_outside(rows, heads_q, head_dim):
+@pytest.mark.parametrize("rows,heads_q,head_dim,page_size", [(1, 2, 32, 16), (16, 8, 128, 16), (16, 8, 128, 12)])
+def test_traced_bad_values_read_nothing_outside(rows, heads_q, head_dim, page_size):
     """Under jit the values are not known: page ids and lengths out of range are clamped (finite results, no
-    out-of-bounds read), at 2 packed rows and at 128 (the TMA kernel's gather on an H100/H200)."""
+    out-of-bounds read), at 2 packed rows and at 128 (the TMA kernel's gather on an H100/H200: one lookup for 8
+    keys at pages of 16, one per key at pages of 12)."""
     q = jnp.ones((1, rows, heads_q, head_dim), DTYPE)
-    k = jnp.ones((2, 16, 1, head_dim), DTYPE)
+    k = jnp.ones((2, page_size, 1, head_dim), DTYPE)
     f = jax.jit(lambda t, n: jax_flash.decode_attention(q, k, k, n, page_table=t))
     out = f(jnp.asarray([[5, -3]], jnp.int32), jnp.asarray([1000], jnp.int32))
     assert np.isfinite(np.asarray(out, np.float32)).all()

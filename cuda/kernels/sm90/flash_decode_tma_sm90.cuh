@@ -52,8 +52,9 @@ __device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, i
 // A paged cache's K or V tile gathered by the producer warpgroup with cp.async (TMA boxes of one page each starved
 // the ring at small pages: one thread issued 16 boxes of 2 KB a tile after eight dependent page-table loads; NOTES,
 // session 30). Thread t copies chunk t % 8 of keys 8 (t / 8) + i, i < 8, in every 64-column block: eight
-// consecutive lanes one key's 128-byte row, so a warp's copy reads four whole lines (lane pairs per key, 16 lines of
-// one sector each, kept the L2 busier per byte than FlashAttention-3's gather; NOTES, session 32). A thread's eight
+// consecutive lanes one key's 128-byte row, so a warp's copy reads four whole lines at head dims that are multiples
+// of 64 (the lane-pair gather this replaced read 16 lines of one sector each per warp copy, which asked more of the
+// L2 per byte than FlashAttention-3's gather: paged 16 1.10-1.15x faster since; NOTES, session 32). A thread's eight
 // keys lie in one page when the page size is a multiple of 8, so one page-table lookup a tile gives their pool rows
 // (consecutive); other page sizes look each key up (copy_by_key). The lookup of a tile is loaded between the
 // previous tile's K and V copies (entry()) and turned into the first key's pool row when the tile's copies start
@@ -92,10 +93,13 @@ struct PagedKVGather {
   __device__ __forceinline__ static bool in_range(int key, const decode::DecodeRange& range) {
     return key >= range.lo && key < range.hi;
   }
-  // The page-table entry of the thread's first key in range in the tile from key n0 (a load; 0 when none is).
+  // The page-table entry of the thread's first key in range in the tile from key n0 (a load; 0 when none is, or
+  // when the page size takes copy_by_key's lookups). (first - (n0 + key0) < kRows: no n0 + key0 + kRows, which may
+  // pass INT_MAX at the last tile of a cache near 2^31 keys.)
   __device__ __forceinline__ int entry(int b, int n0, const decode::DecodeRange& range) const {
+    if (!page_runs) return 0;
     const int first = imax(n0 + key0, range.lo);
-    return first < imin(n0 + key0 + kRows, range.hi) ? decode::page_table_entry(p, b, first) : 0;
+    return first < range.hi && first - (n0 + key0) < kRows ? decode::page_table_entry(p, b, first) : 0;
   }
   // The pool row of key n0 + key0 as if it shared that key's page (only keys in range are read).
   __device__ __forceinline__ int first_row(int e, int n0, const decode::DecodeRange& range) const {
