@@ -458,22 +458,27 @@ __device__ __forceinline__ void softmax_tile(float* s, int key0, int t, const in
 // A warp's rows of the split's result, from O accumulator tiles o[4 dt + 2 rr + e] (row row0 + g + 8 rr, column
 // 8 dt + 2 t + e) and the rows' max and (quad-summed) sum. Several splits: O / sum (float32) and lse into the partial
 // results, lse -inf for a row that saw no key here (weight 0 in the combine). One split: the final O (in T) and lse
-// with the sink, as the combine kernels compute them from one split (no combine runs).
+// with the sink, as the combine kernels compute them from one split (no combine runs). The final O leaves in
+// 16-byte stores: a quad's four 4-byte pairs of column tile dt (16 contiguous bytes of the row) are transposed
+// across the quad (two shuffle rounds per four tiles), so lane t stores tiles 4 j + t whole and a warp's store
+// writes whole 32-byte sectors (each lane's own 4-byte pairs left half sectors, twice the L2 requests).
 template <typename T, int kDTiles>
 __device__ __forceinline__ void store_split_rows(const FlashParams& p, int split, int b, int hk, int rows, int row0,
                                                  int g, int t, const float* o, const float (&row_max)[2],
                                                  const float (&row_sum)[2]) {
+  static_assert(kDTiles % 4 == 0, "the final O's quad transpose takes column tiles four at a time");
   const bool final = p.num_splits == 1;
   const int group = p.group_size();
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int r = row0 + g + 8 * rr;
     const float sum = row_sum[rr];
-    if (r >= rows) continue;
+    const bool row_ok = r < rows;
     const bool some = sum > 0.f || sum != sum;  // nan (a nan or +inf logit) stays nan
     const float inv = some ? 1.f / sum : 0.f;
     const float lse = some ? row_max[rr] * p.scale + logf(sum) : -INFINITY;
     if (!final) {
+      if (!row_ok) continue;
       float* out = split_o(p, split, b, hk, r);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
@@ -485,8 +490,9 @@ __device__ __forceinline__ void store_split_rows(const FlashParams& p, int split
       if (t == 0) *split_lse(p, split, b, hk, r) = lse;
       continue;
     }
+    // One split: every lane of the warp runs the shuffles below (rows past `rows` store nothing).
     const int step = r / group, h = hk * group + r % group;
-    const float sink = p.sinks != nullptr ? p.sinks[int64_t(b) * p.heads_q + h] : -INFINITY;
+    const float sink = p.sinks != nullptr && row_ok ? p.sinks[int64_t(b) * p.heads_q + h] : -INFINITY;
     float scale = 0.f, lse_out = INFINITY;  // a row that sees no key: O = 0, lse = +inf
     if (lse != -INFINITY) {
       const float m = fmaxf(lse, sink);
@@ -496,16 +502,27 @@ __device__ __forceinline__ void store_split_rows(const FlashParams& p, int split
       scale = inv * w / total;
       lse_out = m + logf(total);
     }
-    T* out = static_cast<T*>(p.o) + ((int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim;
+    T* out = static_cast<T*>(p.o) + (row_ok ? ((int64_t(b) * p.seqlen_q + step) * p.heads_q + h) * p.head_dim : 0);
+    const bool odd = t & 1, high = t & 2;
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      const int col = dt * 8 + 2 * t;
-      if (col < p.head_dim) {
-        *reinterpret_cast<uint32_t*>(out + col) =
-            ElemTraits<T>::pack(o[4 * dt + 2 * rr] * scale, o[4 * dt + 2 * rr + 1] * scale);
+    for (int j = 0; j < kDTiles / 4; ++j) {
+      uint32_t x[4];  // this lane's pairs of column tiles 4 j .. 4 j + 3
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int dt = 4 * j + k;
+        x[k] = ElemTraits<T>::pack(o[4 * dt + 2 * rr] * scale, o[4 * dt + 2 * rr + 1] * scale);
       }
+      // Quad transpose: afterwards lane t holds lane 0..3's pairs of tile 4 j + t, in column order.
+      uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? x[0] : x[1], 1);
+      uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? x[2] : x[3], 1);
+      uint32_t y[4] = {odd ? r0 : x[0], odd ? x[1] : r0, odd ? r1 : x[2], odd ? x[3] : r1};
+      r0 = __shfl_xor_sync(0xffffffffu, high ? y[0] : y[2], 2);
+      r1 = __shfl_xor_sync(0xffffffffu, high ? y[1] : y[3], 2);
+      const uint4 z = high ? make_uint4(r0, r1, y[2], y[3]) : make_uint4(y[0], y[1], r0, r1);
+      const int col = (4 * j + t) * 8;
+      if (row_ok && col < p.head_dim) *reinterpret_cast<uint4*>(out + col) = z;
     }
-    if (t == 0) p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + step] = lse_out;
+    if (row_ok && t == 0) p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + step] = lse_out;
   }
 }
 
