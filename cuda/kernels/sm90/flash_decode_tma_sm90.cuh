@@ -63,7 +63,7 @@ __device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, i
 // nothing, so no tile of a paged call needs the V zeroing.
 template <typename T, typename Traits>
 struct PagedKVGather {
-  static constexpr int kRowThreads = kSwizzleBytes / 16;  // lanes per 128-byte row: 8
+  static constexpr int kRowThreads = kSwizzleBytes / kSwizzleChunkBytes;  // lanes per 128-byte row: 8
   static constexpr int kRows = kSwizzleRows;              // consecutive keys a thread copies in a tile: 8
   static_assert(kWarpgroupThreads / kRowThreads * kRows == Traits::kBlockN);
 
