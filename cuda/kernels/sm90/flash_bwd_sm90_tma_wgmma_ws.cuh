@@ -358,15 +358,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
           wgmma_commit();
         };
-        wgmma_fence();
-        issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
-        issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
-
         // This thread's queries 8 j + 2 t, +1: lse * log2(e) as pairs (dsum is read later, to keep registers free).
+        // Loaded before the GEMMs are issued: behind them in the MIO queue these loads return only as the dP^T
+        // GEMM's instructions are accepted, after S^T is done (Nsight Compute: ~10 % of the stall samples).
         const uint32_t stats = smem_addr(smem.stats[qdo.slot()]);
         float2 lse_log2[kSTiles];
 #pragma unroll
         for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
+        wgmma_fence();
+        issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
+        issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
 
         // P^T = exp2(S^T * scale_log2 - lse * log2(e)), masked; element e of column tile j is key g + 8 (e / 2),
         // query 8 j + 2 t + e % 2.
@@ -396,16 +397,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         }
 
-        // dV += P^T dO (B read N-major) runs while dS^T is stored and the warpgroups meet.
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-          Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
-        }
-        wgmma_commit();
-
         // dS^T -> shared memory ([64-query column block][key][64 queries], 128-byte swizzled rows) for dQ; fragment
-        // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
+        // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1). Stored before dV is issued:
+        // behind the dV GEMM's instructions in the MIO queue the stores would complete only as those are accepted,
+        // and the proxy fence below waits for them.
         const uint32_t ds_base = smem_addr(smem.ds[it & 1]);
 #pragma unroll
         for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
@@ -414,6 +409,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                 stmatrix_x4_pair_offset(ds_lane, kk % kStepsPerColBlock);
           stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
         }
+
+        // dV += P^T dO (B read N-major) runs while the warpgroups meet.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+          Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
+        }
+        wgmma_commit();
         fence_proxy_async_smem();
         named_barrier_sync(kDsBarrier, kConsumerThreads);
 
