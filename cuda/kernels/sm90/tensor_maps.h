@@ -32,13 +32,16 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+// The L2 fill a load's miss triggers, unless a map asks for another: 256 bytes (the forward's and backward's maps: a
+// 128-byte box row also brings the next 128 bytes into L2; the decode kernel's K/V maps take none).
+inline constexpr CUtensorMapL2promotion kDefaultL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+
 // A tensor of `rank` (<= 5) dims seen by TMA: dims[0] the innermost (contiguous) one, strides[i] the bytes between
 // consecutive indices of dims[i + 1], boxes of box[i] along each, 128-byte swizzled in shared memory (box[0] *
-// elem_bytes = 128). `promotion`: the L2 fill a load's miss triggers (256 bytes, the forward's and backward's: a
-// 128-byte box row also brings the next 128 bytes into L2; the decode kernel's K/V maps take none).
+// elem_bytes = 128), with `promotion` as its L2 fill.
 inline cudaError_t encode_tensor_map(CUtensorMap* map, CUtensorMapDataType dtype, const void* base, int rank,
                                      const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
-                                     CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
+                                     CUtensorMapL2promotion promotion = kDefaultL2Promotion) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
@@ -57,8 +60,7 @@ constexpr CUtensorMapDataType tensor_map_dtype() {
 // columns x box_rows rows of one (head, batch).
 template <typename T>
 cudaError_t make_bthd_tensor_map(CUtensorMap* map, const void* base, int batch, int seqlen, int heads, int head_dim,
-                                 int box_rows,
-                                 CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
+                                 int box_rows, CUtensorMapL2promotion promotion = kDefaultL2Promotion) {
   const cuuint64_t elem = sizeof(T);
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
   const cuuint64_t strides[3] = {elem * heads * head_dim, elem * head_dim, elem * seqlen * heads * head_dim};
@@ -88,7 +90,7 @@ struct TensorMapSpec {
   int seqlen;
   int heads;
   int box_rows;
-  CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  CUtensorMapL2promotion promotion = kDefaultL2Promotion;
 };
 template <typename T>
 cudaError_t make_bthd_tensor_maps(const FlashParams& p, std::initializer_list<TensorMapSpec> specs) {
