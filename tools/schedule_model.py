@@ -71,7 +71,7 @@ def main():
     parser.add_argument("--sms", type=int, default=132, help="SMs (H100 SXM: 132)")
     parser.add_argument("--overhead", type=float, default=3.0, help="per-CTA overhead in tiles")
     parser.add_argument("--group-units", type=int, default=512, help="HeavyFirstOrder's kHeavyFirstGroupUnits")
-    parser.add_argument("--tail-waves", type=int, default=3, help="BwdTileScheduler::kTailWaves")
+    parser.add_argument("--tail-waves", type=int, default=3, help="BwdTileScheduler::kTailWaves (kTailWavesGrouped with grouped query heads)")
     args = parser.parse_args()
     print(f"{'shape':<14} {'blocks fastest':>14} {'blocks slowest':>14} {'heavy-first':>11} {'tail':>8} "
           f"{'ideal':>8} {'gain':>6} {'tail gain':>9}")

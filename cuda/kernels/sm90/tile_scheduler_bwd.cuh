@@ -10,7 +10,10 @@
 // FlashAttention-3's 98 %; NOTES.md, session 27). The last tail_groups (batch, kv head)s, about kTailWaves units per
 // CTA that runs at once, take their units key block slowest instead: every one of their heavy blocks before any
 // light one (list scheduling of the unit lengths: 4-27 % over the ideal makespan -> 0.3-3 %, tools/schedule_model.py).
-// Each (batch, kv head)'s key blocks still start in increasing order.
+// Each (batch, kv head)'s key blocks still start in increasing order. With grouped query heads a unit walks every
+// query head of its kv head, so a tail group's key blocks read the group's Q, dO and dQ accumulators several times
+// over: three waves of such groups at once passed the L2 (2 x 8192 x 32/8 causal: DRAM read 5 GB against
+// FlashAttention-3's 0.74), and their tail spans one wave (kTailWavesGrouped; NOTES.md, session 33).
 //
 // The grid is persistent (one CTA an SM) and its CTAs take units dynamically: unit c first, then the next one of a
 // counter (the first int of FlashParams::dq_semaphore, which only ordered dQ additions use; the preprocess zeroes it)
@@ -45,6 +48,7 @@ struct BwdUnitSlot {
 
 struct BwdTileScheduler {
   static constexpr int kTailWaves = 3;  // units per running CTA that the tail's order spans
+  static constexpr int kTailWavesGrouped = 1;  // the same with more than one query head per kv head
 
   int n_blocks;  // key blocks per (batch, kv head)
   int heads_kv;
@@ -61,12 +65,15 @@ struct BwdTileScheduler {
         units_wide(int64_t(n_blocks) * p.heads_kv * p.batch),
         units(int(units_wide)),
         groups(p.heads_kv * p.batch),
-        tail_groups(p.causal && ctas > 0 && n_blocks > 1 ? tail_group_count(groups, n_blocks, ctas) : 0),
+        tail_groups(p.causal && ctas > 0 && n_blocks > 1
+                        ? tail_group_count(groups, n_blocks, ctas,
+                                           p.heads_q > p.heads_kv ? kTailWavesGrouped : kTailWaves)
+                        : 0),
         head_units((groups - tail_groups) * n_blocks) {}
 
-  // (batch, kv head)s whose units span about kTailWaves units per running CTA, at most all of them.
-  static JF_HD int tail_group_count(int groups, int n_blocks, int ctas) {
-    const int64_t want = (int64_t(kTailWaves) * ctas + n_blocks - 1) / n_blocks;
+  // (batch, kv head)s whose units span about `waves` units per running CTA, at most all of them.
+  static JF_HD int tail_group_count(int groups, int n_blocks, int ctas, int waves) {
+    const int64_t want = (int64_t(waves) * ctas + n_blocks - 1) / n_blocks;
     return want < groups ? int(want) : groups;
   }
 
