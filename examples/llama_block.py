@@ -23,10 +23,14 @@ Modes (default: ``bench`` when JAX's default device is a GPU, ``train`` otherwis
   ``<out>/llama_block-<device>-<date>.{json,md}`` (``--out``: benchmarks/results/ on a GPU; without one the run is a
   smoke run, whose timings are not performance numbers, and goes to ``<temp dir>/jax_flash_bench/``, outside the
   source tree). MFU is reported against ``--peak-tflops``, or else on a known GPU (GPU_PEAK_TFLOPS) against its
-  dense bfloat16/float16 peak, for bfloat16 and float16 steps; not otherwise. By default each shape's check and
-  each (shape, attention) measurement run in a child process of their own, so that the peak device memory
-  (``peak_bytes_in_use``, which cannot be reset) is that measurement's own; ``--no-isolate`` runs everything in
-  this process and reports the process peak so far.
+  dense bfloat16/float16 peak, for bfloat16 and float16 steps; not otherwise. The step times come from
+  ``--rounds`` (5 on a GPU) interleaved rounds in one process: each round times ``--steps`` steps of every
+  attention in turn, the order rotated each round, and a row reports the median of its rounds' medians and their
+  spread (the GPU's clock drifts by a few percent over a run, more than the attentions differ in a block step).
+  By default each shape's check, each (shape, attention) compilation and memory measurement, and each shape's
+  rounds run in a child process of their own, so that the peak device memory (``peak_bytes_in_use``, which cannot
+  be reset) is that measurement's own; ``--no-isolate`` runs everything in this process and reports the process
+  peak so far.
 
 * ``generate``: a LLaMA-3-8B-like stack (``--config``; tiny without a GPU) on random weights: a B x P prompt
   (``--batch``, ``--seq``; default 16 x 4096 on a GPU) prefilled through ``jax_flash.flax.Attention.prefill``,
@@ -481,6 +485,48 @@ def time_step(step, args_, warmup, iters):
     return statistics.median(times)
 
 
+def interleaved_times(shape, attentions, args, block, x):
+    """Times the train steps of `attentions` at `shape` in turns, in this process: each step compiled and warmed up,
+    then --rounds rounds, each timing --steps steps of every attention (after one untimed step), the order rotated
+    by one each round so that no attention always runs first or after the same one. Clock and thermal drift over
+    the run then falls on every attention alike. Returns {attention: [median step time of each round, s]}; an
+    attention whose step fails is left out (its isolated row reports the error)."""
+    compiled = {}
+    for attention in attentions:
+        try:
+            step, params = block_step(block, attention)
+            step = step.lower(params, x).compile()
+            for _ in range(args.warmup):
+                jax.block_until_ready(step(params, x))
+            compiled[attention] = step, params
+        except Exception as e:
+            log(f"  [{shape[0]}x{shape[1]} {attention}] left out of the interleaved rounds: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}")
+    order = list(compiled)
+    times = {a: [] for a in order}
+    for r in range(args.rounds if order else 0):
+        turn = order[r % len(order):] + order[:r % len(order)]
+        for attention in turn:
+            step, params = compiled[attention]
+            times[attention].append(time_step(step, (params, x), 1, args.steps))
+        log(f"  [{shape[0]}x{shape[1]}] round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{a} {times[a][-1] * 1e3:.2f} ms" for a in turn))
+    return times
+
+
+def apply_rounds(rows, shape, times, peak):
+    """Sets the step time of `shape`'s rows to the median of their interleaved rounds (the isolated measurement's
+    stays as step_ms_isolated) and recomputes tokens/s, TFLOP/s and MFU from it."""
+    for row in rows:
+        t = times.get(row["attention"])
+        if (row["batch"], row["seqlen"]) != tuple(shape) or row.get("error") or not t:
+            continue
+        median = statistics.median(t)
+        row.update(step_ms_isolated=row["step_ms"], step_ms_rounds=[v * 1e3 for v in t], step_ms=median * 1e3,
+                   tokens_per_s=row["tokens"] / median, tflops=row["model_flops"] / median / 1e12)
+        row["mfu"] = None if peak is None else row["tflops"] / peak
+
+
 def mfu_peak(peak_tflops, kind, on_gpu, dtype):
     """(the peak TFLOP/s MFU is reported against, or None for no MFU; what it is or why there is none).
 
@@ -582,14 +628,15 @@ def child_argv(args, mode, shape, attentions, out, name):
             "--name", name, "--check-tol", str(args.check_tol), "--check-group-tol", str(args.check_group_tol),
             "--child"]
     if mode == "bench":
-        argv += ["--no-isolate", "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        argv += ["--no-isolate", "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
         if args.peak_tflops is not None:
             argv += ["--peak-tflops", str(args.peak_tflops)]
     return argv
 
 
-def isolated(args, shapes, env):
-    """Each shape's check, then each (shape, attention) measurement, in a child process; returns (checks, rows)."""
+def isolated(args, shapes, env, peak):
+    """Each shape's check, then each (shape, attention) measurement (compilation, peak memory), then the shape's
+    interleaved rounds over all attentions (the step times), each in a child process; returns (checks, rows)."""
     checks, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         if len(args.attention) > 1:
@@ -615,11 +662,21 @@ def isolated(args, shapes, env):
                     row = dict(attention=attention, batch=shape[0], seqlen=shape[1],
                                error=f"child exited with code {rc}: {' / '.join(tail)}")
                     rows.append(row)
+            log(f"interleaved rounds {shape[0]}x{shape[1]} (child process)")
+            rc, tail = run_child(child_argv(args, "bench", shape, args.attention, tmp, f"rounds{i}") + ["--rounds-child"],
+                                 env)
+            path = os.path.join(tmp, f"rounds{i}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    apply_rounds(rows, shape, json.load(f)["times"], peak)
+            else:
+                log(f"  interleaved rounds failed (code {rc}: {' / '.join(tail)}); the isolated times stand")
     return checks, rows
 
 
 def in_process(cfg, args, shapes, dtype, peak):
-    """Each shape's check, then its measurements (MFU against `peak`), in this process; returns (checks, rows)."""
+    """Each shape's check, then its measurements (MFU against `peak`) and interleaved rounds, in this process;
+    returns (checks, rows)."""
     checks, rows = [], []
     block = make_block(cfg, dtype, args.seed)
     for shape in shapes:
@@ -631,6 +688,8 @@ def in_process(cfg, args, shapes, dtype, peak):
             row = bench_one(cfg, shape, attention, dtype, args, block, x, peak)
             rows.append(row)
             log(f"bench {shape[0]}x{shape[1]} {attention:<9} {describe(row)}")
+        if not args.child:  # an isolating parent runs the rounds in a child of their own
+            apply_rounds(rows, shape, interleaved_times(shape, args.attention, args, block, x), peak)
     return checks, rows
 
 
@@ -644,8 +703,11 @@ def markdown(meta, checks, rows):
              f"One block of `{meta['config_name']}` (d_model {cfg['d_model']}, {cfg['num_heads']} q / "
              f"{cfg['num_kv_heads']} kv heads x {cfg['head_dim']}, MLP {cfg['mlp_dim']}), {meta['dtype']} parameters "
              "and activations, causal. Step = forward + backward (gradients of the parameters and the block input) "
-             f"under jax.jit; median of {meta['steps']} timed steps after compilation and {meta['warmup']} warm-up "
-             "steps.", "",
+             f"under jax.jit. Step time: the median over {meta['rounds']} interleaved rounds of each round's median "
+             f"of {meta['steps']} timed steps; a round times every attention in turn in one process (after "
+             f"compilation and {meta['warmup']} warm-up steps each), the order rotated by one each round, so that "
+             "the GPU's clock and thermal drift falls on all alike. The spread column gives the rounds' fastest and "
+             "slowest medians.", "",
              ("Smoke run without a GPU: the timings are not performance numbers. " if meta["smoke"] else "") +
              f"Model FLOPs: {meta['flops_formula']}. " +
              (f"MFU against {meta['peak_tflops']:g} TFLOP/s, {meta['peak_note']}. " if meta["peak_tflops"] is not None
@@ -665,18 +727,20 @@ def markdown(meta, checks, rows):
                 lines.append(f"| {c['batch']} x {c['seqlen']} | {name} | | error: {error} | | | NO |")
         lines.append("")
     lines += ["## Throughput", "",
-              "| B x S | attention | ms / step | tokens/s | TFLOP/s | MFU | peak memory (GiB) | XLA plan (GiB) | "
-              "tokens/s vs jax_flash |", "|---|---|---|---|---|---|---|---|---|"]
+              "| B x S | attention | ms / step | spread (ms) | tokens/s | TFLOP/s | MFU | peak memory (GiB) | "
+              "XLA plan (GiB) | tokens/s vs jax_flash |", "|---|---|---|---|---|---|---|---|---|---|"]
     base = {(r["batch"], r["seqlen"]): r for r in rows if r["attention"] == "jax_flash" and not r.get("error")}
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['batch']} x {r['seqlen']} | {r['attention']} | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['batch']} x {r['seqlen']} | {r['attention']} | error: {r['error']} | | | | | | | |")
             continue
         b = base.get((r["batch"], r["seqlen"]))
         ratio = None if b is None else r["tokens_per_s"] / b["tokens_per_s"]
         gib = lambda v: None if v is None else v / 2**30
         mfu = "–" if r["mfu"] is None else f"{100 * r['mfu']:.3g}%"
-        lines.append(f"| {r['batch']} x {r['seqlen']} | {r['attention']} | {r['step_ms']:.1f} | "
+        spread = (f"{min(r['step_ms_rounds']):.2f}–{max(r['step_ms_rounds']):.2f}" if r.get("step_ms_rounds")
+                  else "–")
+        lines.append(f"| {r['batch']} x {r['seqlen']} | {r['attention']} | {r['step_ms']:.2f} | {spread} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {mfu} | "
                      f"{fmt(gib(r['peak_bytes']), '.2f')} | {fmt(gib(r['xla_total_bytes']), '.2f')} | "
                      f"{fmt(ratio, '.2f')} |")
@@ -721,6 +785,13 @@ def bench(args, child_env):
     if args.dry_run:
         return dry_run(cfg, shapes, args.attention, dtype, args.seed)
     _, _, on_gpu = device_info()
+    if args.rounds_child:  # the interleaved rounds of one shape, for an isolating parent
+        times = interleaved_times(shapes[0], args.attention, args, make_block(cfg, dtype, args.seed),
+                                  block_input(cfg, *shapes[0], dtype, args.seed + 1))
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
+            json.dump(dict(times=times), f)
+        return 0
     peak, peak_note = mfu_peak(args.peak_tflops, kind, on_gpu, dtype)
     if not args.child:
         if not on_gpu:
@@ -728,7 +799,7 @@ def bench(args, child_env):
                 f"to {args.out}.")
         log(f"MFU against {peak:g} TFLOP/s, {peak_note}." if peak is not None else f"No MFU: {peak_note}.")
     if args.isolate:
-        checks, rows = isolated(args, shapes, child_env)
+        checks, rows = isolated(args, shapes, child_env, peak)
         memory_note = ("device.memory_stats()['peak_bytes_in_use'] of a child process that ran only that "
                        "measurement (compilation, warm-up and timing).")
     else:
@@ -739,12 +810,15 @@ def bench(args, child_env):
     date = datetime.date.today().isoformat()
     meta = dict(device=kind, platform=jax.devices()[0].platform, jax_version=jax.__version__,
                 jax_flash_version=jax_flash.__version__, date=date, dtype=dtype.name, config_name=args.config,
-                config=dataclasses.asdict(cfg), steps=args.steps, warmup=args.warmup, peak_tflops=peak,
+                config=dataclasses.asdict(cfg), steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+                peak_tflops=peak,
                 peak_note=peak_note, smoke=not on_gpu, isolated=args.isolate, memory_note=memory_note,
                 skipped=args.skipped,
                 flops_formula="6 * P * B * S + 3 * (4 * B * S^2 * Hq * D / 2), P = weights in the block's matmuls "
                               f"({cfg.matmul_params():,})",
-                method="median wall clock of the jit-compiled train step, block_until_ready")
+                method="median over interleaved rounds (every attention in turn, in one process, the order rotated "
+                       "each round) of each round's median wall clock of the jit-compiled train step, "
+                       "block_until_ready")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name or f"llama_block-{kind.replace(' ', '_')}-{date}")
     with open(stem + ".json", "w") as f:
@@ -1126,6 +1200,9 @@ def parse_args(argv):
                              "positions restart per document); 1 = one sequence per row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=3, help="bench: untimed steps after compilation")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="bench: interleaved timing rounds (default 5 on a GPU, 1 otherwise): each times "
+                             "--steps steps of every attention in turn, in one process")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="bench: the device's dense peak for MFU (default: on a known GPU ("
                              f"{', '.join(sorted({m for _, m in GPU_PEAK_TFLOPS.values()}))}) its dense "
@@ -1156,12 +1233,13 @@ def parse_args(argv):
                              "gradients' all-reduce with the backward)")
     parser.add_argument("--dump-hlo", default=None, help="multi: write each compiled step's HLO text to this directory")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # set by an isolating bench run
+    parser.add_argument("--rounds-child", action="store_true", help=argparse.SUPPRESS)  # its interleaved rounds
     args = parser.parse_args(argv)
 
     def error(message):
         parser.error(message)
 
-    for name in ("steps", "batch", "seq", "warmup", "cp_local_seq"):
+    for name in ("steps", "batch", "seq", "warmup", "cp_local_seq", "rounds"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else 'positive'}, got {value}")
@@ -1219,6 +1297,9 @@ def finish_args(args, error, on_gpu):
         args.steps = args.steps or 10
         if args.mode == "bench":
             args.out = args.out or (RESULTS_DIR if on_gpu else SMOKE_OUT)
+            args.rounds = args.rounds or (5 if on_gpu else 1)
+    if args.mode != "bench" and args.rounds is not None:
+        error("--rounds applies to --mode bench only")
     if args.mode != "train" and args.packed != 1:
         error("--packed applies to --mode train only")
     if args.mode != "multi":

@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import json
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -499,15 +500,27 @@ def test_example_check_writes_its_results(tmp_path):
 
 
 def test_example_bench_without_a_gpu_is_a_smoke_run(tmp_path):
-    """On the CPU: says it is a smoke run, reports no MFU (there is no known peak), writes to the temp dir."""
+    """On the CPU: says it is a smoke run, reports no MFU (there is no known peak), writes to the temp dir; the step
+    time of each row is the median of its interleaved rounds, whose spread the table shows."""
     out = run_example("--mode", "bench", "--config", "tiny", "--batch", "1", "--seq", "64", "--attention", "jax_flash",
-                      "--steps", "1", "--warmup", "0", "--no-isolate", TMPDIR=str(tmp_path))
+                      "xla", "--steps", "1", "--warmup", "0", "--rounds", "3", "--no-isolate", TMPDIR=str(tmp_path))
     assert "No GPU: a smoke run" in out and "No MFU: no GPU" in out and "MFU 0" not in out
+    assert "round 1/3: jax_flash" in out and "round 2/3: xla" in out  # the order rotates each round
     (md,) = (tmp_path / "jax_flash_bench").glob("llama_block-cpu-*.md")
     text = md.read_text()
-    assert "Smoke run without a GPU" in text and "No MFU" in text
+    assert "Smoke run without a GPU" in text and "No MFU" in text and "median over 3 interleaved rounds" in text
     row = next(line for line in text.splitlines() if line.startswith("| 1 x 64 | jax_flash"))
-    assert row.split(" | ")[5] == "–"  # the MFU column
+    cells = row.split(" | ")
+    assert cells[6] == "–"  # the MFU column
+    (result,) = (tmp_path / "jax_flash_bench").glob("llama_block-cpu-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [r["attention"] for r in rows] == ["jax_flash", "xla"]
+    for r in rows:
+        assert len(r["step_ms_rounds"]) == 3 and r["step_ms"] == statistics.median(r["step_ms_rounds"])
+        assert r["tokens_per_s"] == pytest.approx(64 / (r["step_ms"] / 1e3)) and r["step_ms_isolated"] > 0
+    low, high = (float(v) for v in cells[3].split("–"))
+    assert low == pytest.approx(min(rows[0]["step_ms_rounds"]), abs=6e-3)
+    assert high == pytest.approx(max(rows[0]["step_ms_rounds"]), abs=6e-3)
 
 
 def test_example_multi_device_smoke_run(tmp_path):
@@ -676,7 +689,7 @@ def test_example_bench_table_names_the_best_peer():
     lists the peers that were skipped."""
     example = _example_module()
     meta = dict(device="GPU", jax_version="0", date="today", dtype="bfloat16", config_name="llama3-8b",
-                config=dict(d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336), steps=1,
+                config=dict(d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336), steps=1, rounds=1,
                 warmup=0, smoke=False, flops_formula="f", peak_tflops=None, peak_note="none", memory_note="m",
                 skipped={"tokamax": "not installed (ModuleNotFoundError: No module named 'tokamax')"})
 
