@@ -1,4 +1,4 @@
-"""The last run's kernels of a profiled call (tools/profile_decode.py, tools/profile_packed.py) under `ncu --metrics gpu__time_duration.sum --csv`
+"""The last run's kernels of a profiled call (tools/profile_decode.py, profile_packed.py, profile_llama.py) under `ncu --metrics gpu__time_duration.sum --csv`
 (tools/kernel_list.sh): the call runs several times after its compile with the same kernel sequence each
 time, so the last run is the shortest tail of the list that repeats just before itself (twice, where the list is
 long enough). Prints each kernel's time and their sum.
