@@ -1,6 +1,8 @@
 // How fast a full grid can add float32 dQ tiles into a global accumulator, by the ways a backward kernel can do it:
 // red.global.add (.f32, .v2.f32, .v4.f32) straight from registers, and the TMA bulk reduce from shared memory (what
-// the d64/d128 backward does). The d256 redesign (docs/d256_bwd_plan.md) adds dQ^T from registers; this measures
+// the d64/d128 backward does), the first four in a coalesced order (float slot j * 256 + thread), the last as
+// session 5's d256 v1 added its wgmma accumulator fragments into row-major [row][256] tiles (a warp instruction
+// spans 8 rows). The d256 redesign (docs/d256_bwd_plan.md) adds dQ^T from registers; this measures
 // whether the L2 keeps up with the rate it needs. Each CTA (two 128-thread "warpgroups", as the backward's
 // consumers) walks query tiles of 64 rows x 256 floats (64 KB) of one of `heads` accumulators, adding a tile of ones
 // per step, CTAs of one head starting together so several add into the same tile at once (as key blocks of one head
@@ -27,9 +29,9 @@ constexpr int kThreads = 256;              // two warpgroups
 constexpr int kTileFloats = 64 * 256;      // one query tile of dQ at head dim 256
 constexpr int kPerThread = kTileFloats / kThreads;  // 64 floats, as a dQ^T accumulator of FA3's d256 design
 
-enum Method { kRedF32 = 0, kRedV2 = 1, kRedV4 = 2, kBulk = 3 };
+enum Method { kRedF32 = 0, kRedV2 = 1, kRedV4 = 2, kBulk = 3, kRowV2 = 4 };
 const char* kNames[] = {"red.global.add.f32", "red.global.add.v2.f32", "red.global.add.v4.f32",
-                        "cp.reduce.async.bulk .add.f32 (smem)"};
+                        "cp.reduce.async.bulk .add.f32 (smem)", "red.global.add.v2.f32 row-major"};
 
 __device__ __forceinline__ void red_v4(float* p, float a, float b, float c, float d) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
@@ -67,6 +69,16 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(float* acc, int heads,
     } else if constexpr (kMethod == kRedV2) {
 #pragma unroll
       for (int j = 0; j < kPerThread / 2; ++j) red_v2(t + 2 * (j * kThreads + tid), v[2 * j], v[2 * j + 1]);
+    } else if constexpr (kMethod == kRowV2) {  // session 5's v1: [row][256] rows, wgmma accumulator fragments
+      const int wg = tid / 128, w = (tid / 32) % 4, g = (tid % 32) / 4, q = tid % 4;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          red_v2(t + (16 * w + g + 8 * half) * 256 + 128 * wg + 8 * j + 2 * q, v[4 * j + 2 * half],
+                 v[4 * j + 2 * half + 1]);
+        }
+      }
     } else if constexpr (kMethod == kRedF32) {
 #pragma unroll
       for (int j = 0; j < kPerThread; ++j) red_f32(t + j * kThreads + tid, v[j]);
@@ -145,6 +157,7 @@ int main() {
     run<kRedV2>(sms, ctas_per_head, tiles, steps);
     run<kRedV4>(sms, ctas_per_head, tiles, steps);
     run<kBulk>(sms, ctas_per_head, tiles, steps);
+    run<kRowV2>(sms, ctas_per_head, tiles, steps);
   }
   return 0;
 }
