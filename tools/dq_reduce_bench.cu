@@ -16,14 +16,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "cuda_check.h"
 
 constexpr int kThreads = 256;              // two warpgroups
 constexpr int kTileFloats = 64 * 256;      // one query tile of dQ at head dim 256
@@ -107,30 +100,30 @@ void run(int sms, int ctas_per_head, int tiles, int steps) {
   const int grid = heads * ctas_per_head;
   const size_t floats = size_t(heads) * tiles * kTileFloats;
   float* acc;
-  CHECK(cudaMalloc(&acc, floats * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&acc, floats * sizeof(float)));
   const int smem = kMethod == kBulk ? kTileFloats * int(sizeof(float)) : 0;
   if (smem > 48 * 1024) {
-    CHECK(cudaFuncSetAttribute(reduce_kernel<kMethod>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CUDA_CHECK(cudaFuncSetAttribute(reduce_kernel<kMethod>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
   const int stride = 0;  // the CTAs of a head start on the same tile: the contention of key blocks walking together
   cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
   float best = 1e30f;
   for (int rep = 0; rep < 4; ++rep) {
-    CHECK(cudaMemset(acc, 0, floats * sizeof(float)));
-    CHECK(cudaEventRecord(a));
+    CUDA_CHECK(cudaMemset(acc, 0, floats * sizeof(float)));
+    CUDA_CHECK(cudaEventRecord(a));
     reduce_kernel<kMethod><<<grid, kThreads, smem>>>(acc, heads, tiles, steps, stride);
-    CHECK(cudaGetLastError());
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaEventRecord(b));
+    CUDA_CHECK(cudaEventSynchronize(b));
     float ms;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
     if (rep > 0 && ms < best) best = ms;  // the first run warms up
   }
   // Check: each tile of a head got ctas_per_head adds per full lap of its CTAs.
   std::vector<float> host(floats);
-  CHECK(cudaMemcpy(host.data(), acc, floats * sizeof(float), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(host.data(), acc, floats * sizeof(float), cudaMemcpyDeviceToHost));
   double sum = 0;
   for (float x : host) sum += x;
   const double expect = double(grid) * steps * kTileFloats;
@@ -140,14 +133,14 @@ void run(int sms, int ctas_per_head, int tiles, int steps) {
   std::printf("%-38s ctas/head %3d  acc %6.1f MB  %8.3f ms  %7.0f GB/s  carries %5.0f TFLOP/s  sum %s\n",
               kNames[kMethod], ctas_per_head, floats * 4 / 1e6, best, gbps, gbps * flop_per_byte / 1e3,
               sum == expect ? "ok" : "WRONG");
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  CHECK(cudaFree(acc));
+  CUDA_CHECK(cudaEventDestroy(a));
+  CUDA_CHECK(cudaEventDestroy(b));
+  CUDA_CHECK(cudaFree(acc));
 }
 
 int main() {
   cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
   std::printf("%s, %d SMs; a CTA per SM, %d threads; tiles of 64 x 256 float32 (64 KB)\n", prop.name, sms, kThreads);
   const int steps = 64;

@@ -13,15 +13,7 @@
 #include <vector>
 
 #include "kernels/common/exp2_fma.cuh"
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "cuda_check.h"
 
 __device__ __forceinline__ float ex2_f32(float x) {
   float y;
@@ -159,13 +151,13 @@ template <int kMode>
 void run(const char* name, double per_op, int sms, float* out, long long* clocks) {
   const int blocks = sms * 4, threads = 256;  // 32 warps an SM
   bench<kMode><<<blocks, threads>>>(out, clocks, -0.5f);
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaDeviceSynchronize());
   bench<kMode><<<blocks, threads>>>(out, clocks, -0.5f);
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<long long> c(blocks);
-  CHECK(cudaMemcpy(c.data(), clocks, blocks * sizeof(long long), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(c.data(), clocks, blocks * sizeof(long long), cudaMemcpyDeviceToHost));
   long long mx = 0;
   for (long long x : c) mx = x > mx ? x : mx;
   // every block of an SM runs at once (4 x 256 threads fit), so an SM's elements over the slowest block's clocks
@@ -175,14 +167,14 @@ void run(const char* name, double per_op, int sms, float* out, long long* clocks
 
 int main() {
   int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device %s, %d SMs\n", prop.name, sms);
   float* out;
   long long* clocks;
-  CHECK(cudaMalloc(&out, sms * 4 * 256 * sizeof(float)));
-  CHECK(cudaMalloc(&clocks, sms * 4 * sizeof(long long)));
+  CUDA_CHECK(cudaMalloc(&out, sms * 4 * 256 * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&clocks, sms * 4 * sizeof(long long)));
   run<0>("ex2.approx.ftz.f32", 1, sms, out, clocks);
   run<1>("tanh.approx.f32", 1, sms, out, clocks);
   run<2>("ex2.approx.f16x2 (2 per op)", 2, sms, out, clocks);
@@ -195,12 +187,12 @@ int main() {
   run<9>("capped score: tanh f16x2 + ex2 f32/poly", 1, sms, out, clocks);
   run<10>("capped score: tanh f32 + ex2 f16x2", 1, sms, out, clocks);
   float* err;
-  CHECK(cudaMalloc(&err, 10 * sizeof(float)));
-  CHECK(cudaMemset(err, 0, 10 * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&err, 10 * sizeof(float)));
+  CUDA_CHECK(cudaMemset(err, 0, 10 * sizeof(float)));
   errors<<<(1 << 20) / 256, 256>>>(err);
-  CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaGetLastError());
   float e[10];
-  CHECK(cudaMemcpy(e, err, sizeof(e), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(e, err, sizeof(e), cudaMemcpyDeviceToHost));
   std::printf("max relative error of 2^x, x in [-30, 0): ex2 f32 %.2e, polynomial %.2e, ex2 f16x2 %.2e, ex2 bf16x2 %.2e\n",
               e[0], e[1], e[2], e[3]);
   std::printf("max absolute error of tanh(y), y in [-4, 4): tanh f32 %.2e, tanh f16x2 %.2e\n", e[4], e[5]);

@@ -22,19 +22,11 @@
 #include <vector>
 
 #include "kernels/sm80/launch_sm80.cuh"
+#include "cuda_check.h"
 
 using jax_flash::DType;
 using jax_flash::FlashParams;
 using namespace jax_flash::cuda;
-
-#define CUDA_CHECK(...)                                                                                     \
-  do {                                                                                                      \
-    const cudaError_t err_ = (__VA_ARGS__);                                                                 \
-    if (err_ != cudaSuccess) {                                                                              \
-      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #__VA_ARGS__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                                         \
-    }                                                                                                       \
-  } while (0)
 
 namespace {
 

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 BIN=build/sweep_bwd_sm80
 PTXAS_LOG=build/sweep_bwd_sm80.ptxas.log
 # The harness and every header it includes (kernels/sm80/launch_sm80.cuh and what that includes).
-SRCS=(tools/sweep_bwd_sm80.cu cuda/flash_params.h cuda/mask.h cuda/kernels/flash_api.h cuda/kernels/common/*
+SRCS=(tools/sweep_bwd_sm80.cu tools/cuda_check.h cuda/flash_params.h cuda/mask.h cuda/kernels/flash_api.h cuda/kernels/common/*
       cuda/kernels/sm80/*.h cuda/kernels/sm80/*.cuh)
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 
