@@ -8,6 +8,9 @@
 //   stores compose them, puts every (thread, register, element) at the (row, column) of the logical tile that the
 //   accumulator layout says it holds, for every row0 = 16 i of 64- and 128-row column blocks, every pair and column
 //   block, at 1024-byte-aligned bases; at bases that are not 1024-byte aligned it must not (the precondition is real);
+// - stmatrix .trans: stmatrix_x4_trans_lane_offset (.x4 and, through lanes 0-15, .x2) puts the d256 backward's S / dP
+//   accumulator pieces (queries as rows, a warpgroup's 40 keys as columns) at (key, query) of a [key][64 queries]
+//   tile, for both warpgroups' key ranges and every warp;
 // - descriptors: make_desc_sw128 decodes (with the PTX field layout) to the start address, leading byte offset,
 //   stride byte offset 1024, base offset 0 and 128-byte swizzle, reserved bits clear, for every 16-byte-aligned
 //   address below 227 KB and the leading offsets the kernels use; desc_advance by the offsets the kernels use (k-steps,
@@ -17,7 +20,8 @@
 //   swizzled layouts) are the elements TMA wrote there, for every k-step, row / column block and stage of the tiles
 //   of every sm_90a traits struct;
 // - dQ staging order: DqFragmentOrder::pairs (kernel_traits_sm90.h) gives back, for every float4 slot the d64/d128
-//   backward stages, the (row, column) pairs the f32 accumulator layout puts in it, and covers the tile once;
+//   backward stages, the (row, column) pairs the f32 accumulator layout puts in it, and covers the tile once; so
+//   does DqTransposedFragmentOrder::elems for the d256 redesign's dQ^T adds;
 // - the constants equal the model's.
 // Mutation check: the same checks run on deliberately broken copies of each function (defined below); each must be
 // detected. Prints "ok <cases>" (then which checks caught each mutant) only if the real functions pass and every
@@ -66,6 +70,14 @@ inline uint32_t tma_addr(uint32_t box, int row, int byte) { return swizzle(box +
 inline uint32_t stmatrix_x4_dest(const uint32_t (&row_addr)[32], int lane, int reg, int elem) {
   const int row = lane / 4, col = 2 * (lane % 4) + elem;
   return row_addr[8 * reg + row] + col * kElemBytes;
+}
+
+// stmatrix ... .trans: as above, but matrix i is transposed on the way: the row in memory that lane 8 i + r addresses
+// receives column r of the matrix, so element (row l / 4, column 2 (l % 4) + e) of lane l's register i goes to
+// memory row 2 (l % 4) + e, element l / 4. (.x2: matrices 0, 1 only, addressed by lanes 0-15.)
+inline uint32_t stmatrix_trans_dest(const uint32_t (&row_addr)[32], int lane, int reg, int elem) {
+  const int row = lane / 4, col = 2 * (lane % 4) + elem;
+  return row_addr[8 * reg + col] + row * kElemBytes;
 }
 
 // The element of a warp's 16-row accumulator slice (rows from row0) that register `reg` of lane `lane` carries in the
@@ -118,6 +130,9 @@ struct Real {
   static uint32_t chunk_offset(int row, int chunk) { return sm90::swizzled_chunk_offset(row, chunk); }
   static uint32_t lane_offset(int row0, int lane) { return sm90::stmatrix_x4_lane_offset(row0, lane); }
   static uint32_t pair_offset(uint32_t lane_off, int pair) { return sm90::stmatrix_x4_pair_offset(lane_off, pair); }
+  static uint32_t trans_x4_offset(int key_row0, int q_chunk0, int lane) {
+    return sm90::stmatrix_x4_trans_lane_offset(key_row0, q_chunk0, lane);
+  }
   static uint64_t make_desc(uint32_t addr, uint32_t lead) { return sm90::make_desc_sw128(addr, lead); }
   static uint64_t advance(uint64_t desc, uint32_t bytes) { return sm90::desc_advance(desc, bytes); }
   template <class Traits>
@@ -153,6 +168,12 @@ struct PairAdded : Real {  // pair offset added, not XORed into the swizzled chu
 };
 struct PairOneChunk : Real {  // one 16-byte chunk per pair instead of two
   static uint32_t pair_offset(uint32_t lane_offset, int pair) { return lane_offset ^ uint32_t(pair * 16); }
+};
+struct TransX4MatricesSwapped : Real {  // .trans x4: matrix bit 0 taken as the key tile, bit 1 as the query half
+  static uint32_t trans_x4_offset(int key_row0, int q_chunk0, int lane) {
+    const int mat = lane / 8;
+    return sm90::swizzled_chunk_offset(key_row0 + 8 * (mat % 2) + lane % 8, q_chunk0 + mat / 2);
+  }
 };
 struct DescLeadShifted : Real {  // leading-offset field one bit too high
   static uint64_t make_desc(uint32_t addr, uint32_t lead) {
@@ -319,6 +340,48 @@ void check_stmatrix(Report& rep) {
         for (int row0 = 0; row0 < rows; row0 += 16) {
           for (bool fwd_form : {true, false}) {
             if (!check_stmatrix_tile<Impl>(rep, true, base, rows, cols, row0, fwd_form) && rep.stop()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The d256 backward's P^T / dS^T stores: a [keys][64 queries] tile (one 128-byte swizzled row per key) at `base`;
+// warp w of a warpgroup holds queries 16 w .. 16 w + 15 (S, dP rows) and the warpgroup's 40 keys from key0 (S, dP
+// columns: five 8-key tiles), stored as x4.trans of tiles (0, 1) and (2, 3) (the second 16 key rows = 2048 bytes
+// on) and x2.trans of tile 4. Every (lane, register, element) must land at (key, query) of the tile.
+template <class Impl>
+void check_stmatrix_trans(Report& rep) {
+  rep.begin();
+  for (uint32_t base : kAlignedBases) {
+    for (int key0 : {0, 40}) {
+      for (int w = 0; w < 4; ++w) {
+        for (int piece = 0; piece < 3; ++piece) {  // x4 of tiles 0-1, x4 of tiles 2-3, x2 of tile 4
+          const bool x2 = piece == 2;
+          uint32_t row_addr[32];
+          for (int lane = 0; lane < 32; ++lane) {
+            row_addr[lane] = base + Impl::trans_x4_offset(key0, 2 * w, lane) + piece * 2048;  // x2: lanes 0-15
+          }
+          for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane / 4, t = lane % 4;
+            for (int reg = 0; reg < (x2 ? 2 : 4); ++reg) {
+              for (int elem = 0; elem < 2; ++elem) {
+                ++rep.cases;
+                // S / dP accumulator: row (query) g + 8 (reg % 2), column (key) 8 tile + 2 t + elem; the packed
+                // registers pair the rows halves first, then the two key tiles of the x4.
+                const int query = 16 * w + g + 8 * (reg % 2);
+                const int key = key0 + 8 * (x2 ? 4 : 2 * piece + reg / 2) + 2 * t + elem;
+                const uint32_t dest = model::stmatrix_trans_dest(row_addr, lane, reg, elem);
+                const uint32_t lin = model::swizzle(dest) - base;
+                const int row = int(lin / model::kRowBytes), col = int(lin % model::kRowBytes) / model::kElemBytes;
+                if (dest % 2 != 0 || row != key || col != query) {
+                  rep.fail("stmatrix trans", "base=%u key0=%d w=%d piece=%d lane=%d reg=%d elem=%d: (%d, %d), "
+                           "want key %d query %d", base, key0, w, piece, lane, reg, elem, row, col, key, query);
+                  if (rep.stop()) return;
+                }
+              }
+            }
           }
         }
       }
@@ -559,6 +622,43 @@ void check_dq_order(Report& rep) {
   check_dq_order_of<Impl, sm90::BwdTraitsSm90<128>>(rep, "d128");
 }
 
+// The d256 redesign's dq_accum order: DqTransposedFragmentOrder::elems must give, for slot(cw, h, j, thread), the
+// (query, d) elements of the dQ^T accumulator (m64n64 slice h of warpgroup cw: accumulator row = d, column = query;
+// floats 4 j .. 4 j + 3 at rows g, g, g + 8, g + 8 and columns 2 t, 2 t + 1, 2 t, 2 t + 1 of column tile j), each
+// element of the 64 x 256 tile exactly once.
+void check_dq_transposed_order(Report& rep) {
+  using Order = sm90::DqTransposedFragmentOrder;
+  rep.begin();
+  std::vector<int> seen(Order::kTileRows * Order::kCols, 0);
+  for (int cw = 0; cw < 2; ++cw) {
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 8; ++j) {
+        for (int thread = 0; thread < 128; ++thread) {
+          const int slot = Order::slot(cw, h, j, thread);
+          int row[4], col[4];
+          Order::elems(slot, row, col);
+          const int g = thread % 32 / 4, t = thread % 4, w = thread / 32;
+          for (int e = 0; e < 4; ++e) {
+            ++rep.cases;
+            const int want_d = 128 * cw + 64 * h + 16 * w + g + 8 * (e / 2), want_q = 8 * j + 2 * t + e % 2;
+            if (slot < 0 || slot >= Order::kSlots || row[e] != want_q || col[e] != want_d) {
+              rep.fail("dq transposed order", "cw=%d h=%d j=%d thread=%d e=%d: (%d, %d), want (%d, %d)", cw, h, j,
+                       thread, e, row[e], col[e], want_q, want_d);
+              if (rep.stop()) return;
+              continue;
+            }
+            ++seen[row[e] * Order::kCols + col[e]];
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < int(seen.size()); ++i) {
+    ++rep.cases;
+    if (seen[i] != 1) rep.fail("dq transposed order", "element (%d, %d) covered %d times", i / 256, i % 256, seen[i]);
+  }
+}
+
 // ---- constants ------------------------------------------------------------------------------------------------------
 void check_constants(Report& rep) {
   auto expect = [&](const char* name, long got, long want) {
@@ -581,6 +681,7 @@ Report check_all(bool verbose) {
   check_swizzle<Impl>(rep);
   check_stmatrix<Impl>(rep);
   check_stmatrix_needs_alignment<Impl>(rep);
+  check_stmatrix_trans<Impl>(rep);
   check_descriptors<Impl>(rep, leads, offsets);
   check_operands<Impl>(rep);
   check_dq_order<Impl>(rep);
@@ -599,6 +700,7 @@ MutantResult run_mutant(const char* name) {
 int main() {
   Report real = check_all<Real>(true);
   check_constants(real);
+  check_dq_transposed_order(real);
   const MutantResult mutants[] = {
       run_mutant<SwizzleRowMod4>("swizzled_chunk_offset XOR row % 4"),
       run_mutant<SwizzleNone>("swizzled_chunk_offset unswizzled"),
@@ -607,6 +709,7 @@ int main() {
       run_mutant<LaneRowFromQuad>("stmatrix_x4_lane_offset row lane / 4"),
       run_mutant<PairAdded>("stmatrix_x4_pair_offset added"),
       run_mutant<PairOneChunk>("stmatrix_x4_pair_offset one chunk per pair"),
+      run_mutant<TransX4MatricesSwapped>("stmatrix_x4_trans_lane_offset matrix bits swapped"),
       run_mutant<DescLeadShifted>("make_desc_sw128 leading field at bit 17"),
       run_mutant<DescStride512>("make_desc_sw128 stride 512"),
       run_mutant<DescSwizzle64B>("make_desc_sw128 64-byte swizzle mode"),

@@ -23,7 +23,8 @@ w("")
 w("template <int N, typename T, int kTransB>")
 w("struct Wgmma;")
 w("")
-for N in (32, 64, 96, 128, 256):  # S/dP tiles (64, 96, 128), O/dK/dV widths (64, 128, 256), dQ halves (32, 64)
+for N in (32, 40, 64, 80, 96, 128, 256):  # S/dP tiles (64, 96, 128; 40 a d256 warpgroup's keys), O/dK/dV widths
+    # (64, 128, 256; 80 the d256 backward's dK^T/dV^T keys), dQ halves (32, 64)
     nreg = N // 2
     for tname, ptx in (("__nv_bfloat16", "bf16"), ("__half", "f16")):
         w("template <int kTransB>")

@@ -222,6 +222,30 @@ struct DqFragmentOrder {
   }
 };
 
+// The order of a query tile's dQ in dq_accum for the FA3-style d256 backward (docs/d256_bwd_plan.md, section 4;
+// the kernel is not written yet): each consumer warpgroup cw computes dQ^T, head-dim rows [128 cw, +128) in two
+// m64 slices h, queries as columns, and adds it from registers with red.global.add.v4.f32 (atomic_add_f32x4) in
+// float4 slots [cw 2][s = 8 h + j: 16][thread 128] of the tile's 64 x 256 floats, so a warp's add covers 512
+// contiguous bytes. Slot (cw, s, thread) holds the thread's accumulator floats 4 j .. 4 j + 3 of slice h: with
+// lane = 4 g + t of warp w, d = 128 cw + 64 h + 16 w + g and q = 8 j + 2 t, the (query, d) elements (q, d),
+// (q + 1, d), (q, d + 8), (q + 1, d + 8). elems() is the map a conversion reads it back with.
+struct DqTransposedFragmentOrder {
+  static constexpr int kTileRows = 64;  // queries
+  static constexpr int kCols = 256;     // head dim
+  static constexpr int kSlots = kTileRows * kCols / 4;
+  JF_HD static int slot(int cw, int h, int j, int thread) { return (16 * cw + 8 * h + j) * kWarpgroupThreads + thread; }
+  JF_HD static void elems(int slot, int (&row)[4], int (&col)[4]) {
+    const int thread = slot % kWarpgroupThreads, s = slot / kWarpgroupThreads % 16;
+    const int cw = slot / (16 * kWarpgroupThreads);
+    const int lane = thread % 32, w = thread / 32, h = s / 8, j = s % 8;
+    const int d = 128 * cw + 64 * h + 16 * w + lane / 4, q = 8 * j + 2 * (lane % 4);
+    row[0] = q, col[0] = d;
+    row[1] = q + 1, col[1] = d;
+    row[2] = q, col[2] = d + 8;
+    row[3] = q + 1, col[3] = d + 8;
+  }
+};
+
 // Backward CTA at head dim 256, where one warpgroup's dK + dV for 64 keys x 256 columns would need 256 registers
 // per thread: the two consumer warpgroups share the CTA's 64 keys and split each GEMM differently. S^T and dP^T:
 // each warpgroup all 64 keys x its half of the kBlockM queries (wgmma N = 32); P^T and dS^T go to shared memory,

@@ -2,7 +2,8 @@
 // tests/cpp/smem_layout_check.cc checks it against an independent model of the hardware's layouts):
 // - tiles of 128-byte rows (64 16-bit or 32 float32 elements) in TMA's SWIZZLE_128B layout: 16-byte chunk c of row
 //   r sits at chunk c ^ (r % 8); the pattern repeats every 8 rows (1024 bytes, so tiles are 1024-byte aligned);
-// - the lane addresses of stmatrix.x4 into such a tile (an m16n16 piece of a wgmma accumulator, as 16-bit values);
+// - the lane addresses of stmatrix.x4 into such a tile (an m16n16 piece of a wgmma accumulator, as 16-bit values),
+//   and of stmatrix.x4/.x2.trans into a transposed one;
 // - wgmma shared-memory matrix descriptors for such tiles (K-major and MN-major operands).
 #pragma once
 
@@ -34,6 +35,18 @@ JF_HD uint32_t stmatrix_x4_lane_offset(int row0, int lane) {
 // the tile base is 1024-byte aligned; `lane_offset` may include that base.
 JF_HD uint32_t stmatrix_x4_pair_offset(uint32_t lane_offset, int pair) {
   return lane_offset ^ uint32_t(pair * 2 * kSwizzleChunkBytes);
+}
+
+// stmatrix.x4.trans / .x2.trans of a warp's accumulator piece into a transposed 128-byte-swizzled tile (the d256
+// backward's P^T and dS^T: one row per key, 64 queries in the row, from S and dP whose rows are queries). With
+// .trans, matrix i's row r in memory (the address lane 8 i + r gives) receives column r of the register matrix: a
+// key, its 8 queries in the 16 bytes. The piece holds queries [8 q_chunk0, +16) (accumulator rows g, g + 8 of the
+// warp) and keys from key_row0: x4 covers two 8-key column tiles (matrices 0 / 1: queries 0-7 / 8-15 of the first
+// tile, 2 / 3 of the second, as the accumulator's packed registers), x2 one (matrices 0 / 1, lanes 0-15: the same
+// offsets). The next x4 pair is 16 key rows on: + 2048 bytes, the swizzle unchanged.
+JF_HD uint32_t stmatrix_x4_trans_lane_offset(int key_row0, int q_chunk0, int lane) {
+  const int mat = lane / 8;
+  return swizzled_chunk_offset(key_row0 + 8 * (mat / 2) + lane % 8, q_chunk0 + mat % 2);
 }
 
 // Shared-memory matrix descriptor for a tile written by TMA with SWIZZLE_128B (rows of 128 bytes; 8-row groups

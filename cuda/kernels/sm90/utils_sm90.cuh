@@ -191,6 +191,16 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                "r"(r2), "r"(r3)
                : "memory");
 }
+// Transposed: matrix i's rows in memory are its columns (smem_layout.h, stmatrix_x4_trans_lane_offset).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1)
+               : "memory");
+}
 
 // A warp's piece of a wgmma accumulator (16 rows, kTiles 8-column tiles; lane = 4 g + t holds rows g and g + 8) as
 // 16-bit values (ET::pack) into 128-byte-swizzled TMA boxes of 64 columns, box_bytes apart, with stmatrix:
