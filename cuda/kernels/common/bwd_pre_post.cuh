@@ -76,9 +76,12 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
 // head_dim_rounded columns one after the other, each a sequence of float4 slots; slot `slot` of a tile holds two
 // column pairs, (row[k], col[k]) and (row[k], col[k] + 1) for k = 0, 1, which pairs() gives. DqRowMajor: rows of
 // head_dim_rounded floats (the sm_80-class and the split-head-dim kernels); the sm_90a d64/d128 kernel adds in its
-// accumulator fragments' order (DqFragmentOrder).
+// accumulator fragments' order (DqFragmentOrder). An order whose slots hold four scalars instead
+// (kScalarElems, DqTransposedFragmentOrder: the d256 redesign's dQ^T, whose pairs run along rows) gives them by
+// elems(slot, row[4], col[4]).
 struct DqRowMajor {
   static constexpr int kTileRows = 1;
+  static constexpr bool kScalarElems = false;
   __device__ __forceinline__ static void pairs(int slot, int (&row)[2], int (&col)[2]) {
     row[0] = row[1] = 0;
     col[0] = 4 * slot;
@@ -126,11 +129,19 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_convert_dq_kerne
     for (int k = 0; k < kLoads; ++k) {
       const int i = i0 + k * kPreprocessThreads;
       if (i >= slots) break;
-      int row[2], col[2];
-      DqOrder::pairs(i % slots_per_tile, row, col);
       const int tile_row0 = i / slots_per_tile * DqOrder::kTileRows;
-      *reinterpret_cast<float2*>(tile + (tile_row0 + row[0]) * ld + col[0]) = make_float2(v[k].x, v[k].y);
-      *reinterpret_cast<float2*>(tile + (tile_row0 + row[1]) * ld + col[1]) = make_float2(v[k].z, v[k].w);
+      if constexpr (DqOrder::kScalarElems) {  // (scalar stores: a warp's rows g and columns 2 t differ by bank)
+        int row[4], col[4];
+        DqOrder::elems(i % slots_per_tile, row, col);
+        const float x[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tile[(tile_row0 + row[e]) * ld + col[e]] = x[e];
+      } else {
+        int row[2], col[2];
+        DqOrder::pairs(i % slots_per_tile, row, col);
+        *reinterpret_cast<float2*>(tile + (tile_row0 + row[0]) * ld + col[0]) = make_float2(v[k].x, v[k].y);
+        *reinterpret_cast<float2*>(tile + (tile_row0 + row[1]) * ld + col[1]) = make_float2(v[k].z, v[k].w);
+      }
     }
   }
   __syncthreads();
@@ -176,6 +187,11 @@ cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, Launc
     const size_t smem = size_t(rows) * (p.head_dim_rounded + kConvertPad) * sizeof(float);
     const int64_t blocks = int64_t(p.batch) * p.heads_q * (p.seqlen_q_rounded / rows);
     if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+    if (smem > 48 * 1024) {  // (DqTransposedFragmentOrder's 64 rows of 256 columns: 66560 bytes)
+      if (cudaError_t e = ensure_smem_limit<flash_bwd_convert_dq_kernel<T, DqOrder>>(int(smem)); e != cudaSuccess) {
+        return e;
+      }
+    }
     flash_bwd_convert_dq_kernel<T, DqOrder><<<unsigned(blocks), kPreprocessThreads, smem, stream>>>(p);
     return cudaGetLastError();
   }

@@ -209,6 +209,7 @@ struct BwdKernelTraitsSm90 : Base {
 template <typename Traits>
 struct DqFragmentOrder {
   static constexpr int kTileRows = Traits::kBlockM;
+  static constexpr bool kScalarElems = false;
   static constexpr int kTiles = Traits::kDqCols / 8;  // 8-column tiles of a warpgroup's part
   JF_HD static void pairs(int slot, int (&row)[2], int (&col)[2]) {
     const int thread = slot % kWarpgroupThreads;
@@ -222,6 +223,53 @@ struct DqFragmentOrder {
   }
 };
 
+// Backward CTA at head dim 256 after FlashAttention-3 (docs/d256_bwd_plan.md; the kernel is not written yet): 64
+// queries x 80 keys, one producer warpgroup (one TMA thread) and two consumer warpgroups; no cluster. Per query tile
+// a consumer warpgroup cw computes S = Q K^T and dP = dO V^T for the queries x its 40 keys (wgmma N = 40, both
+// operands from shared memory), P and dS in registers, stores P^T and dS^T ([key][64 queries], stmatrix .trans)
+// into the tile's buffers, and after one barrier between the warpgroups computes dV^T += dO^T P, dK^T += Q^T dS and
+// dQ^T = K^T dS^T for its head-dim rows [128 cw, +128) in two m64 slices (all operands from shared memory), adding
+// dQ^T from registers into dq_accum (DqTransposedFragmentOrder). dK^T, dV^T: 2 x 40 floats each per thread, dQ^T 32
+// at a time: 192 live at the dQ^T GEMM.
+struct BwdD256TraitsSm90 {
+  static constexpr int kHeadDim = 256;
+  static constexpr int kBlockM = 64;              // queries per tile
+  static constexpr int kBlockN = 80;              // keys per CTA
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kWgKeys = kBlockN / kConsumerWarpgroups;  // S / dP columns of a warpgroup (wgmma N)
+  static constexpr int kWgCols = kHeadDim / kConsumerWarpgroups;  // dK^T / dV^T / dQ^T rows of a warpgroup
+  static constexpr int kSlices = kWgCols / kWgmmaM;               // m64 slices of those rows
+  static constexpr int kQStages = 2;
+  static constexpr int kDoStages = 1;
+  static constexpr int kThreads = (kConsumerWarpgroups + 1) * kWarpgroupThreads;
+  static constexpr int kColBlocks = kHeadDim / kColBlock;
+  static constexpr int kProducerRegs = 24;  // 2 x 128 x 240 + 128 x 24 <= 64K registers
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kWgKeys % 8 == 0, "a warpgroup's K/V rows start on a 1024-byte swizzle atom (8 rows)");
+  static_assert(kBlockM == kColBlock, "P^T / dS^T rows are one 128-byte swizzled row of 64 queries");
+  static_assert(kSlices == 2, "two m64 slices of head-dim rows per warpgroup");
+
+  template <typename T>
+  struct alignas(1024) SharedStorage {
+    alignas(1024) T k[kColBlocks * kBlockN * kColBlock];                 // [kColBlocks][80 keys][64]
+    alignas(1024) T v[kColBlocks * kBlockN * kColBlock];                 // [kColBlocks][80 keys][64]
+    alignas(1024) T q[kQStages][kColBlocks * kBlockM * kColBlock];       // [stage][kColBlocks][64 queries][64]
+    alignas(1024) T dout[kDoStages][kColBlocks * kBlockM * kColBlock];   // [stage][kColBlocks][64 queries][64]
+    alignas(1024) T pt[2][kBlockN * kBlockM];                            // P^T [parity][80 keys][64 queries]
+    alignas(1024) T dst[2][kBlockN * kBlockM];                           // dS^T [parity][80 keys][64 queries]
+    // [Q stage]: lse * log2(e) of the tile's rows, then their dsum (bulk copies on the Q stage's barrier).
+    alignas(16) float stats[kQStages][2 * kBlockM];
+    PipelineBarriers<1> kv_ring;          // the unit's K and V
+    PipelineBarriers<kQStages> q_ring;    // Q tiles and their rows' statistics
+    PipelineBarriers<kDoStages> do_ring;  // dO tiles
+  };
+  template <typename T>
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage<T>)) + 1024;  // + slack to align the dynamic base
+  static_assert(kSmemBytes<uint16_t> <= 227 * 1024, "H100's opt-in shared memory per block");
+  static constexpr uint32_t kStatsBytes = kBlockM * sizeof(float);  // one statistic of a tile's rows
+  static_assert(kRowStatsAlign % kBlockM == 0, "a query tile's row statistics lie inside the padded rows");
+};
+
 // The order of a query tile's dQ in dq_accum for the FA3-style d256 backward (docs/d256_bwd_plan.md, section 4;
 // the kernel is not written yet): each consumer warpgroup cw computes dQ^T, head-dim rows [128 cw, +128) in two
 // m64 slices h, queries as columns, and adds it from registers with red.global.add.v4.f32 (atomic_add_f32x4) in
@@ -231,6 +279,7 @@ struct DqFragmentOrder {
 // (q + 1, d), (q, d + 8), (q + 1, d + 8). elems() is the map a conversion reads it back with.
 struct DqTransposedFragmentOrder {
   static constexpr int kTileRows = 64;  // queries
+  static constexpr bool kScalarElems = true;
   static constexpr int kCols = 256;     // head dim
   static constexpr int kSlots = kTileRows * kCols / 4;
   JF_HD static int slot(int cw, int h, int j, int thread) { return (16 * cw + 8 * h + j) * kWarpgroupThreads + thread; }
