@@ -4,10 +4,13 @@
 #pragma once
 
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/common/bwd_pre_post.cuh"
 #include "kernels/common/launch_utils.h"
 #include "kernels/flash_api.h"
+#include "kernels/sm90/flash_bwd_sm90_d256.cuh"
 #include "kernels/sm90/flash_bwd_sm90_tma_wgmma_ws.cuh"
 #include "kernels/sm90/flash_bwd_sm90_tma_wgmma_ws_splitd.cuh"
 #include "kernels/sm90/flash_fwd_sm90_tma_wgmma_ws.cuh"
@@ -144,6 +147,39 @@ cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t strea
   return cudaGetLastError();
 }
 
+// The head-dim-256 main backward kernel after FlashAttention-3 (docs/d256_bwd_plan.md; WIP: not run on a GPU yet):
+// one CTA per (80-key block, kv head, batch), dQ^T added from registers (DqTransposedFragmentOrder).
+template <typename T, bool kSegments, bool kSoftCap>
+cudaError_t launch_bwd_sm90_d256_main(const FlashParams& p, cudaStream_t stream) {
+  using Traits = BwdD256TraitsSm90;
+  constexpr auto kernel = flash_bwd_sm90_d256_kernel<T, kSegments, kSoftCap>;
+  constexpr int kSmem = Traits::kSmemBytes<T>;
+  if (cudaError_t e = ensure_smem_limit<kernel>(kSmem); e != cudaSuccess) return e;
+  CUtensorMap tm_q, tm_k, tm_v, tm_do, tm_dk, tm_dv;
+  if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
+  if (cudaError_t e = make_bthd_tensor_maps<T>(p, {{&tm_dk, p.dk, p.seqlen_k, p.heads_kv, Traits::kBlockN},
+                                                   {&tm_dv, p.dv, p.seqlen_k, p.heads_kv, Traits::kBlockN}});
+      e != cudaSuccess) {
+    return e;
+  }
+  // dQ^T tiles are added into dq_accum as 64 x 256 blocks (DqTransposedFragmentOrder).
+  if (p.head_dim_rounded != Traits::kHeadDim || p.seqlen_q_rounded % Traits::kBlockM != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.heads_kv, p.batch);
+  kernel<<<grid, Traits::kThreads, kSmem, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dk, tm_dv);
+  return cudaGetLastError();
+}
+
+// WIP switch while the d256 redesign is measured against the split-D kernel: JAX_FLASH_EXP_BWD_D256=splitd keeps it.
+inline bool bwd_d256_uses_splitd() {
+  static const bool splitd = [] {
+    const char* v = std::getenv("JAX_FLASH_EXP_BWD_D256");
+    return v != nullptr && std::strcmp(v, "splitd") == 0;
+  }();
+  return splitd;
+}
+
 // The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel of the head-dim class, with the
 // conversion reading dq_accum in the order that kernel adds into it. Segment-id tests and the soft cap are compiled
 // in only for calls that have them, ordered dQ additions only for deterministic calls.
@@ -152,6 +188,15 @@ cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
   const bool segments = p.q_segment_ids != nullptr;
   const bool soft_cap = SoftCap(p).enabled();
   if constexpr (kD > 128) {
+    if (!bwd_d256_uses_splitd()) {
+      return launch_bwd_sequence<T, DqTransposedFragmentOrder>(p, stream, [&] {
+        return with_static_flags(
+            [&](auto seg, auto cap) {
+              return launch_bwd_sm90_d256_main<T, decltype(seg)::value, decltype(cap)::value>(p, stream);
+            },
+            segments, soft_cap);
+      });
+    }
     return launch_bwd_sequence<T, DqRowMajor>(p, stream, [&] {
       return with_static_flags(
           [&](auto seg, auto cap) {
