@@ -6,7 +6,10 @@
 //   S, dP     : queries 16 w + g (+8), keys 40 cw + 8 j + 2 t (+1), j < 5
 //   dV^T, dK^T: head-dim rows 128 cw + 64 h + 16 w + g (+8), keys 8 j + 2 t (+1), j < 10, slices h = 0, 1
 //   dQ^T      : head-dim rows as dK^T (one slice at a time), queries 8 j + 2 t (+1), j < 8
-// WIP (session 34): written and compiled, not run on a GPU; not yet dispatched by launch_bwd_sm90.
+// WIP (session 34): written and compiled, not run on a GPU; the default of launch_bwd_sm90 at head dims > 128
+// (JAX_FLASH_EXP_BWD_D256=splitd keeps the split-D kernel), segment ids and soft cap included. The order inside a
+// query tile is the plan's simplest (wait<0> after dV^T + dQ^T slice 0 and after dK^T + dQ^T slice 1), not its
+// overlapped one (section 6).
 #pragma once
 
 #include <cmath>
