@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu,
 
 DTYPES = [jnp.bfloat16, jnp.float16]
 
-# Fields of conftest.Case: head dims 64, 128, 256 and the padded 72 and 200; lengths off the kernels' tile sizes.
+# Fields of conftest.Case: head dims 64, 128, 256 and the padded 72, 136 and 200; lengths off the kernels' tile sizes.
 CASES = {
     "d64_causal_1000": dict(batch=2, seqlen_q=1000, seqlen_k=1000, heads_q=4, heads_kv=4, head_dim=64,
                             is_causal=True),
@@ -42,6 +42,8 @@ CASES = {
                                window=(33, 7), q_lens=(517, 300), kv_lens=(401, 517)),
     "d200_combined": dict(batch=3, seqlen_q=257, seqlen_k=190, heads_q=4, heads_kv=2, head_dim=200,
                           is_causal=True, window=(40, 0), q_lens=(257, 100, 1), kv_lens=(190, 60, 0)),
+    # Head dim 136 in the 256 class: column block 2 partly and block 3 wholly past head_dim in every TMA box.
+    "d136_gqa_sq_ne_sk": dict(batch=2, seqlen_q=300, seqlen_k=411, heads_q=6, heads_kv=2, head_dim=136),
     "d64_window_0_0_empty_rows": dict(batch=1, seqlen_q=300, seqlen_k=129, heads_q=2, heads_kv=2, head_dim=64,
                                       window=(0, 0)),
     "d128_decode_row": dict(batch=4, seqlen_q=1, seqlen_k=4097, heads_q=8, heads_kv=1, head_dim=128),
