@@ -149,10 +149,10 @@ cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t strea
 
 // The head-dim-256 main backward kernel after FlashAttention-3 (docs/d256_bwd_plan.md; WIP: not run on a GPU yet):
 // one CTA per (80-key block, kv head, batch), dQ^T added from registers (DqTransposedFragmentOrder).
-template <typename T, bool kSegments, bool kSoftCap>
+template <typename T, bool kSegments, bool kSoftCap, bool kOverlap>
 cudaError_t launch_bwd_sm90_d256_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdD256TraitsSm90;
-  constexpr auto kernel = flash_bwd_sm90_d256_kernel<T, kSegments, kSoftCap>;
+  constexpr auto kernel = flash_bwd_sm90_d256_kernel<T, kSegments, kSoftCap, kOverlap>;
   constexpr int kSmem = Traits::kSmemBytes<T>;
   if (cudaError_t e = ensure_smem_limit<kernel>(kSmem); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do, tm_dk, tm_dv;
@@ -171,13 +171,19 @@ cudaError_t launch_bwd_sm90_d256_main(const FlashParams& p, cudaStream_t stream)
   return cudaGetLastError();
 }
 
-// WIP switch while the d256 redesign is measured against the split-D kernel: JAX_FLASH_EXP_BWD_D256=splitd keeps it.
+// WIP switch while the d256 redesign is measured: JAX_FLASH_EXP_BWD_D256=splitd keeps the split-D kernel, =overlap
+// takes the new kernel's overlapped order, anything else its simpler one.
+inline bool bwd_d256_env_is(const char* value) {
+  const char* v = std::getenv("JAX_FLASH_EXP_BWD_D256");
+  return v != nullptr && std::strcmp(v, value) == 0;
+}
 inline bool bwd_d256_uses_splitd() {
-  static const bool splitd = [] {
-    const char* v = std::getenv("JAX_FLASH_EXP_BWD_D256");
-    return v != nullptr && std::strcmp(v, "splitd") == 0;
-  }();
+  static const bool splitd = bwd_d256_env_is("splitd");
   return splitd;
+}
+inline bool bwd_d256_overlapped() {
+  static const bool overlap = bwd_d256_env_is("overlap");
+  return overlap;
 }
 
 // The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel of the head-dim class, with the
@@ -191,10 +197,11 @@ cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
     if (!bwd_d256_uses_splitd()) {
       return launch_bwd_sequence<T, DqTransposedFragmentOrder>(p, stream, [&] {
         return with_static_flags(
-            [&](auto seg, auto cap) {
-              return launch_bwd_sm90_d256_main<T, decltype(seg)::value, decltype(cap)::value>(p, stream);
+            [&](auto seg, auto cap, auto overlap) {
+              return launch_bwd_sm90_d256_main<T, decltype(seg)::value, decltype(cap)::value,
+                                               decltype(overlap)::value>(p, stream);
             },
-            segments, soft_cap);
+            segments, soft_cap, bwd_d256_overlapped());
       });
     }
     return launch_bwd_sequence<T, DqRowMajor>(p, stream, [&] {
