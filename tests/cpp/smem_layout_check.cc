@@ -428,14 +428,13 @@ void add_bwd(std::vector<TileShape>& v) {
   v.push_back({"bwd Q/dO", Tr::kBlockM, Tr::kHeadDim, Tr::kStages, uint32_t(sizeof(S::q[0]))});
   v.push_back({"bwd dS^T", Tr::kBlockN, Tr::kBlockM, 2, uint32_t(sizeof(S::ds[0]))});
 }
-template <class Bwd>
-void add_splitd(std::vector<TileShape>& v) {
-  using Tr = sm90::BwdSplitDKernelTraitsSm90<u16, Bwd>;
-  using S = typename Tr::SharedStorage;
-  v.push_back({"splitd K/V", Tr::kBlockN, Tr::kHeadDim, 1, 0});
-  v.push_back({"splitd Q", Tr::kBlockM, Tr::kHeadDim, Tr::kQStages, Tr::kTileBytes});
-  v.push_back({"splitd dO", Tr::kBlockM, Tr::kHeadDim, Tr::kDoStages, Tr::kTileBytes});
-  v.push_back({"splitd P^T/dS^T", Tr::kBlockN, Tr::kBlockM, 2, uint32_t(sizeof(S::pt[0]))});
+void add_bwd_d256(std::vector<TileShape>& v) {
+  using Tr = sm90::BwdD256TraitsSm90;
+  using S = Tr::SharedStorage<u16>;
+  v.push_back({"bwd d256 K/V", Tr::kBlockN, Tr::kHeadDim, 1, 0});
+  v.push_back({"bwd d256 Q", Tr::kBlockM, Tr::kHeadDim, Tr::kQStages, uint32_t(sizeof(S::q[0]))});
+  v.push_back({"bwd d256 dO", Tr::kBlockM, Tr::kHeadDim, Tr::kDoStages, uint32_t(sizeof(S::dout[0]))});
+  v.push_back({"bwd d256 P^T/dS^T", Tr::kBlockN, Tr::kBlockM, 2, uint32_t(sizeof(S::pt[0]))});
 }
 std::vector<TileShape> kernel_tiles() {
   std::vector<TileShape> v;
@@ -445,7 +444,7 @@ std::vector<TileShape> kernel_tiles() {
   add_fwd<sm90::FwdWideTraitsSm90<64>>(v);
   add_bwd<sm90::BwdTraitsSm90<64>>(v);
   add_bwd<sm90::BwdTraitsSm90<128>>(v);
-  add_splitd<sm90::BwdSplitDTraitsSm90<256>>(v);
+  add_bwd_d256(v);
   return v;
 }
 const std::vector<TileShape> kTiles = kernel_tiles();

@@ -6,10 +6,9 @@
 //   S, dP     : queries 16 w + g (+8), keys 40 cw + 8 j + 2 t (+1), j < 5
 //   dV^T, dK^T: head-dim rows 128 cw + 64 h + 16 w + g (+8), keys 8 j + 2 t (+1), j < 10, slices h = 0, 1
 //   dQ^T      : head-dim rows as dK^T (one slice at a time), queries 8 j + 2 t (+1), j < 8
-// WIP (session 34): written and compiled, not run on a GPU; the default of launch_bwd_sm90 at head dims > 128
-// (JAX_FLASH_EXP_BWD_D256=splitd keeps the split-D kernel), segment ids and soft cap included. The order inside a
-// query tile is the plan's overlapped one (section 6) with JAX_FLASH_EXP_BWD_D256=overlap, else a simpler one
-// (wait<0> after dV^T + dQ^T slice 0 and after dK^T + dQ^T slice 1).
+// launch_bwd_sm90 runs it at every head dim > 128, segment ids and soft cap included. Inside a query tile each pair
+// of GEMM groups is waited for in full (dV^T + dQ^T slice 0, then dK^T + dQ^T slice 1); the plan's overlapped order
+// (section 6) measured no faster on an H200 (NOTES, session 35).
 #pragma once
 
 #include <cmath>
@@ -60,10 +59,7 @@ __device__ __forceinline__ void zero_hidden_pairs_rows(float (&acc)[kTiles * 4],
   }
 }
 
-// kOverlap: the plan's overlapped order inside a query tile (docs/d256_bwd_plan.md, section 6: dV^T slice 1 runs
-// under dQ^T slice 0's adds, dK^T slice 0 under the dO release, dK^T slice 1 into the next tile's S and dP, Q
-// released one tile later); else each pair of GEMM groups is waited for in full (a first, simpler order).
-template <typename T, bool kSegments, bool kSoftCap, bool kOverlap>
+template <typename T, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
     flash_bwd_sm90_d256_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -224,9 +220,8 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
       issue_scores(acc_dp, desc_advance(desc_do_k, do_off), desc_v_wg);
 
       // P = exp2(S * scale_log2 - lse * log2(e)) (S soft-capped first), masked.
-      wgmma_wait<1>();  // (with kOverlap also the previous tile's dK^T slice 1: its Q stage is free)
+      wgmma_wait<1>();
       fence_regs(acc_s);
-      if (kOverlap && it > 0) smem.q_ring.consumer_release(qs.ahead(-1));
       uint32_t dcap[kSTiles * 2];
       if constexpr (kSoftCap) {
 #pragma unroll
@@ -324,58 +319,27 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
         }
       };
       wgmma_fence();
-      if constexpr (kOverlap) {
-        // Groups in order: dV^T 0 | dQ^T 0 | dV^T 1, then dK^T 0, then dQ^T 1 | dK^T 1 (left in flight).
-        issue_dv(0);
-        wgmma_commit();
-        issue_dq(0);
-        issue_dv(1);
-        wgmma_commit();
-        wgmma_wait<1>();  // dV^T 0 and dQ^T 0 done
-        fence_regs(acc_dv[0]);
-        fence_regs(acc_dq);
-        add_dq(0);
-        wgmma_fence();
-        issue_dk(0);
-        wgmma_commit();
-        wgmma_wait<1>();  // dV^T 1 done: dO's last reader
-        fence_regs(acc_dv[1]);
-        smem.do_ring.consumer_release(ds);
-        wgmma_fence();
-        issue_dq(1);
-        issue_dk(1);
-        wgmma_commit();
-        wgmma_wait<1>();  // dK^T 0 and dQ^T 1 done
-        fence_regs(acc_dk[0]);
-        fence_regs(acc_dq);
-        add_dq(1);
-      } else {
-        issue_dv(0);
-        issue_dv(1);
-        wgmma_commit();
-        issue_dq(0);
-        wgmma_wait<0>();
-        fence_regs(acc_dv[0]);
-        fence_regs(acc_dv[1]);
-        fence_regs(acc_dq);
-        smem.do_ring.consumer_release(ds);  // dO's last reader (dV^T) is done
-        add_dq(0);
-        wgmma_fence();
-        issue_dk(0);
-        issue_dk(1);
-        wgmma_commit();
-        issue_dq(1);
-        wgmma_wait<0>();
-        fence_regs(acc_dk[0]);
-        fence_regs(acc_dk[1]);
-        fence_regs(acc_dq);
-        smem.q_ring.consumer_release(qs);  // Q's last readers (S, dK^T) and the statistics loads are done
-        add_dq(1);
-      }
-    }
-    if constexpr (kOverlap) {  // the last tile's dK^T slice 1
+      issue_dv(0);
+      issue_dv(1);
+      wgmma_commit();
+      issue_dq(0);
       wgmma_wait<0>();
+      fence_regs(acc_dv[0]);
+      fence_regs(acc_dv[1]);
+      fence_regs(acc_dq);
+      smem.do_ring.consumer_release(ds);  // dO's last reader (dV^T) is done
+      add_dq(0);
+      wgmma_fence();
+      issue_dk(0);
+      issue_dk(1);
+      wgmma_commit();
+      issue_dq(1);
+      wgmma_wait<0>();
+      fence_regs(acc_dk[0]);
       fence_regs(acc_dk[1]);
+      fence_regs(acc_dq);
+      smem.q_ring.consumer_release(qs);  // Q's last readers (S, dK^T) and the statistics loads are done
+      add_dq(1);
     }
 
     // Epilogue: both warpgroups' last reads of K and V are done; dK^T (times scale) and dV^T go to K's and V's column

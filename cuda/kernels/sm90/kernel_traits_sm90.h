@@ -223,7 +223,7 @@ struct DqFragmentOrder {
   }
 };
 
-// Backward CTA at head dim 256 after FlashAttention-3 (docs/d256_bwd_plan.md; the kernel is not written yet): 64
+// Backward CTA at head dim 256 after FlashAttention-3 (docs/d256_bwd_plan.md; flash_bwd_sm90_d256.cuh): 64
 // queries x 80 keys, one producer warpgroup (one TMA thread) and two consumer warpgroups; no cluster. Per query tile
 // a consumer warpgroup cw computes S = Q K^T and dP = dO V^T for the queries x its 40 keys (wgmma N = 40, both
 // operands from shared memory), P and dS in registers, stores P^T and dS^T ([key][64 queries], stmatrix .trans)
@@ -270,13 +270,13 @@ struct BwdD256TraitsSm90 {
   static_assert(kRowStatsAlign % kBlockM == 0, "a query tile's row statistics lie inside the padded rows");
 };
 
-// The order of a query tile's dQ in dq_accum for the FA3-style d256 backward (docs/d256_bwd_plan.md, section 4;
-// the kernel is not written yet): each consumer warpgroup cw computes dQ^T, head-dim rows [128 cw, +128) in two
-// m64 slices h, queries as columns, and adds it from registers with red.global.add.v4.f32 (atomic_add_f32x4) in
-// float4 slots [cw 2][s = 8 h + j: 16][thread 128] of the tile's 64 x 256 floats, so a warp's add covers 512
-// contiguous bytes. Slot (cw, s, thread) holds the thread's accumulator floats 4 j .. 4 j + 3 of slice h: with
-// lane = 4 g + t of warp w, d = 128 cw + 64 h + 16 w + g and q = 8 j + 2 t, the (query, d) elements (q, d),
-// (q + 1, d), (q, d + 8), (q + 1, d + 8). elems() is the map a conversion reads it back with.
+// The order of a query tile's dQ in dq_accum for the FA3-style d256 backward (docs/d256_bwd_plan.md, section 4): each
+// consumer warpgroup cw computes dQ^T, head-dim rows [128 cw, +128) in two m64 slices h, queries as columns, and adds
+// it from registers with red.global.add.v4.f32 (atomic_add_f32x4) in float4 slots [cw 2][s = 8 h + j: 16][thread 128]
+// of the tile's 64 x 256 floats, so a warp's add covers 512 contiguous bytes. Slot (cw, s, thread) holds the thread's
+// accumulator floats 4 j .. 4 j + 3 of slice h: with lane = 4 g + t of warp w, d = 128 cw + 64 h + 16 w + g and q = 8
+// j + 2 t, the (query, d) elements (q, d), (q + 1, d), (q, d + 8), (q + 1, d + 8). elems() is the map a conversion
+// reads it back with.
 struct DqTransposedFragmentOrder {
   static constexpr int kTileRows = 64;  // queries
   static constexpr bool kScalarElems = true;
@@ -293,65 +293,6 @@ struct DqTransposedFragmentOrder {
     row[2] = q, col[2] = d + 8;
     row[3] = q + 1, col[3] = d + 8;
   }
-};
-
-// Backward CTA at head dim 256, where one warpgroup's dK + dV for 64 keys x 256 columns would need 256 registers
-// per thread: the two consumer warpgroups share the CTA's 64 keys and split each GEMM differently. S^T and dP^T:
-// each warpgroup all 64 keys x its half of the kBlockM queries (wgmma N = 32); P^T and dS^T go to shared memory,
-// which both warpgroups read after a barrier. dV += P^T dO, dK += dS^T Q and dQ = dS K: each warpgroup its half of
-// the head-dim columns (dK + dV 128 registers, dQ 64).
-// dQ: with 64 keys per CTA the float32 reductions into dq_accum are as many bytes as the Q and dO loads and they
-// saturated the L2's input (Nsight Compute: the crossbar into L2 nearly always busy). So CTAs run in clusters of two
-// neighbouring key blocks that walk the same query tiles and add their dQ tiles before reducing: in CTA r,
-// warpgroup r adds the peer's tile of the same columns (sent by the peer's other warpgroup into this CTA's shared
-// memory: distributed shared memory) to its own and reduces the sum, which halves the reductions.
-template <int kHeadDim_>
-struct BwdSplitDTraitsSm90;
-
-template <>
-struct BwdSplitDTraitsSm90<256> {
-  static constexpr int kHeadDim = 256;
-  static constexpr int kBlockN = 64;  // keys per CTA: one wgmma M
-  static constexpr int kBlockM = 64;  // K 32 + V 32 + 2 x Q 32 + dO 32 + 2 x (P^T 8 + dS^T 8) + dQ peer 32 KB
-  static constexpr int kQStages = 2;  // Q is read first (S^T) and last (dK): a second stage hides its load
-  static constexpr int kDoStages = 1;  // dO is free once dV is done, a dQ and a dK GEMM before the next dP^T
-};
-
-template <typename T, typename Base>
-struct BwdSplitDKernelTraitsSm90 : Base {
-  static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kClusterSize = 2;  // CTAs sharing dQ reductions (one per consumer warpgroup)
-  static constexpr int kThreads = (kConsumerWarpgroups + 1) * kWarpgroupThreads;
-  static constexpr int kColBlocks = Base::kHeadDim / kColBlock;
-  static constexpr int kWgQueries = Base::kBlockM / kConsumerWarpgroups;  // S^T, dP^T columns of a warpgroup
-  static constexpr int kWgCols = Base::kHeadDim / kConsumerWarpgroups;    // dK, dV, dQ columns of a warpgroup
-  // setmaxnreg budgets: 2 x 128 x 240 + 128 x 24 <= 64K registers.
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
-  static_assert(Base::kBlockN == kWgmmaM, "every S^T GEMM covers the CTA's keys in one wgmma M");
-  static_assert(Base::kBlockM == kColBlock, "P^T and dS^T rows are one 128-byte swizzled row of kBlockM queries");
-  static_assert(kWgQueries % 8 == 0 && kWgCols % kColBlock == 0, "warpgroup halves are whole wgmma tiles");
-  static_assert(kClusterSize == kConsumerWarpgroups, "CTA r of the pair reduces warpgroup r's columns");
-
-  struct alignas(1024) SharedStorage {
-    alignas(1024) T k[Base::kBlockN * Base::kHeadDim];                       // [kColBlocks][kBlockN][64]
-    alignas(1024) T v[Base::kBlockN * Base::kHeadDim];                       // [kColBlocks][kBlockN][64]
-    alignas(1024) T q[Base::kQStages][Base::kBlockM * Base::kHeadDim];      // [stage][kColBlocks][kBlockM][64]
-    alignas(1024) T dout[Base::kDoStages][Base::kBlockM * Base::kHeadDim];  // [stage][kColBlocks][kBlockM][64]
-    alignas(1024) T pt[2][Base::kBlockN * Base::kBlockM];                    // [parity][key][kBlockM], swizzled
-    alignas(1024) T dst[2][Base::kBlockN * Base::kBlockM];                   // [parity][key][kBlockM], swizzled
-    alignas(1024) float4 dq_peer[Base::kBlockM * kWgCols / 4];  // a peer warpgroup's dQ tile: [float4 k][thread]
-    float stats[kConsumerWarpgroups][2][2 * kWgQueries];  // [wg][parity]: lse * log2(e) of its queries, then dsum
-    uint64_t kv_full;
-    PipelineBarriers<Base::kQStages> q_ring;
-    PipelineBarriers<Base::kDoStages> do_ring;
-    // The peer CTA's dQ tile in dq_peer: full completes with this CTA's expect_tx and the peer's st.async bytes,
-    // empty with one remote arrival per thread of the peer's reducing warpgroup once it has read the tile.
-    PipelineBarriers<1> peer_ring;
-  };
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
-  static constexpr uint32_t kTileBytes = Base::kBlockM * Base::kHeadDim * sizeof(T);  // one Q or dO tile
 };
 
 }  // namespace jax_flash::cuda::sm90

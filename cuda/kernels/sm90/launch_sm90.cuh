@@ -4,15 +4,12 @@
 #pragma once
 
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 
 #include "kernels/common/bwd_pre_post.cuh"
 #include "kernels/common/launch_utils.h"
 #include "kernels/flash_api.h"
 #include "kernels/sm90/flash_bwd_sm90_d256.cuh"
 #include "kernels/sm90/flash_bwd_sm90_tma_wgmma_ws.cuh"
-#include "kernels/sm90/flash_bwd_sm90_tma_wgmma_ws_splitd.cuh"
 #include "kernels/sm90/flash_fwd_sm90_tma_wgmma_ws.cuh"
 #include "kernels/sm90/tensor_maps.h"
 
@@ -131,28 +128,13 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The head-dim-256 main backward kernel (head dim split between the consumer warpgroups; clusters of two key
-// blocks share their dQ reductions, in no fixed order: BackwardUnsupportedReason rejects deterministic=True there).
-template <typename T, int kD, bool kSegments, bool kSoftCap>
-cudaError_t launch_bwd_sm90_splitd_main(const FlashParams& p, cudaStream_t stream) {
-  using Traits = BwdSplitDKernelTraitsSm90<T, BwdSplitDTraitsSm90<kD>>;
-  constexpr auto kernel = flash_bwd_sm90_splitd_kernel<T, Traits, kSegments, kSoftCap>;
-  if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  CUtensorMap tm_q, tm_k, tm_v, tm_do;
-  if (cudaError_t e = make_bwd_tensor_maps<T, Traits>(p, &tm_q, &tm_k, &tm_v, &tm_do); e != cudaSuccess) return e;
-  // Whole clusters: a key block past seqlen_k loads zeros, sees no query and writes nothing.
-  const int key_blocks = ceil_div(p.seqlen_k, Traits::kBlockN);
-  const dim3 grid(ceil_div(key_blocks, Traits::kClusterSize) * Traits::kClusterSize, p.heads_kv, p.batch);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_do);
-  return cudaGetLastError();
-}
-
-// The head-dim-256 main backward kernel after FlashAttention-3 (docs/d256_bwd_plan.md; WIP: not run on a GPU yet):
-// one CTA per (80-key block, kv head, batch), dQ^T added from registers (DqTransposedFragmentOrder).
-template <typename T, bool kSegments, bool kSoftCap, bool kOverlap>
+// The head-dim-256 main backward kernel after FlashAttention-3 (docs/d256_bwd_plan.md): one CTA per (80-key block,
+// kv head, batch), dQ^T added from registers in no fixed order (DqTransposedFragmentOrder; BackwardUnsupportedReason
+// rejects deterministic=True there).
+template <typename T, bool kSegments, bool kSoftCap>
 cudaError_t launch_bwd_sm90_d256_main(const FlashParams& p, cudaStream_t stream) {
   using Traits = BwdD256TraitsSm90;
-  constexpr auto kernel = flash_bwd_sm90_d256_kernel<T, kSegments, kSoftCap, kOverlap>;
+  constexpr auto kernel = flash_bwd_sm90_d256_kernel<T, kSegments, kSoftCap>;
   constexpr int kSmem = Traits::kSmemBytes<T>;
   if (cudaError_t e = ensure_smem_limit<kernel>(kSmem); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v, tm_do, tm_dk, tm_dv;
@@ -171,21 +153,6 @@ cudaError_t launch_bwd_sm90_d256_main(const FlashParams& p, cudaStream_t stream)
   return cudaGetLastError();
 }
 
-// WIP switch while the d256 redesign is measured: JAX_FLASH_EXP_BWD_D256=splitd keeps the split-D kernel, =overlap
-// takes the new kernel's overlapped order, anything else its simpler one.
-inline bool bwd_d256_env_is(const char* value) {
-  const char* v = std::getenv("JAX_FLASH_EXP_BWD_D256");
-  return v != nullptr && std::strcmp(v, value) == 0;
-}
-inline bool bwd_d256_uses_splitd() {
-  static const bool splitd = bwd_d256_env_is("splitd");
-  return splitd;
-}
-inline bool bwd_d256_overlapped() {
-  static const bool overlap = bwd_d256_env_is("overlap");
-  return overlap;
-}
-
 // The shared backward sequence (launch_bwd_sequence) around the sm_90a main kernel of the head-dim class, with the
 // conversion reading dq_accum in the order that kernel adds into it. Segment-id tests and the soft cap are compiled
 // in only for calls that have them, ordered dQ additions only for deterministic calls.
@@ -194,20 +161,10 @@ cudaError_t launch_bwd_sm90(const FlashParams& p, cudaStream_t stream) {
   const bool segments = p.q_segment_ids != nullptr;
   const bool soft_cap = SoftCap(p).enabled();
   if constexpr (kD > 128) {
-    if (!bwd_d256_uses_splitd()) {
-      return launch_bwd_sequence<T, DqTransposedFragmentOrder>(p, stream, [&] {
-        return with_static_flags(
-            [&](auto seg, auto cap, auto overlap) {
-              return launch_bwd_sm90_d256_main<T, decltype(seg)::value, decltype(cap)::value,
-                                               decltype(overlap)::value>(p, stream);
-            },
-            segments, soft_cap, bwd_d256_overlapped());
-      });
-    }
-    return launch_bwd_sequence<T, DqRowMajor>(p, stream, [&] {
+    return launch_bwd_sequence<T, DqTransposedFragmentOrder>(p, stream, [&] {
       return with_static_flags(
           [&](auto seg, auto cap) {
-            return launch_bwd_sm90_splitd_main<T, kD, decltype(seg)::value, decltype(cap)::value>(p, stream);
+            return launch_bwd_sm90_d256_main<T, decltype(seg)::value, decltype(cap)::value>(p, stream);
           },
           segments, soft_cap);
     });

@@ -1,4 +1,4 @@
-// PTX wrappers for the sm_90a kernels: mbarriers, TMA (cp.async.bulk.tensor), clusters, wgmma fences, register
+// PTX wrappers for the sm_90a kernels: mbarriers, TMA (cp.async.bulk.tensor), wgmma fences, register
 // reallocation (setmaxnreg) and named barriers; and a visitor over a wgmma accumulator fragment. Device code only.
 // The helpers emit sm_90a instructions, so kernel bodies that call them are guarded by JAX_FLASH_SM90A (defined
 // only when compiling for the sm_90a target) and trap otherwise. Address arithmetic of the shared-memory layouts
@@ -132,37 +132,6 @@ __device__ __forceinline__ void bulk_wait_group() {
 // Orders this thread's completed async-proxy global writes (bulk reductions) before its later generic accesses.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-
-// ---- clusters: distributed shared memory ----------------------------------------------------------------------
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  return rank;
-}
-// Every thread of every CTA of the cluster arrives and waits (release / acquire at cluster scope).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-// The address of the same shared-memory location in CTA `rank` of the cluster.
-__device__ __forceinline__ uint32_t map_to_cta(uint32_t addr, uint32_t rank) {
-  uint32_t mapped;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(mapped) : "r"(addr), "r"(rank));
-  return mapped;
-}
-// Stores 16 bytes into shared memory of a CTA of the cluster (address from map_to_cta) and counts them on that
-// CTA's mbarrier `cluster_bar` as transaction bytes: the waiter of the barrier sees the data, no fence needed.
-__device__ __forceinline__ void st_async_f32x4(uint32_t addr, float a, float b, float c, float d,
-                                               uint32_t cluster_bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
-               ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d), "r"(cluster_bar)
-               : "memory");
-}
-// Arrives on an mbarrier of any CTA of the cluster (address from map_to_cta) without ordering this thread's
-// earlier memory accesses (a release at cluster scope costs a GPU-wide membar): callers arrive only after the
-// values they read have been consumed.
-__device__ __forceinline__ void mbar_arrive_cluster_relaxed(uint32_t cluster_bar) {
-  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar) : "memory");
 }
 
 // ---- inter-CTA ordering (deterministic reductions) ------------------------------------------------------------
