@@ -67,7 +67,7 @@ for r in rows[head + 2:]:
           f"{d.get('launch__registers_per_thread', '?'):>4}  tensor {d.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active', '?'):>6}%  {d.get('Kernel Name', '')[:90]}")
 PY
       # the backward main kernel: its details page, its stall-reason samples and its per-instruction SASS view
-      kn='regex:flash_bwd_sm90_kernel|FlashAttnBwdSm90'
+      kn='regex:flash_bwd_sm90_kernel|flash_bwd_sm90_d256_kernel|FlashAttnBwdSm90'
       ncu -i $rep.ncu-rep --kernel-name-base demangled -k "$kn" --page details >"$OUT/ncu-$impl-bwd-details.txt" 2>&1
       ncu -i $rep.ncu-rep --kernel-name-base demangled -k "$kn" --page raw --csv 2>/dev/null | python3 -c "
 import csv, sys
