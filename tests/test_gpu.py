@@ -333,8 +333,8 @@ def test_deterministic_backward_is_bitwise_reproducible(is_causal, attention_che
 
 
 def test_deterministic_backward_head_dim_256_is_refused(attention_checks):
-    """head_dim 256's backward (clusters of two key blocks sharing dQ reductions) has no ordered variant: a clear
-    error."""
+    """head_dim 256's backward (dQ^T added from registers by every key block, in no fixed order) has no ordered
+    variant: a clear error."""
     case = attention_checks.Case(batch=1, seqlen_q=130, seqlen_k=130, heads_q=2, heads_kv=2, head_dim=256)
     q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16)
     with pytest.raises(Exception, match="deterministic=True needs the sm_90a backward"):
