@@ -7,8 +7,11 @@
 //   dV^T, dK^T: head-dim rows 128 cw + 64 h + 16 w + g (+8), keys 8 j + 2 t (+1), j < 10, slices h = 0, 1
 //   dQ^T      : head-dim rows as dK^T (one slice at a time), queries 8 j + 2 t (+1), j < 8
 // launch_bwd_sm90 runs it at every head dim > 128, segment ids and soft cap included. Inside a query tile each pair
-// of GEMM groups is waited for in full (dV^T + dQ^T slice 0, then dK^T + dQ^T slice 1); the plan's overlapped order
-// (section 6) measured no faster on an H200 (NOTES, session 35).
+// of GEMM groups is waited for in full (dV^T + dQ^T slice 0, then dK^T + dQ^T slice 1). A red.global.add holds its
+// source registers until the LSU takes it, and the next wgmma fence waits for that; with 64 KB of adds per tile the
+// queue is long (Nsight Compute, session 35: ~32 % of warp time). So slice 1's adds wait in acc_dq until the next
+// tile's S is issued and drain under it (+4.4 % on an H200). Issuing dK^T before slice 0's adds, and the plan's
+// overlapped order (section 6), measured no faster (NOTES, session 35).
 #pragma once
 
 #include <cmath>
@@ -187,6 +190,16 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
     // P^T / dS^T stores (stmatrix .trans): this warp's 16 queries are 16-byte chunks 2 w, 2 w + 1 of the key rows.
     const uint32_t pds_lane = stmatrix_x4_trans_lane_offset(key0, 2 * warp, lane);
 
+    float acc_dq[kDqTiles * 4];
+    float* dq_prev = nullptr;  // the tile whose dQ^T slice 1 waits in acc_dq
+    // dQ^T slice h into dq_accum: float4 slot (cw, 8 h + j, thread) of the tile (DqTransposedFragmentOrder).
+    auto add_dq = [&](float* dq_tile, int h) {
+#pragma unroll
+      for (int j = 0; j < kDqTiles; ++j) {
+        atomic_add_f32x4(dq_tile + 4 * DqTransposedFragmentOrder::slot(cw, h, j, wg_tid), acc_dq[4 * j],
+                         acc_dq[4 * j + 1], acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
+      }
+    };
     smem.kv_ring.consumer_wait(KvState{});
     auto pos = walk.start();
     for (int it = 0; it < iters; ++it, walk.advance(pos)) {
@@ -216,6 +229,7 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
       const float dsum0 = stats[kBM + r0], dsum1 = stats[kBM + r0 + 8];
       wgmma_fence();
       issue_scores(acc_s, desc_advance(desc_q_k, q_off), desc_k_wg);
+      if (it > 0) add_dq(dq_prev, 1);  // the previous tile's slice 1: the adds drain while S runs
       smem.do_ring.consumer_wait(ds);
       issue_scores(acc_dp, desc_advance(desc_do_k, do_off), desc_v_wg);
 
@@ -285,8 +299,8 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
       fence_proxy_async_smem();
       named_barrier_sync(kDsBarrier, kConsumerThreads);  // both warpgroups' keys of P^T, dS^T are written
 
-      // dV^T += dO^T P (both slices), then dQ^T slice 0 = K^T dS^T, its adds; dK^T += Q^T dS, dQ^T slice 1, its adds.
-      float acc_dq[kDqTiles * 4];
+      // dV^T += dO^T P (both slices), then dQ^T slice 0 = K^T dS^T, its adds; dK^T += Q^T dS, dQ^T slice 1 (added
+      // after the next tile's S). The fence before dV^T also waits for the previous slice 1's adds to read acc_dq.
       auto issue_dq = [&](int h) {
 #pragma unroll
         for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
@@ -295,15 +309,7 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
         }
         wgmma_commit();
       };
-      // dQ^T slice h into dq_accum: float4 slot (cw, 8 h + j, thread) of the tile (DqTransposedFragmentOrder).
       float* dq_tile = p.dq_accum_of(b, pos.head) + int64_t(m0) * kD;
-      auto add_dq = [&](int h) {
-#pragma unroll
-        for (int j = 0; j < kDqTiles; ++j) {
-          atomic_add_f32x4(dq_tile + 4 * DqTransposedFragmentOrder::slot(cw, h, j, wg_tid), acc_dq[4 * j],
-                           acc_dq[4 * j + 1], acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
-        }
-      };
       auto issue_dv = [&](int h) {  // dV^T slice h += dO^T P
 #pragma unroll
         for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
@@ -328,7 +334,7 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
       fence_regs(acc_dv[1]);
       fence_regs(acc_dq);
       smem.do_ring.consumer_release(ds);  // dO's last reader (dV^T) is done
-      add_dq(0);
+      add_dq(dq_tile, 0);
       wgmma_fence();
       issue_dk(0);
       issue_dk(1);
@@ -339,8 +345,9 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
       fence_regs(acc_dk[1]);
       fence_regs(acc_dq);
       smem.q_ring.consumer_release(qs);  // Q's last readers (S, dK^T) and the statistics loads are done
-      add_dq(1);
+      dq_prev = dq_tile;  // its slice 1 is added after the next tile's S is issued
     }
+    add_dq(dq_prev, 1);  // the last tile's
 
     // Epilogue: both warpgroups' last reads of K and V are done; dK^T (times scale) and dV^T go to K's and V's column
     // blocks 2 cw + h as [key][64 columns] rows (stmatrix .trans: accumulator rows = columns of dK), then one thread
