@@ -5,7 +5,7 @@
 #   llama   examples/llama_block.py --mode bench with every attention that runs (2 x 4096, 1 x 8192)
 #   ncu     Nsight Compute (clocks as found) of one forward+backward step of jax_flash and of FA3-jax at
 #           NCU_SHAPE (default 4x4096x16x128 causal): every kernel's duration, and per backward main kernel the
-#           details page (stall reasons, pipe utilisation)
+#           details page (stall reasons, pipe utilisation), and the details pages of the kernels around it
 # Summary in $OUT/summary.txt; results (JSON, md, png, ncu extracts) in $OUT, as $OUT/bwd_results.tgz when there are
 # more than seven files.
 #   bash tools/bwd_gpu_check.sh "bench ncu" [SHAPES]
@@ -78,6 +78,9 @@ for name, unit, value in zip(rows[head], rows[head + 1], rows[head + 2]):
         print(f'{name},{unit},{value}')" >"$OUT/ncu-$impl-bwd-metrics.csv" 2>&1
       ncu -i $rep.ncu-rep --kernel-name-base demangled -k "$kn" --page source --csv --print-source sass \
         2>/dev/null | gzip >"$OUT/ncu-$impl-bwd-sass.csv.gz"
+      # the kernels around it (row statistics / dQ zeroing before, dQ conversion after): their details pages
+      ncu -i $rep.ncu-rep --kernel-name-base demangled -k 'regex:[Pp]reprocess|[Cc]onvert|[Pp]ostprocess' \
+        --page details >"$OUT/ncu-$impl-prepost-details.txt" 2>&1
     done ;;
   *) note "unknown mode $mode"; status=1 ;;
   esac
