@@ -2,8 +2,8 @@
 peers (FlashAttention-3 as a JAX op, tokamax) in one process.
 
 Times are medians over samples of back-to-back jit'd calls (wall clock from the first dispatch to block_until_ready
-on the last, divided by the number of calls; a sample covers about 20 ms of calls, 4 to 100) after warm-up, so per-
-call host synchronisation is not counted; the forward's per-call latency (one call, then block_until_ready) is
+on the last, divided by the number of calls; a sample covers about 20 ms of calls, 4 to 100) after warm-up, so
+per-call host synchronisation is not counted; the forward's per-call latency (one call, then block_until_ready) is
 reported separately. TFLOP/s use the FlashAttention convention: forward = 4*B*Hq*Sq*Sk*D (halved when causal),
 backward = 2.5x forward, with the backward time taken as t(forward+backward) - t(forward). Each row also reports
 the relative error of the forward output against a float32 reference computed on a slice of heads.
