@@ -1,15 +1,14 @@
-// Pieces the two sm_90a backward kernels share: the producer's K/V loads (the head-dim-256 kernel's; the d64/d128
-// kernel loads K and V on rings of their own); P^T and dS^T from the S^T and dP^T
-// accumulators of a 64-key wgmma (m64nNk16 layout: column tile j holds keys g and g + 8 of the warp's 16 rows,
-// queries 8 j + 2 t and 8 j + 2 t + 1); the register dK/dV epilogue from accumulators of the same layout (the
-// head-dim-256 kernel's; the d64/d128 kernel stores through shared memory with TMA).
+// Pieces of the sm_90a backward kernels: the producer's loads of a key block's K or V rows (both kernels); P^T and
+// dS^T from the S^T and dP^T accumulators of a 64-key wgmma (m64nNk16 layout: column tile j holds keys g and g + 8
+// of the warp's 16 rows, queries 8 j + 2 t and 8 j + 2 t + 1), for the d64/d128 kernel (the d256 kernel computes S
+// and dP with the queries as rows and masks them itself).
 #pragma once
 
 #include "flash_params.h"
 #include "kernels/common/element_traits.cuh"
 #include "kernels/common/exp2_fma.cuh"
 #include "kernels/sm90/kernel_traits_sm90.h"  // kColBlock
-#include "kernels/sm90/utils_sm90.cuh"        // kWarpRows, TMA, for_each_acc_pair
+#include "kernels/sm90/utils_sm90.cuh"        // kWarpRows, TMA
 #include "mask.h"
 #include "score_mod.h"
 
@@ -22,16 +21,6 @@ __device__ __forceinline__ void load_key_block_rows(T* dst, const CUtensorMap* t
                                                     int b) {
 #pragma unroll
   for (int cb = 0; cb < kColBlocks; ++cb) tma_load_4d(dst + cb * kBlockN * kColBlock, tm, full, cb * kColBlock, n0, hk, b);
-}
-
-// Producer thread: the key block's K and V together, counted on kv_full.
-template <int kBlockN, int kColBlocks, typename T>
-__device__ __forceinline__ void load_kv_block(T* k, T* v, uint64_t* kv_full, const CUtensorMap* tm_k,
-                                              const CUtensorMap* tm_v, int n0, int hk, int b) {
-  constexpr uint32_t kBytes = 2 * kBlockN * kColBlocks * kColBlock * sizeof(T);
-  mbar_arrive_expect_tx(kv_full, kBytes);
-  load_key_block_rows<kBlockN, kColBlocks>(k, tm_k, kv_full, n0, hk, b);
-  load_key_block_rows<kBlockN, kColBlocks>(v, tm_v, kv_full, n0, hk, b);
 }
 
 // Zero in place where the mask hides the pair: entry e of column tile j of a 64-key accumulator is key
@@ -124,19 +113,6 @@ __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4],
     }
   }
   if (how != TileMasking::kNone) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t, how == TileMasking::kIds);
-}
-
-// Epilogue: dK = scale * acc_dk, dV = acc_dv for this thread's keys row0 + g (+8) below `keys`, columns
-// col0 + 8 j + 2 t (+1) below head_dim; gdK, gdV point at the key block's first row.
-template <typename T, int kTiles>
-__device__ __forceinline__ void store_kv_grads(T* gdK, T* gdV, int64_t kv_stride, const float (&acc_dk)[kTiles * 4],
-                                               const float (&acc_dv)[kTiles * 4], float scale, int row0, int keys,
-                                               int col0, int head_dim, int g, int t) {
-  using ET = ElemTraits<T>;
-  for_each_acc_pair<kTiles>(row0, keys, col0, head_dim, g, t, [&](int row, int col, int i, int) {
-    *reinterpret_cast<uint32_t*>(gdK + row * kv_stride + col) = ET::pack(acc_dk[i] * scale, acc_dk[i + 1] * scale);
-    *reinterpret_cast<uint32_t*>(gdV + row * kv_stride + col) = ET::pack(acc_dv[i], acc_dv[i + 1]);
-  });
 }
 
 }  // namespace jax_flash::cuda::sm90

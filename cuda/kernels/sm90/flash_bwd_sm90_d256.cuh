@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
       // P = exp2(S * scale_log2 - lse * log2(e)) (S soft-capped first), masked.
       wgmma_wait<1>();
       fence_regs(acc_s);
-      uint32_t dcap[kSTiles * 2];
+      [[maybe_unused]] uint32_t dcap[kSTiles * 2];  // 1 - tanh^2 per pair (soft cap only)
       if constexpr (kSoftCap) {
 #pragma unroll
         for (int i = 0; i < kSTiles * 2; ++i) {
