@@ -23,6 +23,31 @@ __device__ __forceinline__ void load_key_block_rows(T* dst, const CUtensorMap* t
   for (int cb = 0; cb < kColBlocks; ++cb) tma_load_4d(dst + cb * kBlockN * kColBlock, tm, full, cb * kColBlock, n0, hk, b);
 }
 
+// Soft cap of a score accumulator in place (s -> c tanh(s / c), SoftCap's pre/post scales), keeping each pair's
+// d capped / d s = 1 - tanh^2 in dcap (two halves per 32 bits) for the dS product.
+template <int kPairs>
+__device__ __forceinline__ void cap_scores(float (&acc)[kPairs * 2], uint32_t (&dcap)[kPairs], const SoftCap& cap) {
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) {
+    const float t0 = cap.tanh_of(acc[2 * i]);
+    const float t1 = cap.tanh_of(acc[2 * i + 1]);
+    acc[2 * i] = cap.post * t0;
+    acc[2 * i + 1] = cap.post * t1;
+    dcap[i] = ElemTraits<__half>::pack(1.f - t0 * t0, 1.f - t1 * t1);
+  }
+}
+
+// dS times cap_scores' dcap, in place.
+template <int kPairs>
+__device__ __forceinline__ void scale_by_cap_derivative(float (&acc)[kPairs * 2], const uint32_t (&dcap)[kPairs]) {
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) {
+    const float2 d = ElemTraits<__half>::unpack(dcap[i]);
+    acc[2 * i] *= d.x;
+    acc[2 * i + 1] *= d.y;
+  }
+}
+
 // Zero in place where the mask hides the pair: entry e of column tile j of a 64-key accumulator is key
 // key0 + g + 8 (e / 2) (key0: the first of the warp's 16 keys), query query0 + 8 j + 2 t + e % 2. A select, so a
 // hidden pair is exactly 0 whatever the accumulator held (nan included). With `ids` (TileMasking::kIds) segment
@@ -66,16 +91,7 @@ __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles 
                                                          const float2 (&lse_log2)[kSTiles], float scale_log2,
                                                          const SoftCap& cap, const AttentionMask& mask, int query0,
                                                          int key0, int seqlen_q, int g, int t) {
-  if constexpr (kCap) {
-#pragma unroll
-    for (int i = 0; i < kSTiles * 2; ++i) {
-      const float t0 = cap.tanh_of(acc_s[2 * i]);
-      const float t1 = cap.tanh_of(acc_s[2 * i + 1]);
-      acc_s[2 * i] = cap.post * t0;
-      acc_s[2 * i + 1] = cap.post * t1;
-      dcap[i] = ElemTraits<__half>::pack(1.f - t0 * t0, 1.f - t1 * t1);
-    }
-  }
+  if constexpr (kCap) cap_scores<kSTiles * 2>(acc_s, dcap, cap);
 #pragma unroll
   for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -104,14 +120,7 @@ __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4],
       acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
     }
   }
-  if constexpr (kCap) {
-#pragma unroll
-    for (int i = 0; i < kSTiles * 2; ++i) {
-      const float2 d = ElemTraits<__half>::unpack(dcap[i]);
-      acc_dp[2 * i] *= d.x;
-      acc_dp[2 * i + 1] *= d.y;
-    }
-  }
+  if constexpr (kCap) scale_by_cap_derivative<kSTiles * 2>(acc_dp, dcap);
   if (how != TileMasking::kNone) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t, how == TileMasking::kIds);
 }
 
