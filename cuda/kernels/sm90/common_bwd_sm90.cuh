@@ -1,7 +1,7 @@
-// Pieces of the sm_90a backward kernels: the producer's loads of a key block's K or V rows (both kernels); P^T and
-// dS^T from the S^T and dP^T accumulators of a 64-key wgmma (m64nNk16 layout: column tile j holds keys g and g + 8
-// of the warp's 16 rows, queries 8 j + 2 t and 8 j + 2 t + 1), for the d64/d128 kernel (the d256 kernel computes S
-// and dP with the queries as rows and masks them itself).
+// Pieces of the sm_90a backward kernels: the producer's loads of a key block's K or V rows and the soft cap's score
+// and derivative loops (both kernels); P^T and dS^T from the S^T and dP^T accumulators of a 64-key wgmma (m64nNk16
+// layout: column tile j holds keys g and g + 8 of the warp's 16 rows, queries 8 j + 2 t and 8 j + 2 t + 1), for the
+// d64/d128 kernel (the d256 kernel computes S and dP with the queries as rows and masks them itself).
 #pragma once
 
 #include "flash_params.h"

@@ -237,16 +237,7 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
       wgmma_wait<1>();
       fence_regs(acc_s);
       [[maybe_unused]] uint32_t dcap[kSTiles * 2];  // 1 - tanh^2 per pair (soft cap only)
-      if constexpr (kSoftCap) {
-#pragma unroll
-        for (int i = 0; i < kSTiles * 2; ++i) {
-          const float t0 = cap.tanh_of(acc_s[2 * i]);
-          const float t1 = cap.tanh_of(acc_s[2 * i + 1]);
-          acc_s[2 * i] = cap.post * t0;
-          acc_s[2 * i + 1] = cap.post * t1;
-          dcap[i] = ElemTraits<__half>::pack(1.f - t0 * t0, 1.f - t1 * t1);
-        }
-      }
+      if constexpr (kSoftCap) cap_scores<kSTiles * 2>(acc_s, dcap, cap);
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -268,14 +259,7 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - (e < 2 ? dsum0 : dsum1));
       }
-      if constexpr (kSoftCap) {
-#pragma unroll
-        for (int i = 0; i < kSTiles * 2; ++i) {
-          const float2 d = ElemTraits<__half>::unpack(dcap[i]);
-          acc_dp[2 * i] *= d.x;
-          acc_dp[2 * i + 1] *= d.y;
-        }
-      }
+      if constexpr (kSoftCap) scale_by_cap_derivative<kSTiles * 2>(acc_dp, dcap);
       if (how != TileMasking::kNone) {
         zero_hidden_pairs_rows<kSTiles>(acc_dp, mask, q_row0, n_wg, g, t, how == TileMasking::kIds);
       }
