@@ -233,7 +233,8 @@ def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, q_segme
       q_offsets, kv_offsets: int32 [...]: the global positions of local query row 0 and key 0 when q or k/v hold a
         part of a longer sequence (sharding, ring attention); None for 0. Causal and window masks and the lengths
         apply to global positions.
-      scale: logit scale. is_causal: top-left aligned causal mask.
+      scale: logit scale, with scale * log2(e) a positive normal float32 (attention._kernel_scale folds other
+        scales into q). is_causal: top-left aligned causal mask.
       window_left, window_right: local window bounds, -1 for unbounded.
       q_segment_ids, kv_segment_ids: int32 [..., Sq] and [..., Sk] (both or neither): row i sees key j only if
         their ids are equal.

@@ -308,7 +308,26 @@ def _check_scale(scale):
     value = float(scale)
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
+    if not np.isfinite(_kernel_scale_log2(abs(value))):
+        raise ValueError(f"scale * log2(e) must fit a float32 (|scale| up to about 2.36e38), got {value}")
     return value
+
+
+def _kernel_scale_log2(scale: float) -> np.float32:
+    """scale * log2(e) as the kernels' handlers compute it, in float32."""
+    with np.errstate(over="ignore"):
+        return np.float32(scale) * np.float32(math.log2(math.e))
+
+
+def _kernel_scale(q: jax.Array, scale: float) -> tuple[jax.Array, float]:
+    """(q, scale) as the kernels take them: they assume scale * log2(e) a positive normal float32 (their fast math
+    flushes a subnormal to 0, and a running max of -inf times 0 is NaN), so a negative scale's sign, and a scale too
+    small for that (0 included), fold into q."""
+    if scale < 0:
+        q, scale = -q, -scale
+    if not _kernel_scale_log2(scale) >= np.finfo(np.float32).tiny:
+        q, scale = (q.astype(jnp.float32) * scale).astype(q.dtype), 1.0
+    return q, scale
 
 
 def _check_window(local_window_size):
@@ -584,11 +603,7 @@ def dot_product_attention(
             kernel_window = (-1 if window[0] >= seqlen_q - 1 else window[0],
                              -1 if window[1] >= seqlen_k - 1 else window[1])
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        # The kernels take row maxima of the unscaled logits, which assumes scale > 0: fold the sign into q.
-        if scale < 0:
-            q, scale = -q, -scale
-        elif scale == 0:
-            q, scale = jnp.zeros_like(q), 1.0
+        q, scale = _kernel_scale(q, scale)
         # jax.nn-style decode (a few rows, all valid, against a long cache, no position-dependent mask) runs the
         # split-KV decode kernels forward on CUDA.
         decode = (seqlen_q <= _ffi.MAX_DECODE_QUERY_ROWS and query_seq_lengths is None and not is_causal and

@@ -220,10 +220,7 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
 
     rows = q.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if scale < 0:
-        q, scale = -q, -scale
-    elif scale == 0:
-        q, scale = jnp.zeros_like(q), 1.0
+    q, scale = _attention._kernel_scale(q, scale)
     if window is not None:
         window = tuple(min(w, capacity + rows) for w in window)
     cfg = _attention._Config(scale=scale, is_causal=bool(is_causal), window=window,

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flash import _ffi
 from jax_flash.attention import (_check_scale, _check_segment_ids, _check_sinks, _check_soft_cap, _check_window,
-                                 _validate)
+                                 _kernel_scale, _validate)
 
 __all__ = ["ring_attention", "ring_attention_sharded", "zigzag_order", "zigzag_restore"]
 
@@ -352,10 +352,7 @@ def ring_attention(query, key, value, *, axis_name, layout="contiguous", is_caus
     if window is not None:
         window = tuple(min(w, s_global) for w in window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if scale < 0:  # the kernels assume scale > 0: fold the sign into q
-        q, scale = -q, -scale
-    elif scale == 0:
-        q, scale = jnp.zeros_like(q), 1.0
+    q, scale = _kernel_scale(q, scale)
     cfg = _RingConfig(axis_name=axis_name, ring_size=n, chunks=chunks, scale=scale, is_causal=bool(is_causal),
                       window=window, softcap=soft_cap)
     out = _ring(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)

@@ -65,7 +65,7 @@ def test_rows_that_see_no_key_are_zero_with_finite_gradients(dtype, attention_ch
     assert out[1, :3].all()
 
 
-@pytest.mark.parametrize("scale", [0.37, -0.6, 0.0])
+@pytest.mark.parametrize("scale", [0.37, -0.6, 0.0, 1e-40, -1e-40, 1e-30])
 def test_scale(scale, attention_checks):
     case = attention_checks.Case(batch=1, seqlen_q=17, seqlen_k=17, heads_q=2, heads_kv=2, head_dim=64,
                                  is_causal=True)
@@ -286,6 +286,7 @@ BAD_ARGUMENTS = {
     "scale_nan": (dict(scale=float("nan")), ValueError, "scale must be finite"),
     "scale_inf": (dict(scale=float("inf")), ValueError, "scale must be finite"),
     "scale_str": (dict(scale="0.5"), TypeError, "scale must be a static Python float"),
+    "scale_huge": (dict(scale=3e38), ValueError, r"scale \* log2\(e\) must fit a float32 .* got 3e\+38"),
     "implementation": (dict(implementation="triton"), ValueError, "implementation must be None, 'xla' or 'cudnn'"),
 }
 

@@ -138,6 +138,14 @@ def test_vmap_broadcasts_unbatched_arguments():
     np.testing.assert_array_equal(o[1], _ffi.flash_fwd(2 * q, k, v, *lens, **ATTRS)[0])
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5, 1e-40, float("nan")])
+def test_handler_rejects_a_scale_the_kernels_cannot_take(scale):
+    q, k, v = inputs()
+    lens = jnp.array([9, 9], jnp.int32)
+    with pytest.raises(Exception, match="scale must be finite and > 0 with scale \\* log2\\(e\\) a normal float32"):
+        jax.block_until_ready(_ffi.flash_fwd(q, k, v, lens, lens, **{**ATTRS, "scale": scale}))
+
+
 def test_handler_rejects_bad_lengths():
     q, k, v = inputs()
     bad = jnp.array([9, 9, 9], jnp.int32)

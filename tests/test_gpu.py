@@ -89,6 +89,19 @@ def _poison_device_memory(arrays):
     del poison
 
 
+@pytest.mark.parametrize("scale", [1e-40, -1e-40, 0.3], ids=["subnormal", "negative_subnormal", "normal"])
+def test_tiny_scales_fold_into_the_query(scale, attention_checks):
+    """A scale whose scale * log2(e) is no normal float32 folds into q (the kernels' fast math would flush it to 0,
+    and the running max's -inf times 0 is NaN): forward and backward against the float64 reference."""
+    case = attention_checks.Case(batch=1, seqlen_q=200, seqlen_k=300, heads_q=4, heads_kv=2, head_dim=128)
+    q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16, seed=5)
+    ours = attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, scale=scale)
+    ref = attention_checks.numpy_reference(case, q, k, v, do, scale=scale)
+    for name, x, r in zip(("output", "dq", "dk", "dv"), ours, ref):
+        err = attention_checks.max_abs(x - r) / max(attention_checks.max_abs(r), 1e-30)
+        assert err < 2e-2, f"scale {scale} {name}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 def test_every_element_written_over_poisoned_memory(dtype, attention_checks):
     """Outputs land on NaN-filled memory: every element must be written, finite, and every row checked."""

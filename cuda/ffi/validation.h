@@ -4,7 +4,9 @@
 // dimension (the batch, plus any added by vmap) is folded into one batch dimension.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -54,6 +56,19 @@ inline ffi::Error Invalid(const std::string& msg) {
 }
 
 // Checks that `buf` has dimensions `expect` exactly.
+// The kernels take scale * log2(e) as a float32 and assume it positive and normal (fast math flushes a subnormal to
+// 0, and a running max of -inf times 0 is NaN). The Python wrappers fold a negative or tiny scale into the query.
+inline ffi::Error CheckKernelScale(float scale) {
+  const float scale_log2 = scale * kLog2e;
+  if (!std::isfinite(scale) || !std::isfinite(scale_log2) || !(scale_log2 >= FLT_MIN)) {
+    char got[32];
+    std::snprintf(got, sizeof(got), "%.9g", scale);
+    return Invalid(std::string("scale must be finite and > 0 with scale * log2(e) a normal float32, got ") + got +
+                   " (jax_flash's Python API folds other scales into the query)");
+  }
+  return ffi::Error::Success();
+}
+
 template <typename Buf>
 ffi::Error ExpectShape(const Buf& buf, ffi::AnyBuffer::Dimensions expect, const char* name) {
   auto dims = buf.dimensions();
@@ -115,7 +130,7 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                    ShapeString(kv_offsets.dimensions()));
   }
   if (window_left < -1 || window_right < -1) return Invalid("window sizes must be >= 0 (or -1 for unbounded)");
-  if (!std::isfinite(scale)) return Invalid("scale must be finite");
+  if (auto e = CheckKernelScale(scale); e.failure()) return e;
   if (batch > INT32_MAX || qd[r - 3] > INT32_MAX || kd[r - 3] > INT32_MAX) return Invalid("dimension too large");
 
   p->batch = static_cast<int>(batch);
@@ -350,7 +365,7 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   if (auto e = ExpectShape(kv_lens, ffi::AnyBuffer::Dimensions(&batch, 1), "kv_lengths"); e.failure()) return e;
   if (batch > INT32_MAX || capacity > INT32_MAX || kd[0] > INT32_MAX) return Invalid("dimension too large");
   if (window_left < -1 || window_right < -1) return Invalid("window sizes must be >= 0 (or -1 for unbounded)");
-  if (!std::isfinite(scale)) return Invalid("scale must be finite");
+  if (auto e = CheckKernelScale(scale); e.failure()) return e;
   if (auto e = ExpectShape(*o, qd, "output"); e.failure()) return e;
   if (o->element_type() != q.element_type()) return Invalid("output dtype must match query dtype");
   const int64_t stat[] = {batch, hq, rows};
