@@ -89,6 +89,15 @@ CASES = {
     "softcap_long_causal_d64": dict(batch=1, t=700, s=700, n=2, k=2, h=64, is_causal=True, softcap=20.0, amp=3.0),
     "softcap_long_d256": dict(batch=1, t=300, s=300, n=2, k=1, h=256, softcap=10.0, amp=2.0),
     "softcap_long_noncausal_d64": dict(batch=1, t=400, s=530, n=4, k=2, h=64, softcap=5.0, amp=3.0),
+    # Caps past the sm_90a forward's fixed-reference bound (SoftCap::fixed_reference_holds: c <= 56.8) take its
+    # running maximum; rows whose every logit saturates at -c or +c (saturate: q rows along -/+ the keys' common
+    # direction) test the fixed reference's range at its edge (c = 56: a row at -c is 2^-100 under it; a reference
+    # of c log2(e) would flush the whole row to 0) and the running maximum past it.
+    "softcap_large_cap_d128": dict(batch=1, t=200, s=530, n=2, k=1, h=128, softcap=120.0, amp=20.0),
+    "softcap_saturated_rows_c56_d128": dict(batch=1, t=200, s=530, n=2, k=1, h=128, softcap=56.0, saturate=100.0),
+    "softcap_saturated_rows_c57_d128": dict(batch=1, t=200, s=530, n=2, k=1, h=128, softcap=57.0, saturate=100.0),
+    "softcap_saturated_rows_causal_c30_d64": dict(batch=1, t=260, s=260, n=2, k=1, h=64, is_causal=True,
+                                                  softcap=30.0, saturate=50.0),
 }
 
 
@@ -99,6 +108,11 @@ def _problem(case, seed=0):
     q, k, v, do = (jnp.asarray(rng.standard_normal(shape, np.float32) * amp, DTYPE)
                    for shape, amp in (((b, t, n, h), case.get("amp", 1.0)), ((b, s, kh, h), 1.0),
                                       ((b, s, kh, h), 1.0), ((b, t, n, h), 1.0)))
+    if "saturate" in case:  # keys near one direction u; query rows -a u, a u and random ones in turn
+        u = rng.standard_normal(h).astype(np.float32)
+        k = jnp.asarray(u + 0.3 * rng.standard_normal((b, s, kh, h), np.float32), DTYPE)
+        sign = np.array([-1.0, 1.0, 0.0], np.float32)[np.arange(t) % 3][None, :, None, None]
+        q = jnp.asarray(np.where(sign == 0, np.asarray(q, np.float32), sign * case["saturate"] * u), DTYPE)
     kw = dict(is_causal=case.get("is_causal", False), local_window_size=case.get("window"))
     if case.get("segments") == "kv_run_late":  # id 1: rows [0, 300), keys [128, 528); id 2 after; id 0 keys only
         kw["q_segment_ids"] = jnp.asarray(np.repeat([[1, 2]], [300, t - 300], axis=1).repeat(b, 0), jnp.int32)

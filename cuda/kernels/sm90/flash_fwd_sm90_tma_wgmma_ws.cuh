@@ -27,14 +27,15 @@ namespace jax_flash::cuda::sm90 {
 // kSegments: how the tiles' masks take the call's segment ids (SegmentMode: kNone, the call has none and their tests
 // are compiled out; kRuns or kIds, the kernel takes only the tiles of batch elements whose ids are runs, or are not,
 // segment_mode_takes: a call with ids runs one grid of each).
-// kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0).
-template <typename T, typename Traits, SegmentMode kSegments, bool kSoftCap>
+// kSoftCap: the call has a logit soft cap (FlashParams::softcap_pre != 0); kFixedReference: its exponentials are taken
+// against a fixed reference (FwdMainloop; SoftCap::fixed_reference_holds).
+template <typename T, typename Traits, SegmentMode kSegments, bool kSoftCap, bool kFixedReference>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                           const __grid_constant__ CUtensorMap tm_o) {
 #if defined(JAX_FLASH_SM90A)
-  using Mainloop = FwdMainloop<T, Traits, kSoftCap>;
+  using Mainloop = FwdMainloop<T, Traits, kSoftCap, kFixedReference>;
   using Epilogue = FwdEpilogue<T, Traits>;
   using Storage = typename Traits::SharedStorage;
 

@@ -15,10 +15,10 @@
 
 namespace jax_flash::cuda::sm90 {
 
-template <typename T, typename TileTraits, SegmentMode kSegments, bool kSoftCap>
+template <typename T, typename TileTraits, SegmentMode kSegments, bool kSoftCap, bool kFixedReference>
 cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraitsSm90<T, TileTraits>;
-  constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits, kSegments, kSoftCap>;
+  constexpr auto kernel = flash_fwd_sm90_kernel<T, Traits, kSegments, kSoftCap, kFixedReference>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   CUtensorMap tm_q, tm_k, tm_v;
   CUtensorMap tm_o{};  // O in boxes of one warpgroup's rows; read only by the shared-memory (TMA store) epilogue
@@ -54,35 +54,40 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
 // The forward of head-dim class kD: its wide-tile variant (FwdWideTraitsSm90) where one exists for attention
 // without a window mask, either unmasked or causal over at least kCausalMinRows query rows; else its default tiles.
 // Segment-id tests and the soft cap are compiled in only for calls that have them.
-template <typename T, int kD, SegmentMode kSegments, bool kSoftCap>
+template <typename T, int kD, SegmentMode kSegments, bool kSoftCap, bool kFixedReference>
 cudaError_t launch_fwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
   if constexpr (FwdWideTraitsSm90<kD>::kAvailable) {
     const bool long_causal = p.causal && p.seqlen_q >= FwdWideTraitsSm90<kD>::kCausalMinRows;
     if ((!p.causal || long_causal) && p.window_left < 0 && p.window_right < 0) {
-      return launch_fwd_sm90_tiles<T, FwdWideTraitsSm90<kD>, kSegments, kSoftCap>(p, stream);
+      return launch_fwd_sm90_tiles<T, FwdWideTraitsSm90<kD>, kSegments, kSoftCap, kFixedReference>(p, stream);
     }
   }
-  return launch_fwd_sm90_tiles<T, FwdTraitsSm90<kD>, kSegments, kSoftCap>(p, stream);
+  return launch_fwd_sm90_tiles<T, FwdTraitsSm90<kD>, kSegments, kSoftCap, kFixedReference>(p, stream);
 }
 
 // A call with segment ids runs two persistent grids over the same tiles, one per segment policy (the kernel takes
 // the tiles of its policy's batch elements and steps over the others', a flag load per batch element): one body
 // with both policies, switched per tile, holds both in one consumer loop (d128: 80/192 B of spills against 4/16).
+// A soft cap takes its fixed-reference variant where the cap's bound allows it (SoftCap::fixed_reference_holds:
+// c <= 56.8), else the running maximum.
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
+  const SoftCap cap(p);
   return with_static_flags(
-      [&](auto segments, auto soft_cap) -> cudaError_t {
+      [&](auto segments, auto soft_cap, auto fixed_reference) -> cudaError_t {
         constexpr bool kCap = decltype(soft_cap)::value;
+        constexpr bool kFixed = kCap && decltype(fixed_reference)::value;
         if constexpr (!decltype(segments)::value) {
-          return launch_fwd_sm90_variant<T, kD, SegmentMode::kNone, kCap>(p, stream);
+          return launch_fwd_sm90_variant<T, kD, SegmentMode::kNone, kCap, kFixed>(p, stream);
         } else {
-          if (cudaError_t e = launch_fwd_sm90_variant<T, kD, SegmentMode::kRuns, kCap>(p, stream); e != cudaSuccess) {
+          if (cudaError_t e = launch_fwd_sm90_variant<T, kD, SegmentMode::kRuns, kCap, kFixed>(p, stream);
+              e != cudaSuccess) {
             return e;
           }
-          return launch_fwd_sm90_variant<T, kD, SegmentMode::kIds, kCap>(p, stream);
+          return launch_fwd_sm90_variant<T, kD, SegmentMode::kIds, kCap, kFixed>(p, stream);
         }
       },
-      p.q_segment_ids != nullptr, SoftCap(p).enabled());
+      p.q_segment_ids != nullptr, cap.enabled(), cap.fixed_reference_holds(p.scale_log2));
 }
 
 // Q and dO in tiles of kBlockM rows, K and V in tiles of kBlockN: the loads of every sm_90a backward kernel.

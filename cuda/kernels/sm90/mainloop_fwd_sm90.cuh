@@ -64,9 +64,13 @@ struct PingPong {
   }
 };
 
-// kSoftCap: the call has a logit soft cap (its tanh per score compiled in only then).
-template <typename T, typename Traits, bool kSoftCap>
+// kSoftCap: the call has a logit soft cap (its tanh per score compiled in only then). kFixedReference (with a cap
+// whose SoftCap::fixed_reference_holds): the exponentials are taken against a fixed reference instead of the
+// running maximum, so the softmax has no row maxima and O no rescaling: each score's tanh and exp2 follow each other
+// with nothing between the tile's 64 tanh and its 64 exp2 (a running maximum has to wait for every tanh first).
+template <typename T, typename Traits, bool kSoftCap, bool kFixedReference = false>
 struct FwdMainloop {
+  static_assert(kSoftCap || !kFixedReference, "a fixed reference needs the soft cap's bound");
   static constexpr int kD = Traits::kHeadDim;
   static constexpr int kBM = Traits::kBlockM;
   static constexpr int kBN = Traits::kBlockN;
@@ -82,8 +86,8 @@ struct FwdMainloop {
   using PingPongT = PingPong<kGroups, Traits::kPingPong && kGroups >= 2>;
 
   // A consumer thread's results for one tile: O (64 rows x kD per warpgroup, accumulator layout) and the online
-  // softmax's running max (raw logits when mma() returns; tanh values during a capped call's loop) and per-lane
-  // partial sums of rows g and g + 8.
+  // softmax's running max (raw logits when mma() returns; tanh values during a capped call's loop; with a fixed
+  // reference, the reference as a raw logit, set when mma() returns) and per-lane partial sums of rows g and g + 8.
   struct Accumulators {
     float o[kOTiles * 4];
     float row_max[2];
@@ -198,9 +202,11 @@ struct FwdMainloop {
     // Soft-caps S (with a cap: S becomes tanh(pre * S), the logits' scale folds post in), masks it as `how` says
     // (masking()'s answer for row0, n0), then the online-softmax update: S becomes exp2 values, the running max
     // and sum move on; returns the factors that rescale O for rows g and g + 8. The running max is kept in the
-    // units of S (tanh values with a cap; the end of mma() turns it back into raw logits).
+    // units of S (tanh values with a cap; the end of mma() turns it back into raw logits). With a fixed reference
+    // S becomes 2^(score_log2 * S - reference) and only the sums move on (no factors: O is never rescaled).
     const SoftCap cap(p);
     const float score_log2 = kSoftCap ? cap.post * p.scale_log2 : p.scale_log2;
+    [[maybe_unused]] const float reference = SoftCap::fixed_reference(score_log2);  // (score_log2 = c log2 e)
     const SegmentPolicy& seg = mask.segments;
     auto softmax = [&](auto masked, TileMasking how, int row0, int n0, float (&correction)[2]) {
       if constexpr (kSoftCap) {
@@ -249,26 +255,43 @@ struct FwdMainloop {
       } else if (masked) {
         acc.seen[0] = acc.seen[1] = true;  // a fully visible tile (only masked steps run with segment ids)
       }
+      if constexpr (kFixedReference) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = acc.row_max[r];
+        for (int r = 0; r < 2; ++r) {
+          float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < kSTiles; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
-        mx = quad_max(mx);
-        const float max_scaled = mx == -INFINITY ? 0.f : mx * score_log2;
-        correction[r] = exp2f(acc.row_max[r] * score_log2 - max_scaled);
-        acc.row_max[r] = mx;
-        float sum = 0.f;
+          for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
-        for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = exp2f(acc_s[4 * j + 2 * r + e] * score_log2 - max_scaled);
-            acc_s[4 * j + 2 * r + e] = pe;
-            sum += pe;
+            for (int e = 0; e < 2; ++e) {
+              const float pe = exp2f(acc_s[4 * j + 2 * r + e] * score_log2 - reference);  // masked: -inf -> 0
+              acc_s[4 * j + 2 * r + e] = pe;
+              sum += pe;
+            }
           }
+          acc.row_sum[r] += sum;
         }
-        acc.row_sum[r] = acc.row_sum[r] * correction[r] + sum;
+      } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = acc.row_max[r];
+#pragma unroll
+          for (int j = 0; j < kSTiles; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+          mx = quad_max(mx);
+          const float max_scaled = mx == -INFINITY ? 0.f : mx * score_log2;
+          correction[r] = exp2f(acc.row_max[r] * score_log2 - max_scaled);
+          acc.row_max[r] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pe = exp2f(acc_s[4 * j + 2 * r + e] * score_log2 - max_scaled);
+              acc_s[4 * j + 2 * r + e] = pe;
+              sum += pe;
+            }
+          }
+          acc.row_sum[r] = acc.row_sum[r] * correction[r] + sum;
+        }
       }
     };
     auto rescale_o = [&](const float (&correction)[2]) {
@@ -337,7 +360,7 @@ struct FwdMainloop {
       fence_regs(acc.o);
       fence_regs(a_p);
       if (lane0) smem.v_ring.consumer_release(kp);
-      rescale_o(correction);
+      if constexpr (!kFixedReference) rescale_o(correction);
       convert_p();
     };
     for (int i = 1; i < full_begin; ++i) step(i, std::true_type{});
@@ -360,7 +383,9 @@ struct FwdMainloop {
     fence_regs(acc.o);
     fence_regs(a_p);
     if (lane0) smem.v_ring.consumer_release(last);
-    if constexpr (kSoftCap) {  // the running max back in raw logits (-inf and nan stay)
+    if constexpr (kFixedReference) {  // the sums are relative to 2^reference: reference / scale_log2 in raw logits
+      acc.row_max[0] = acc.row_max[1] = reference / p.scale_log2;
+    } else if constexpr (kSoftCap) {  // the running max back in raw logits (-inf and nan stay)
       acc.row_max[0] *= cap.post;
       acc.row_max[1] *= cap.post;
     }
