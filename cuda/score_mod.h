@@ -40,16 +40,21 @@ struct SoftCap {
   // Exponentials against a fixed reference (the sm_90a forward's capped variant without a running maximum). A
   // capped logit lies in [-c, c], so in the log2 domain x = t * A with A = c log2(e) (= post * scale_log2) lies in
   // [-A, A]. Taken as 2^(x - R) for a fixed R, the exponentials need no row maximum and O no rescaling, provided
-  // none overflows and a row's largest term stays a normal float with room below it. R = min(A, 100 - A) gives
-  // x - R <= max(0, 2A - 100) and a largest term >= 2^(-A - R) >= 2^-100 (terms up to 2^-26 below it stay normal
-  // floats, in float32 and in P's 16-bit form alike); with A <= kFixedReferenceMaxBound the terms are <= 2^64, so a
-  // row's sum and its P V products stay finite wherever |v| * keys < 2^64.
-  static constexpr float kFixedReferenceMaxBound = 82.f;  // c <= 56.8
+  // none overflows and a row's largest term stays a normal float with room below it. R = min(A, L - A), with
+  // L = kFixedReferenceFloor = 100, gives x - R <= max(0, 2A - L) and a largest term >= 2^(-A - R) >= 2^-L (terms
+  // up to 2^-26 below it stay normal floats, in float32 and in P's 16-bit form alike); with A <=
+  // kFixedReferenceMaxBound the terms are <= 2^64, so a row's sum and its P V products stay finite wherever
+  // |v| * keys < 2^64.
+  static constexpr float kFixedReferenceFloor = 100.f;
+  static constexpr float kFixedReferenceMaxBound = (kFixedReferenceFloor + 64.f) / 2;  // 82: c <= 56.8
+  // A = c log2(e): the largest |capped logit| in the log2 domain, which is also the capped scores' exponent scale.
   JF_HD float log2_bound(float scale_log2) const { return post * scale_log2; }
   JF_HD bool fixed_reference_holds(float scale_log2) const {
     return enabled() && log2_bound(scale_log2) <= kFixedReferenceMaxBound;
   }
-  JF_HD static float fixed_reference(float log2_bound) { return fminf(log2_bound, 100.f - log2_bound); }
+  JF_HD static float fixed_reference(float log2_bound) {
+    return fminf(log2_bound, kFixedReferenceFloor - log2_bound);
+  }
 };
 
 }  // namespace jax_flash

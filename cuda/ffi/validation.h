@@ -55,7 +55,6 @@ inline ffi::Error Invalid(const std::string& msg) {
   return ffi::Error::InvalidArgument("jax_flash: " + msg);
 }
 
-// Checks that `buf` has dimensions `expect` exactly.
 // The kernels take scale * log2(e) as a float32 and assume it positive and normal (fast math flushes a subnormal to
 // 0, and a running max of -inf times 0 is NaN). The Python wrappers fold a negative or tiny scale into the query.
 inline ffi::Error CheckKernelScale(float scale) {
@@ -69,6 +68,7 @@ inline ffi::Error CheckKernelScale(float scale) {
   return ffi::Error::Success();
 }
 
+// Checks that `buf` has dimensions `expect` exactly.
 template <typename Buf>
 ffi::Error ExpectShape(const Buf& buf, ffi::AnyBuffer::Dimensions expect, const char* name) {
   auto dims = buf.dimensions();

@@ -205,8 +205,8 @@ struct FwdMainloop {
     // units of S (tanh values with a cap; the end of mma() turns it back into raw logits). With a fixed reference
     // S becomes 2^(score_log2 * S - reference) and only the sums move on (no factors: O is never rescaled).
     const SoftCap cap(p);
-    const float score_log2 = kSoftCap ? cap.post * p.scale_log2 : p.scale_log2;
-    [[maybe_unused]] const float reference = SoftCap::fixed_reference(score_log2);  // (score_log2 = c log2 e)
+    const float score_log2 = kSoftCap ? cap.log2_bound(p.scale_log2) : p.scale_log2;
+    [[maybe_unused]] const float reference = SoftCap::fixed_reference(score_log2);
     const SegmentPolicy& seg = mask.segments;
     auto softmax = [&](auto masked, TileMasking how, int row0, int n0, float (&correction)[2]) {
       if constexpr (kSoftCap) {
