@@ -1,6 +1,6 @@
-// The segment operands (segment_operands.h) on the GPU: two small kernels, a block per batch element for the runs
-// and the chunks' id ranges, then a lane per 16-position chunk for the metadata's hulls. Same results as
-// cpu::SegmentOperands.
+// The segment operands (segment_operands.h) on the GPU: two small kernels, blocks of (batch element, side, part of
+// that side's positions) for the runs and the chunks' id ranges, then a lane per 16-position chunk for the
+// metadata's hulls. Same results as cpu::SegmentOperands.
 #include "kernels/segment_operands_launch.h"
 
 #include <climits>
@@ -12,9 +12,17 @@ namespace jax_flash::cuda {
 namespace {
 
 constexpr int kRunsThreads = 1024;
-constexpr int kRunsPerThread = 4;  // consecutive positions per thread and tile (a chunk is 4 threads' positions)
+constexpr int kRunsPerThread = 8;  // consecutive positions per thread and tile
 constexpr int kRunsTile = kRunsThreads * kRunsPerThread;  // positions staged in shared memory at a time
-static_assert(kSegmentChunk == 4 * kRunsPerThread, "a chunk's id range is reduced over 4 lanes");
+constexpr int kLanesPerChunk = kSegmentChunk / kRunsPerThread;  // a chunk's id range is reduced over these lanes
+static_assert(kSegmentChunk % kRunsPerThread == 0 && (kLanesPerChunk & (kLanesPerChunk - 1)) == 0,
+              "a chunk is a power-of-two number of lanes' positions");
+// Every block of the runs kernel finds both sides' runs (it needs them all to match them) and writes one part of
+// one side's results: up to kMaxRunsParts parts per side of at least kRunsPartMin positions, as many as give the
+// GPU about one block per resident slot. A block per batch element alone (4 blocks at batch 4) ran its chain of
+// tile loads, scans and 16384 result writes in ~19 us at 4 x 8192 on an H200 (NOTES, session 39).
+constexpr int kMaxRunsParts = 8;
+constexpr int kRunsPartMin = 1024;
 constexpr int kMetaThreads = 256;  // 8 warps: 32 own chunks (a lane each), the other side's chunks split over warps
 constexpr int kMetaWarps = kMetaThreads / 32;
 constexpr int kMetaTile = 2048;  // the other side's chunk ranges a meta block stages at a time
@@ -67,12 +75,24 @@ struct SideRuns {
 };
 
 // Splits ids [n] into runs (side->count > kMaxSegmentRuns: too many, none stored), staging kRunsTile ids at a time
-// in `tile` (coalesced loads); on the way writes each 16-position chunk's id range into meta[4 c], meta[4 c + 1].
-__device__ void find_runs(const int32_t* ids, int n, int32_t* tile, int32_t* meta, SideRuns* side) {
+// in `tile` (coalesced loads, all of a thread's in flight at once); on the way writes the id range of each 16-position
+// chunk that starts in [meta_begin, meta_end) into meta[4 c], meta[4 c + 1] (none when meta is null).
+__device__ void find_runs(const int32_t* ids, int n, int32_t* tile, int32_t* meta, int meta_begin, int meta_end,
+                          SideRuns* side) {
   int count = 0;  // runs before this tile (block-uniform)
   for (int base = 0; base < n; base += kRunsTile) {
     const int len = min(kRunsTile, n - base);
-    for (int i = threadIdx.x; i < len; i += blockDim.x) tile[i] = ids[base + i];
+    int32_t staged[kRunsPerThread];
+#pragma unroll
+    for (int k = 0; k < kRunsPerThread; ++k) {
+      const int i = int(threadIdx.x) + k * kRunsThreads;
+      staged[k] = i < len ? ids[base + i] : 0;
+    }
+#pragma unroll
+    for (int k = 0; k < kRunsPerThread; ++k) {
+      const int i = int(threadIdx.x) + k * kRunsThreads;
+      if (i < len) tile[i] = staged[k];
+    }
     __syncthreads();
     const int i0 = threadIdx.x * kRunsPerThread;
     int32_t prev = i0 > 0 && i0 <= len ? tile[i0 - 1] : base > 0 ? ids[base - 1] : 0;
@@ -91,12 +111,14 @@ __device__ void find_runs(const int32_t* ids, int n, int32_t* tile, int32_t* met
         prev = x;
       }
     }
-    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, 1));
-    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, 2));
-    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, 1));
-    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, 2));
-    if (threadIdx.x % 4 == 0 && i0 < len) {
-      reinterpret_cast<int2*>(meta)[2 * ((base + i0) / kSegmentChunk)] = make_int2(lo, hi);
+#pragma unroll
+    for (int d = 1; d < kLanesPerChunk; d *= 2) {
+      lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, d));
+      hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, d));
+    }
+    const int pos = base + i0;  // a chunk's first lane holds its first position
+    if (meta != nullptr && threadIdx.x % kLanesPerChunk == 0 && i0 < len && pos >= meta_begin && pos < meta_end) {
+      reinterpret_cast<int2*>(meta)[2 * (pos / kSegmentChunk)] = make_int2(lo, hi);
     }
     int total;
     int r = count + block_exclusive_scan(mine, 0, Sum{}, &total);
@@ -171,10 +193,10 @@ __device__ bool match_runs(SideRuns* mine, const SideRuns& other) {
   return __syncthreads_and(ok);
 }
 
-// Writes [lo, hi) of each position's run (or -1 everywhere when the batch element is not exact), coalesced: the
-// run of position i by binary search over the runs' starts.
-__device__ void write_runs(int n, const SideRuns& side, bool exact, int32_t* out) {
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+// Writes [lo, hi) of the run of each position in [begin, end) (or -1 there when the batch element is not exact),
+// coalesced: the run of position i by binary search over the runs' starts.
+__device__ void write_runs(int begin, int end, const SideRuns& side, bool exact, int32_t* out) {
+  for (int i = begin + int(threadIdx.x); i < end; i += blockDim.x) {
     int2 v = make_int2(-1, -1);
     if (exact) {
       int a = 0, b = side.count;  // the last run starting at or before i: start[a] <= i < start[a + 1]
@@ -189,27 +211,40 @@ __device__ void write_runs(int n, const SideRuns& side, bool exact, int32_t* out
   }
 }
 
-// A block per batch element: the runs of both sides, and each chunk's id range (the metadata's first half).
-__global__ void __launch_bounds__(kRunsThreads) segment_runs_kernel(SegmentOperandsParams p) {
+// Block (x, y): batch elements x, x + gridDim.x, ...; side y % 2 (0: the queries, 1: the keys), part y / 2 of its
+// positions (whole chunks; `parts` parts per side). Each finds both sides' runs and matches them, then writes its
+// part's runs and its chunks' id ranges (the metadata's first half).
+__global__ void __launch_bounds__(kRunsThreads) segment_runs_kernel(SegmentOperandsParams p, int parts) {
   extern __shared__ int32_t smem[];
   constexpr int kSide = 4 * kMaxSegmentRuns + 1;
   SideRuns q_side{smem, smem + kMaxSegmentRuns, smem + 2 * kMaxSegmentRuns + 1, smem + 3 * kMaxSegmentRuns + 1};
   SideRuns kv_side{smem + kSide, smem + kSide + kMaxSegmentRuns, smem + kSide + 2 * kMaxSegmentRuns + 1,
                    smem + kSide + 3 * kMaxSegmentRuns + 1};
   int32_t* tile = smem + 2 * kSide;
+  const bool keys = blockIdx.y % 2 == 1;
+  const int n = keys ? p.seqlen_k : p.seqlen_q;
+  const int chunks_per_part = ((n + parts - 1) / parts + kSegmentChunk - 1) / kSegmentChunk;
+  const int span = chunks_per_part * kSegmentChunk;
+  const int begin = min(int(blockIdx.y / 2) * span, n), end = min(begin + span, n);
+  if (begin == end) return;  // (block-uniform)
   const int64_t q_chunks = (p.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
   const int64_t kv_chunks = (p.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
   for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
-    find_runs(p.q_ids + b * p.seqlen_q, p.seqlen_q, tile, p.q_meta + b * q_chunks * 4, &q_side);
-    find_runs(p.kv_ids + b * p.seqlen_k, p.seqlen_k, tile, p.kv_meta + b * kv_chunks * 4, &kv_side);
+    find_runs(p.q_ids + b * p.seqlen_q, p.seqlen_q, tile, keys ? nullptr : p.q_meta + b * q_chunks * 4, begin, end,
+              &q_side);
+    find_runs(p.kv_ids + b * p.seqlen_k, p.seqlen_k, tile, keys ? p.kv_meta + b * kv_chunks * 4 : nullptr, begin, end,
+              &kv_side);
     bool exact = q_side.count <= kMaxSegmentRuns && kv_side.count <= kMaxSegmentRuns;  // block-uniform
     if (exact) {
       const bool q_ok = match_runs(&q_side, kv_side);
       const bool kv_ok = match_runs(&kv_side, q_side);
       exact = q_ok && kv_ok;
     }
-    write_runs(p.seqlen_q, q_side, exact, p.q_runs + b * p.seqlen_q * 2);
-    write_runs(p.seqlen_k, kv_side, exact, p.kv_runs + b * p.seqlen_k * 2);
+    if (keys) {
+      write_runs(begin, end, kv_side, exact, p.kv_runs + b * p.seqlen_k * 2);
+    } else {
+      write_runs(begin, end, q_side, exact, p.q_runs + b * p.seqlen_q * 2);
+    }
     __syncthreads();  // shared memory is reused by the next batch element
   }
 }
@@ -271,7 +306,14 @@ cudaError_t RunSegmentOperands(const SegmentOperandsParams& p, cudaStream_t stre
   constexpr int kRunsSmem = (2 * (4 * kMaxSegmentRuns + 1) + kRunsTile) * int(sizeof(int32_t));
   if (cudaError_t e = ensure_smem_limit<segment_runs_kernel>(kRunsSmem); e != cudaSuccess) return e;
   const int batch_blocks = int(p.batch < 65535 ? p.batch : 65535);
-  segment_runs_kernel<<<batch_blocks, kRunsThreads, kRunsSmem, stream>>>(p);
+  int slots = 0;
+  if (cudaError_t e = resident_ctas<segment_runs_kernel>(kRunsThreads, kRunsSmem, &slots); e != cudaSuccess) return e;
+  const int longest = p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k;
+  int parts = ceil_div(slots, 2 * int64_t(batch_blocks));
+  parts = parts < kMaxRunsParts ? parts : kMaxRunsParts;
+  parts = parts < ceil_div(longest, kRunsPartMin) ? parts : ceil_div(longest, kRunsPartMin);
+  parts = parts > 1 ? parts : 1;
+  segment_runs_kernel<<<dim3(batch_blocks, 2 * parts), kRunsThreads, kRunsSmem, stream>>>(p, parts);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   const int chunks = ceil_div(p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k, kSegmentChunk);
   if (chunks == 0) return cudaSuccess;
