@@ -340,6 +340,27 @@ def test_mixed_policies_many_tiles_per_cta():
     np.testing.assert_array_equal(together, alone)
 
 
+def test_policy_of_batch_elements_past_the_cta_threads():
+    """More batch elements than a forward CTA has threads (the sm_90a grids of one segment policy ask one batch
+    element per thread whether to run at all), where only the last one takes the ids path and the first the runs:
+    every batch element's output equals its call alone."""
+    rng = np.random.default_rng(9)
+    b, t, n, h = 400, 16, 1, 64
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, h)), DTYPE) for _ in range(3))
+    ids = np.repeat(np.repeat([[1, 2]], 8, axis=1), b, axis=0)  # runs
+    ids[-1] = np.tile([1, 2], 8)  # id 1 in several runs: not runs, the ids path
+    ids = jnp.asarray(ids, jnp.int32)
+    f = jax.jit(lambda q, k, v, ids: jax_flash.dot_product_attention(q, k, v, q_segment_ids=ids))
+    together = np.asarray(f(q, k, v, ids), np.float32)
+    for i in (0, b - 1):
+        alone = np.asarray(f(q[i:i + 1], k[i:i + 1], v[i:i + 1], ids[i:i + 1]), np.float32)
+        np.testing.assert_array_equal(together[i:i + 1], alone)
+    last = [np.asarray(x[-1:], np.float64) for x in (q, k, v)]
+    vis = visible_mask(t, t, q_segment_ids=np.asarray(ids[-1:]), kv_segment_ids=np.asarray(ids[-1:]))
+    want = numpy_attention_fwd_bwd(*last, np.zeros_like(last[0]), vis)[0]
+    np.testing.assert_allclose(together[-1:], want, atol=2e-3 if ON_GPU else 2e-5, rtol=2e-3 if ON_GPU else 2e-5)
+
+
 def test_no_query_rows():
     """Segment ids with no query rows (Sq = 0): an empty output and zero dK, dV."""
     k = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 2, 32)), DTYPE)

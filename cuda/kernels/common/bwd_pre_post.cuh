@@ -18,82 +18,57 @@ inline constexpr int kPreprocessThreads = 256;
 
 // Threads per row of the preprocess: 16-byte loads of 8 elements, 128 columns per pass (two rows per warp).
 inline constexpr int kPreprocessLanesPerRow = 16;
-// Rows per group of kPreprocessLanesPerRow threads, their loads in flight together: with one row at a time (two
-// 16-byte loads per thread) the preprocess moved its bytes at ~3.8 TB/s on an H200 (NOTES, session 39).
-inline constexpr int kPreprocessRowsPerGroup = 4;
 
-// The row statistics of (b, h, i) for every padded row (seqlen_q_rounded), kPreprocessLanesPerRow threads a row and
-// kPreprocessRowsPerGroup rows per group of them: lse * log2(e) and dsum = sum_d dO[b, i, h, d] * O[b, i, h, d]; both
-// 0 in the padding rows i >= seqlen_q. The same threads zero the row's head_dim_rounded floats of the (b, h) dq_accum
-// slab (whatever order the main kernel adds in, the rows' segments tile the slab): one pass instead of a memset
-// before it. Without deterministic dQ, thread 0 also zeroes dq_semaphore's first int: the persistent sm_90a
-// backward's work counter (sm90/tile_scheduler_bwd.cuh), unused by the other backward kernels.
+// The row statistics of (b, h, i) for every padded row (seqlen_q_rounded), kPreprocessLanesPerRow threads a row:
+// lse * log2(e) and dsum = sum_d dO[b, i, h, d] * O[b, i, h, d]; both 0 in the padding rows i >= seqlen_q. The
+// same threads zero the row's head_dim_rounded floats of the (b, h) dq_accum slab (whatever order the main kernel
+// adds in, the rows' segments tile the slab): one pass instead of a memset before it. Without deterministic dQ,
+// thread 0 also zeroes dq_semaphore's first int: the persistent sm_90a backward's work counter
+// (sm90/tile_scheduler_bwd.cuh), unused by the other backward kernels.
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
   constexpr int kLanes = kPreprocessLanesPerRow;
-  constexpr int kRows = kPreprocessRowsPerGroup;
   constexpr int kElems = 8;  // per 16-byte load; head_dim is a multiple of 8
   // Flattened [b, h, i]: neighbouring rows read lse and write their statistics next to each other.
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
-  const int64_t row0 = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kLanes * kRows;
+  const int64_t row = (int64_t(blockIdx.x) * kPreprocessThreads + threadIdx.x) / kLanes;
   const int sub = threadIdx.x % kLanes;
+  const bool valid = row < rows;  // every thread reaches the shuffles below
   if (!p.deterministic && p.dq_semaphore != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.dq_semaphore[0] = 0;
-  int i[kRows], h[kRows], b[kRows];
-  bool valid[kRows], real[kRows];  // a padded row of the call; a row below seqlen_q
-  const T* o[kRows];
-  const T* dout[kRows];
-  float acc[kRows], lse_log2[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int64_t row = row0 + r;
-    valid[r] = row < rows;  // every thread reaches the shuffles below
-    i[r] = int(row % p.seqlen_q_rounded);
-    h[r] = int(row / p.seqlen_q_rounded % p.heads_q);
-    b[r] = int(row / p.seqlen_q_rounded / p.heads_q);
-    real[r] = valid[r] && i[r] < p.seqlen_q;
-    const int64_t off = (int64_t(b[r]) * p.seqlen_q + i[r]) * p.q_row_stride() + int64_t(h[r]) * p.head_dim;
-    o[r] = static_cast<const T*>(p.o) + off;
-    dout[r] = static_cast<const T*>(p.dout) + off;
-    acc[r] = 0.f;
-    // First: its latency hides below.
-    lse_log2[r] = real[r] ? p.lse[(int64_t(b[r]) * p.heads_q + h[r]) * p.seqlen_q + i[r]] * kLog2e : 0.f;
-  }
-  for (int d = sub * kElems; d < p.head_dim; d += kLanes * kElems) {
-    uint4 ov[kRows], dv[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {  // every row's loads in flight before any is used
-      ov[r] = dv[r] = make_uint4(0u, 0u, 0u, 0u);
-      if (real[r]) {
-        ov[r] = *reinterpret_cast<const uint4*>(o[r] + d);
-        dv[r] = *reinterpret_cast<const uint4*>(dout[r] + d);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const uint32_t ow[4] = {ov[r].x, ov[r].y, ov[r].z, ov[r].w}, dw[4] = {dv[r].x, dv[r].y, dv[r].z, dv[r].w};
+  const int i = int(row % p.seqlen_q_rounded);
+  const int h = int(row / p.seqlen_q_rounded % p.heads_q);
+  const int b = int(row / p.seqlen_q_rounded / p.heads_q);
+  float acc = 0.f;
+  float lse_log2 = 0.f;
+  if (valid && i < p.seqlen_q) {
+    lse_log2 = p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + i] * kLog2e;  // first: its latency hides below
+    const int64_t off = (int64_t(b) * p.seqlen_q + i) * p.q_row_stride() + int64_t(h) * p.head_dim;
+    const T* o = static_cast<const T*>(p.o) + off;
+    const T* dout = static_cast<const T*>(p.dout) + off;
+    for (int d = sub * kElems; d < p.head_dim; d += kLanes * kElems) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + d);
+      const uint4 dv = *reinterpret_cast<const uint4*>(dout + d);
+      const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         const float2 a = ET::unpack(ow[w]);
         const float2 c = ET::unpack(dw[w]);
-        acc[r] += a.x * c.x + a.y * c.y;
+        acc += a.x * c.x + a.y * c.y;
       }
     }
   }
+  if (valid) {
+    float4* accum = reinterpret_cast<float4*>(p.dq_accum_of(b, h) + int64_t(i) * p.head_dim_rounded);
+    for (int c = sub; c < p.head_dim_rounded / 4; c += kLanes) accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (valid[r]) {
-      float4* accum = reinterpret_cast<float4*>(p.dq_accum_of(b[r], h[r]) + int64_t(i[r]) * p.head_dim_rounded);
-      for (int c = sub; c < p.head_dim_rounded / 4; c += kLanes) accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int lane_mask = kLanes / 2; lane_mask > 0; lane_mask /= 2) {
-      acc[r] += __shfl_xor_sync(0xffffffff, acc[r], lane_mask);
-    }
-    if (valid[r] && sub == 0) {
-      p.lse_log2_of(b[r], h[r])[i[r]] = lse_log2[r];
-      p.dsum_of(b[r], h[r])[i[r]] = acc[r];
-    }
+  for (int lane_mask = kLanes / 2; lane_mask > 0; lane_mask /= 2) {
+    acc += __shfl_xor_sync(0xffffffff, acc, lane_mask);
+  }
+  if (valid && sub == 0) {
+    p.lse_log2_of(b, h)[i] = lse_log2;
+    p.dsum_of(b, h)[i] = acc;
   }
 }
 
@@ -200,9 +175,8 @@ cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, Launc
   }
   if (q_elems > 0) {
     const int64_t rows = int64_t(p.batch) * p.seqlen_q_rounded * p.heads_q;
-    const int64_t groups = (rows + kPreprocessRowsPerGroup - 1) / kPreprocessRowsPerGroup;
     flash_bwd_preprocess_kernel<T>
-        <<<ceil_div(groups * kPreprocessLanesPerRow, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
+        <<<ceil_div(rows * kPreprocessLanesPerRow, kPreprocessThreads), kPreprocessThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (p.seqlen_k > 0) {

@@ -44,16 +44,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const Mainloop mainloop{p, smem};
   const int tid = threadIdx.x;
 
-  // Calls fn(tile, next) for each tile of this CTA in order, next() giving the tile the CTA's walk reaches after it
-  // (b = -1: none; it may be the other policy's, which this CTA then steps over): every unit c, c + gridDim.x, ...
-  // when persistent, else the one unit blockIdx.x (the grid then has a CTA per unit). Tiles of batch elements that
-  // take the other segment policy are the other grid's: a persistent CTA asks once per batch element and steps over
-  // the rest of one it does not take (walked unit by unit, the index arithmetic of every tile cost the grid that
-  // takes none ~18 us at 4 x 8192 x 16 x 128 on an H200).
-  auto next_tile = [&](int u, int k) {
-    if (k + 1 < sched.tiles(u)) return sched.tile(u, k + 1);
-    return int64_t(u) + gridDim.x < sched.units ? sched.tile(u + int(gridDim.x), 0) : FwdTile{0, 0, -1};
-  };
+  // Calls fn(tile) for each tile of this CTA in order: every unit c, c + gridDim.x, ... when persistent, else the
+  // one unit blockIdx.x (the grid then has a CTA per unit). Tiles of batch elements that take the other segment
+  // policy are the other grid's: a persistent CTA asks once per batch element and steps over the rest of one it does
+  // not take (walked unit by unit, the index arithmetic of every tile cost the grid that takes none ~18 us at
+  // 4 x 8192 x 16 x 128 on an H200).
   auto for_each_tile = [&](auto&& fn) {
     if constexpr (Traits::kPersistent) {
       [[maybe_unused]] int asked_b = -1;
@@ -72,22 +67,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             continue;
           }
         }
-        for (int k = 0; k < sched.tiles(u); ++k) fn(sched.tile(u, k), [&] { return next_tile(u, k); });
+        for (int k = 0; k < sched.tiles(u); ++k) fn(sched.tile(u, k));
       }
     } else {
       for (int k = 0; k < sched.tiles(blockIdx.x); ++k) {
         const FwdTile tile = sched.tile(blockIdx.x, k);
-        if (segment_mode_takes<kSegments>(p, tile.b)) fn(tile, [] { return FwdTile{0, 0, -1}; });
+        if (segment_mode_takes<kSegments>(p, tile.b)) fn(tile);
       }
     }
   };
 
   // A grid of one segment policy whose policy no batch element takes (every batch element's ids are runs, or none
-  // are) ends at its first barrier: thread b asks for batch element b, the load under the barriers' set-up (a
-  // batch of more elements than threads walks on; a loop over them here spilled the runs kernel's registers).
+  // are) ends at its first barrier: thread b asks for batch element b, the load under the barriers' set-up; a batch
+  // of more elements than threads never ends there (a loop over them here spilled the runs kernel's registers).
   [[maybe_unused]] bool takes_any = false;
   if constexpr (kSegments != SegmentMode::kNone) {
-    takes_any = tid < p.batch ? segment_mode_takes<kSegments>(p, tid) : p.batch > Traits::kThreads;
+    takes_any = (tid < p.batch && segment_mode_takes<kSegments>(p, tid)) || p.batch > Traits::kThreads;
   }
   if (tid == 0) {
     mainloop.init_barriers();
@@ -119,7 +114,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   typename Mainloop::Accumulators acc;
   typename Mainloop::KVState kv;  // ring position of the next key tile
   typename Mainloop::QState q;
-  for_each_tile([&](const FwdTile& tile, auto /*next*/) {
+  for_each_tile([&](const FwdTile& tile) {
     const AttentionMask mask = kernel_mask_for_batch<kSegments>(p, tile.b);
     const int m0 = tile.m_block * Traits::kBlockM;
     const int rows_valid = imin(Traits::kBlockM, p.seqlen_q - m0);

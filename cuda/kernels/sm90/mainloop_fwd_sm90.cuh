@@ -124,8 +124,7 @@ struct FwdMainloop {
     prefetch_tensor_map(tm_v);
     KVState kv;
     QState q;
-    for_each_tile([&](const FwdTile& tile, auto next) {
-      if constexpr (kSegments == SegmentMode::kRuns) prefetch_run_bounds(next());
+    for_each_tile([&](const FwdTile& tile) {
       const int m0 = tile.m_block * kBM;
       int n_begin;
       const int n_tiles = key_tiles(kernel_mask_for_batch<kSegments>(p, tile.b), m0, &n_begin);
@@ -139,20 +138,6 @@ struct FwdMainloop {
       q.advance();
       for (int i = 0; i < n_tiles; ++i, kv.advance()) load_kv_tile(tm_k, tm_v, kv, (n_begin + i) * kBN, hk, tile.b);
     });
-  }
-
-  // Runs (RunPolicy): the key bounds of tile `next`'s rows (every 128-byte line of them) and its batch element's
-  // runs flag into L1, issued by the producer as it starts the tile before: that tile's first bound loads (its
-  // key_tiles() in the producer and the consumers, the step masks) then hit L1 instead of waiting on L2 at its start
-  // (the runs forward took ~0.5 us a tile longer than the same documents as batch rows: NOTES, session 39).
-  __device__ __forceinline__ void prefetch_run_bounds(const FwdTile& next) const {
-    if (next.b < 0) return;
-    const int32_t* runs = p.q_segment_runs + int64_t(next.b) * p.seqlen_q * 2;
-    prefetch_l1(runs);  // the flag: row 0's first bound
-    const int m0 = next.m_block * kBM;
-    constexpr int kRowsPerLine = 128 / (2 * sizeof(int32_t));
-#pragma unroll
-    for (int r = 0; r <= kBM; r += kRowsPerLine) prefetch_l1(runs + 2 * imin(m0 + imin(r, kBM - 1), p.seqlen_q - 1));
   }
 
   // The producer's loads of the key tile from key n0 of kv head hk, batch element b, into ring position kv: K, then
