@@ -358,7 +358,7 @@ def test_policy_of_batch_elements_past_the_cta_threads():
     last = [np.asarray(x[-1:], np.float64) for x in (q, k, v)]
     vis = visible_mask(t, t, q_segment_ids=np.asarray(ids[-1:]), kv_segment_ids=np.asarray(ids[-1:]))
     want = numpy_attention_fwd_bwd(*last, np.zeros_like(last[0]), vis)[0]
-    np.testing.assert_allclose(together[-1:], want, atol=2e-3 if ON_GPU else 2e-5, rtol=2e-3 if ON_GPU else 2e-5)
+    np.testing.assert_allclose(together[-1:], want, atol=2e-2 if ON_GPU else 2e-5, rtol=1e-2 if ON_GPU else 2e-5)
 
 
 def test_no_query_rows():
