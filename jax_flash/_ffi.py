@@ -139,8 +139,9 @@ def segment_operands(q_segment_ids, kv_segment_ids):
       (packed documents, whole or in parts: sharding, ring attention, prefill chunks), and with at most
       MAX_SEGMENT_RUNS runs of equal ids per side, takes these as an interval mask: no per-tile id tests. Any other
       batch element gets -1 in every entry of both and takes the ids with the metadata.
-    Cost: on a GPU two small kernels (a block per batch element for the runs, a thread per 16-position chunk for the
-    metadata, whose work grows as (T / 16) x (S / 16)); on the CPU one pass per batch element.
+    Cost: on a GPU two small kernels (blocks of a batch element, a side and a part of its positions for the runs,
+    each finding both sides' runs and writing its part; a thread per 16-position chunk for the metadata, whose work
+    grows as (T / 16) x (S / 16)); on the CPU one pass per batch element.
     """
     lead = q_segment_ids.shape[:-1]
     t, s = q_segment_ids.shape[-1], kv_segment_ids.shape[-1]
