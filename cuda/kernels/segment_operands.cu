@@ -3,6 +3,7 @@
 // metadata's hulls. Same results as cpu::SegmentOperands.
 #include "kernels/segment_operands_launch.h"
 
+#include <algorithm>
 #include <climits>
 
 #include "kernels/common/launch_utils.h"
@@ -304,18 +305,17 @@ __global__ void __launch_bounds__(kMetaThreads) segment_meta_kernel(SegmentOpera
 cudaError_t RunSegmentOperands(const SegmentOperandsParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
   constexpr int kRunsSmem = (2 * (4 * kMaxSegmentRuns + 1) + kRunsTile) * int(sizeof(int32_t));
+  static_assert(kRunsSmem <= 101376, "the runs kernel's shared memory fits every sm_80-class GPU's opt-in (sm_86/89)");
   if (cudaError_t e = ensure_smem_limit<segment_runs_kernel>(kRunsSmem); e != cudaSuccess) return e;
-  const int batch_blocks = int(p.batch < 65535 ? p.batch : 65535);
+  const int batch_blocks = int(std::min<int64_t>(p.batch, 65535));
   int slots = 0;
   if (cudaError_t e = resident_ctas<segment_runs_kernel>(kRunsThreads, kRunsSmem, &slots); e != cudaSuccess) return e;
-  const int longest = p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k;
-  int parts = ceil_div(slots, 2 * int64_t(batch_blocks));
-  parts = parts < kMaxRunsParts ? parts : kMaxRunsParts;
-  parts = parts < ceil_div(longest, kRunsPartMin) ? parts : ceil_div(longest, kRunsPartMin);
-  parts = parts > 1 ? parts : 1;
+  const int longest = std::max(p.seqlen_q, p.seqlen_k);
+  const int parts = std::max(1, std::min({ceil_div(slots, 2 * int64_t(batch_blocks)), kMaxRunsParts,
+                                          ceil_div(longest, kRunsPartMin)}));
   segment_runs_kernel<<<dim3(batch_blocks, 2 * parts), kRunsThreads, kRunsSmem, stream>>>(p, parts);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  const int chunks = ceil_div(p.seqlen_q > p.seqlen_k ? p.seqlen_q : p.seqlen_k, kSegmentChunk);
+  const int chunks = ceil_div(longest, kSegmentChunk);
   if (chunks == 0) return cudaSuccess;
   segment_meta_kernel<<<dim3(ceil_div(chunks, 32), batch_blocks, 2), kMetaThreads, 0, stream>>>(p);
   return cudaGetLastError();
