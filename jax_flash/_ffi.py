@@ -159,8 +159,9 @@ def segment_operands(q_segment_ids, kv_segment_ids):
 def _placeholder(lead, dtype):
     """A one-element-per-batch-element stand-in of shape (*lead, 1) for an absent optional operand (never read;
     zero-size operands crash XLA:CPU inside an eager shard_map). A numpy array, so that it enters the program as a
-    constant rather than as a kernel that fills it on every call."""
-    return np.zeros((*lead, 1), dtype)
+    constant rather than as a kernel that fills it on every call, and not of one value: XLA turns a constant of
+    equal elements into a broadcast, which runs as a kernel of its own before the call."""
+    return np.arange(math.prod(lead), dtype=dtype).reshape(*lead, 1)
 
 
 def _segment_operands(q, k, q_segment_ids, kv_segment_ids):

@@ -3,6 +3,7 @@ calls."""
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,16 @@ def test_gradient_hlo_has_both_calls():
 def test_compiled_cpu_executable_calls_the_target():
     text = jax.jit(attend).lower(*inputs()).compile().as_text()
     assert "jax_flash_fwd" in text
+
+
+def test_absent_operands_cost_no_kernel():
+    """The stand-ins for absent sinks and segment ids, shape (batch, 1), enter the compiled program as constants:
+    not as broadcasts, which XLA makes of a constant of equal elements and runs as kernels before every call."""
+    grad = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)), argnums=(0, 1, 2))
+    for fn in (attend, grad):
+        text = jax.jit(fn).lower(*inputs()).compile().as_text()
+        made = re.findall(r"= ([fs]32\[2,1\])\S* (fusion|broadcast)\(", text)
+        assert not made, made
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
