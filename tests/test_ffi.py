@@ -57,10 +57,12 @@ def test_compiled_cpu_executable_calls_the_target():
 
 
 def test_absent_operands_cost_no_kernel():
-    """The stand-ins for absent sinks and segment ids, shape (batch, 1), enter the compiled program as constants:
-    not as broadcasts, which XLA makes of a constant of equal elements and runs as kernels before every call."""
+    """The stand-ins for absent sinks, segment ids and page tables, shape (batch, 1), enter the compiled program as
+    constants: not as broadcasts, which XLA makes of a constant of equal elements and runs as kernels before every
+    call."""
     grad = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)), argnums=(0, 1, 2))
-    for fn in (attend, grad):
+    decode = lambda q, k, v: jax_flash.decode_attention(q[:, :1], k, v, jnp.array([5, 12], jnp.int32))  # noqa: E731
+    for fn in (attend, grad, decode):
         text = jax.jit(fn).lower(*inputs()).compile().as_text()
         made = re.findall(r"= ([fs]32\[2,1\])\S* (fusion|broadcast)\(", text)
         assert not made, made
