@@ -358,6 +358,16 @@ def _dtype_of(x):
     return np.dtype(dtype if dtype is not None else np.asarray(x).dtype)
 
 
+def _full_lengths(batch: int, seqlen: int) -> np.ndarray:
+    """The lengths of a call given none: every row (key) valid. The kernels clamp lengths to [0, seqlen] and the
+    fallbacks compare positions below them, so seqlen, seqlen + 1, ... mean the same as seqlen for each batch element,
+    and a numpy constant of distinct values stays a constant in the program: XLA turns one of equal elements into a
+    broadcast, a kernel before every call (as _ffi._placeholder's stand-ins)."""
+    if seqlen + batch > np.iinfo(np.int32).max:
+        return np.full((batch,), seqlen, np.int32)
+    return np.arange(seqlen, seqlen + batch, dtype=np.int32)
+
+
 def _check_segment_ids(q_segment_ids, kv_segment_ids, query, key):
     """(q ids, kv ids) as int32 arrays [B, T], [B, S] ([T], [S] for rank-3 inputs), or (None, None)."""
     if q_segment_ids is None:
@@ -593,8 +603,8 @@ def dot_product_attention(
         empty = -jnp.inf if sinks is None else sinks.astype(q.dtype)  # the sink alone
         lse = jnp.broadcast_to(jnp.asarray(empty, q.dtype), q.shape[:-1])
     else:
-        q_lens = jnp.full((batch,), seqlen_q, jnp.int32) if q_lens is None else jnp.clip(q_lens, 0, seqlen_q)
-        kv_lens = jnp.full((batch,), seqlen_k, jnp.int32) if kv_lens is None else jnp.clip(kv_lens, 0, seqlen_k)
+        q_lens = _full_lengths(batch, seqlen_q) if q_lens is None else jnp.clip(q_lens, 0, seqlen_q)
+        kv_lens = _full_lengths(batch, seqlen_k) if kv_lens is None else jnp.clip(kv_lens, 0, seqlen_k)
         kernel_window = None
         if window is not None:
             window = tuple(min(w, seqlen_q + seqlen_k) for w in window)

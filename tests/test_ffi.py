@@ -57,15 +57,18 @@ def test_compiled_cpu_executable_calls_the_target():
 
 
 def test_absent_operands_cost_no_kernel():
-    """The stand-ins for absent sinks, segment ids and page tables, shape (batch, 1), enter the compiled program as
-    constants: not as broadcasts, which XLA makes of a constant of equal elements and runs as kernels before every
-    call."""
+    """The stand-ins for absent sinks, segment ids and page tables, shape (batch, 1), and the lengths of a call given
+    none, shape (batch,), enter the compiled program as constants: not as broadcasts, which XLA makes of a constant
+    of equal elements and runs as kernels before every call. (The zero offsets, which the kernels read, stay one.)"""
     grad = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)), argnums=(0, 1, 2))
     decode = lambda q, k, v: jax_flash.decode_attention(q[:, :1], k, v, jnp.array([5, 12], jnp.int32))  # noqa: E731
     for fn in (attend, grad, decode):
         text = jax.jit(fn).lower(*inputs()).compile().as_text()
         made = re.findall(r"= ([fs]32\[2,1\])\S* (fusion|broadcast)\(", text)
         assert not made, made
+        if fn is not decode:  # the lengths (9 and 12 rows, 12 keys) and the offsets: one broadcast, the offsets'
+            made = re.findall(r"= (s32\[2\])\S* (fusion|broadcast)\((%constant[.\d]*)\)", text)
+            assert len(made) <= 1, made
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
