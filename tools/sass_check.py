@@ -1,0 +1,159 @@
+"""Static checks of the sm_90a kernels' machine code, on a machine without a GPU (nvcc, and cuobjdump + nvdisasm on
+the PATH or in $CUDA_BIN; PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels hold them).
+
+    python3 tools/sass_check.py compile cuda/kernels/sm90/flash_sm90_hdim128.cu /tmp/new.o   # + /tmp/new.o.log
+    python3 tools/sass_check.py compare /tmp/base.o /tmp/new.o [--filter REGEX]
+    python3 tools/sass_check.py spills /tmp/base.o.log /tmp/new.o.log
+    python3 tools/sass_check.py waits /tmp/new.o REGEX
+
+compile: one translation unit with the project's CUDA flags (CMakeLists.txt) and ptxas -v, the log beside the object.
+compare: per kernel (demangled), instruction and LDG counts of two objects and whether the code is the same (branch
+targets ignored): a change meant for some kernels leaves the others identical, which needs no GPU to confirm.
+spills: per kernel, registers and spill bytes from two compile logs, the kernels that differ marked.
+waits: for each kernel matching REGEX, the wgmma issues and waits in order with the MUFU operations (EX2, TANH)
+between them: where the assembler placed a softmax against the products it is meant to overlap (NOTES, session 40).
+"""
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+CUDA_FLAGS = ["-std=c++17", "-O3", "--use_fast_math", "-Xptxas=-warn-spills", "-Xptxas=-v", "--expt-relaxed-constexpr",
+              "-lineinfo", "-gencode=arch=compute_90a,code=sm_90a", "-DJAX_FLASH_SM90A=1"]
+
+
+def _tool(name):
+    path = os.path.join(os.environ["CUDA_BIN"], name) if "CUDA_BIN" in os.environ else shutil.which(name)
+    if not path or not os.path.exists(path):
+        sys.exit(f"sass_check: {name} not found (put it on the PATH or set CUDA_BIN)")
+    return path
+
+
+def _demangle(names):
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    short = []
+    for name in out.split("\n")[:len(names)]:
+        name = name.replace("jax_flash::cuda::sm90::", "").replace("jax_flash::cuda::", "").replace("jax_flash::", "")
+        short.append(re.sub(r"\(FlashParams.*", "", name))
+    return short
+
+
+def sass(obj):
+    """{demangled kernel: [instructions]} of an object file."""
+    env = dict(os.environ, PATH=os.path.dirname(_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
+    text = subprocess.run([_tool("cuobjdump"), "-sass", obj], capture_output=True, text=True, check=True,
+                          env=env).stdout
+    funcs, current = {}, None
+    for line in text.split("\n"):
+        m = re.match(r"\s+Function : (\S+)", line)
+        if m:
+            current = m.group(1)
+            funcs[current] = []
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m and current:
+            funcs[current].append(re.sub(r"\s+", " ", m.group(1)).strip())
+    return dict(zip(_demangle(list(funcs)), funcs.values()))
+
+
+def _opcode(ins):
+    words = ins.split()
+    return words[1] if words[0].startswith("@") else words[0]
+
+
+def compile_tu(args):
+    log = args.out + ".log"
+    cmd = ["nvcc", *CUDA_FLAGS, "-Icuda", "-c", args.source, "-o", args.out]
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    print(f"{' '.join(cmd)}\n-> rc {rc}, log {log}")
+    return rc
+
+
+def compare(args):
+    a, b = sass(args.a), sass(args.b)
+    same = 0
+    for name in sorted(set(a) | set(b)):
+        if args.filter and not re.search(args.filter, name):
+            continue
+        x, y = a.get(name, []), b.get(name, [])
+        norm = lambda ins: [re.sub(r"0x[0-9a-f]+", "X", i) for i in ins]  # noqa: E731
+        if norm(x) == norm(y):
+            same += 1
+            continue
+        ldg = lambda ins: sum("LDG" in i for i in ins)  # noqa: E731
+        print(f"{len(x):7d} {len(y):7d} {len(y) - len(x):+6d}  LDG {ldg(x):4d} -> {ldg(y):4d}  {name[:150]}")
+    print(f"{same} kernels identical")
+
+
+def _ptxas_log(path):
+    out, fn = {}, None
+    for line in open(path):
+        m = re.search(r"Compiling entry function '(\S+)'", line) or re.search(r"Function properties for (\S+)", line)
+        if m:
+            fn = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and fn:
+            out.setdefault(fn, {})["spill"] = f"{m.group(1)}/{m.group(2)}"
+        m = re.search(r"Used (\d+) registers", line)
+        if m and fn:
+            out.setdefault(fn, {})["regs"] = m.group(1)
+    return out
+
+
+def spills(args):
+    a, b = _ptxas_log(args.a), _ptxas_log(args.b)
+    names = sorted(set(a) | set(b))
+    for mangled, name in zip(names, _demangle(names)):
+        if "kernel" not in name:
+            continue
+        x, y = a.get(mangled, {}), b.get(mangled, {})
+        mark = "  *" if x != y else ""
+        print(f"{x.get('regs', '-'):>4} {x.get('spill', '-'):>9} | {y.get('regs', '-'):>4} {y.get('spill', '-'):>9}"
+              f"{mark} {name[:150]}")
+
+
+def waits(args):
+    for name, ins in sass(args.obj).items():
+        if not re.search(args.regex, name):
+            continue
+        print(name[:160], len(ins))
+        prev = 0
+        for i, x in enumerate(ins):
+            if "WARPGROUP.DEPBAR" in x or ("HGMMA" in x and "gsb0" in x):
+                ops = collections.Counter(_opcode(y) for y in ins[prev:i])
+                print(f"  {i:6d} {x[:48]:48s} EX2 {ops['MUFU.EX2']:3d}  TANH {ops['MUFU.TANH']:3d}  "
+                      f"({i - prev} instructions before)")
+                prev = i + 1
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("compile")
+    p.add_argument("source")
+    p.add_argument("out")
+    p.set_defaults(fn=compile_tu)
+    p = sub.add_parser("compare")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--filter")
+    p.set_defaults(fn=compare)
+    p = sub.add_parser("spills")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(fn=spills)
+    p = sub.add_parser("waits")
+    p.add_argument("obj")
+    p.add_argument("regex")
+    p.set_defaults(fn=waits)
+    args = parser.parse_args()
+    sys.exit(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    main()
