@@ -134,23 +134,12 @@ def waits(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("compile")
-    p.add_argument("source")
-    p.add_argument("out")
-    p.set_defaults(fn=compile_tu)
-    p = sub.add_parser("compare")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--filter")
-    p.set_defaults(fn=compare)
-    p = sub.add_parser("spills")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.set_defaults(fn=spills)
-    p = sub.add_parser("waits")
-    p.add_argument("obj")
-    p.add_argument("regex")
-    p.set_defaults(fn=waits)
+    for name, fn, params in (("compile", compile_tu, ("source", "out")), ("compare", compare, ("a", "b", "--filter")),
+                             ("spills", spills, ("a", "b")), ("waits", waits, ("obj", "regex"))):
+        p = sub.add_parser(name)
+        for param in params:
+            p.add_argument(param)
+        p.set_defaults(fn=fn)
     args = parser.parse_args()
     sys.exit(args.fn(args) or 0)
 
