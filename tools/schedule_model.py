@@ -9,13 +9,16 @@ inside each head, heads one after another: the backward's grid, and the d256 for
 blocks slowest over all heads, HeavyFirstOrder's groups of about --group-units units
 (`cuda/kernels/sm90/tile_scheduler_fwd.cuh`, the d256 causal forward with >= 16 query blocks per head), and the
 persistent backward's causal order (`tile_scheduler_bwd.cuh`: blocks fastest, but the last heads, about
---tail-waves units per SM, blocks slowest). The persistent backward takes units from a counter, which the same
-list scheduling models (a CTA takes the next unit when it is done with one).
+--tail-waves units per SM, blocks slowest), and that tail sorted heaviest first (the ordered tail of a call with
+segment ids). The persistent backward takes units from a counter, which the same list scheduling models (a CTA
+takes the next unit when it is done with one). --docs N (backward, causal): every sequence packed from N equal
+documents (segment ids), each key block seeing the query tiles of its own document only.
 A model, not a measurement: it ignores per-SM speed differences, L2 effects and the dispatch's own latency; its
 backward gains (+23..26 % for causal GQA) did not show on the H100 (session 10 A/B, NOTES.md), so the backward
 kept its grid.
 
     python3 tools/schedule_model.py bwd 2x4096x32/8c 4x4096x16c 1x16384x16
+    python3 tools/schedule_model.py bwd 4x8192x16c --docs 8
     python3 tools/schedule_model.py fwd 4x4096x8c 2x8192x8c
 """
 import argparse
@@ -49,19 +52,23 @@ def tail_order(blocks, heads, sms, waves):
     return head + [(j, h) for j in range(blocks) for h in range(heads - tail, heads)]
 
 
-def model(direction, batch, seqlen, heads_q, heads_kv, causal, sms, overhead, group_units, tail_waves):
+def model(direction, batch, seqlen, heads_q, heads_kv, causal, sms, overhead, group_units, tail_waves, docs=1):
     if direction == "bwd":  # rank j = key block j; query tiles of 64 rows from the block's first key on
         blocks, heads, per_head = -(-seqlen // 128), batch * heads_kv, heads_q // heads_kv
-        tiles = lambda j: per_head * ((-(-seqlen // 64)) - (2 * j if causal else 0))
+        doc_blocks = -(-blocks // docs)  # key blocks per document (query tiles to its end)
+        tiles = lambda j: per_head * (2 * doc_blocks - (2 * (j % doc_blocks) if causal else 0))
     else:  # rank j = query block blocks - 1 - j; key tiles of 64 keys up to the block's last row
         blocks, heads = -(-seqlen // 128), batch * heads_q
         tiles = lambda j: 2 * (blocks - j) if causal else 2 * blocks
     work = {(j, h): tiles(j) + overhead for j in range(blocks) for h in range(heads)}
     blocks_fastest = [(j, h) for h in range(heads) for j in range(blocks)]
     blocks_slowest = [(j, h) for j in range(blocks) for h in range(heads)]
+    tail = tail_order(blocks, heads, sms, tail_waves)
+    head = (heads - (min(heads, -(-tail_waves * sms // blocks)) if blocks > 1 else 0)) * blocks  # as tail_order
+    sorted_tail = tail[:head] + sorted(tail[head:], key=lambda u: -work[u])  # stable: ties in tail order
     return (makespan(work, blocks_fastest, sms), makespan(work, blocks_slowest, sms),
-            makespan(work, heavy_first(blocks, heads, group_units), sms),
-            makespan(work, tail_order(blocks, heads, sms, tail_waves), sms), sum(work.values()) / sms)
+            makespan(work, heavy_first(blocks, heads, group_units), sms), makespan(work, tail, sms),
+            makespan(work, sorted_tail, sms), sum(work.values()) / sms)
 
 
 def main():
@@ -72,9 +79,10 @@ def main():
     parser.add_argument("--overhead", type=float, default=3.0, help="per-CTA overhead in tiles")
     parser.add_argument("--group-units", type=int, default=512, help="HeavyFirstOrder's kHeavyFirstGroupUnits")
     parser.add_argument("--tail-waves", type=int, default=3, help="BwdTileScheduler::kTailWaves (kTailWavesGrouped with grouped query heads)")
+    parser.add_argument("--docs", type=int, default=1, help="backward: equal documents packed per sequence")
     args = parser.parse_args()
     print(f"{'shape':<14} {'blocks fastest':>14} {'blocks slowest':>14} {'heavy-first':>11} {'tail':>8} "
-          f"{'ideal':>8} {'gain':>6} {'tail gain':>9}")
+          f"{'sorted tail':>11} {'ideal':>8} {'gain':>6} {'tail gain':>9}")
     for shape in args.shapes:
         m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:/(\d+))?(c?)", shape)
         if not m:
@@ -83,10 +91,11 @@ def main():
         hkv = int(m[4]) if m[4] else hq
         if hq % hkv:
             parser.error(f"shape {shape!r}: Hq must be a multiple of Hkv")
-        old, slowest, grouped, tail, ideal = model(args.direction, b, s, hq, hkv, bool(m[5]), args.sms,
-                                                   args.overhead, args.group_units, args.tail_waves)
-        print(f"{shape:<14} {old:>14.0f} {slowest:>14.0f} {grouped:>11.0f} {tail:>8.0f} {ideal:>8.0f} "
-              f"{100 * (old / grouped - 1):>5.1f}% {100 * (old / tail - 1):>8.1f}%")
+        old, slowest, grouped, tail, sorted_tail, ideal = model(args.direction, b, s, hq, hkv, bool(m[5]), args.sms,
+                                                                args.overhead, args.group_units, args.tail_waves,
+                                                                args.docs)
+        print(f"{shape:<14} {old:>14.0f} {slowest:>14.0f} {grouped:>11.0f} {tail:>8.0f} {sorted_tail:>11.0f} "
+              f"{ideal:>8.0f} {100 * (old / grouped - 1):>5.1f}% {100 * (old / tail - 1):>8.1f}%")
 
 
 if __name__ == "__main__":
