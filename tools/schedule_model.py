@@ -45,9 +45,14 @@ def heavy_first(blocks, heads, group_units):
     return order
 
 
+def tail_heads(blocks, heads, sms, waves):
+    """The heads whose units BwdTileScheduler's causal order runs last, key block slowest."""
+    return min(heads, -(-waves * sms // blocks)) if blocks > 1 else 0
+
+
 def tail_order(blocks, heads, sms, waves):
     """(block rank, head) in BwdTileScheduler's causal order: the last heads key block slowest."""
-    tail = min(heads, -(-waves * sms // blocks)) if blocks > 1 else 0
+    tail = tail_heads(blocks, heads, sms, waves)
     head = [(j, h) for h in range(heads - tail) for j in range(blocks)]
     return head + [(j, h) for j in range(blocks) for h in range(heads - tail, heads)]
 
@@ -64,7 +69,7 @@ def model(direction, batch, seqlen, heads_q, heads_kv, causal, sms, overhead, gr
     blocks_fastest = [(j, h) for h in range(heads) for j in range(blocks)]
     blocks_slowest = [(j, h) for j in range(blocks) for h in range(heads)]
     tail = tail_order(blocks, heads, sms, tail_waves)
-    head = (heads - (min(heads, -(-tail_waves * sms // blocks)) if blocks > 1 else 0)) * blocks  # as tail_order
+    head = (heads - tail_heads(blocks, heads, sms, tail_waves)) * blocks
     sorted_tail = tail[:head] + sorted(tail[head:], key=lambda u: -work[u])  # stable: ties in tail order
     return (makespan(work, blocks_fastest, sms), makespan(work, blocks_slowest, sms),
             makespan(work, heavy_first(blocks, heads, group_units), sms), makespan(work, tail, sms),
