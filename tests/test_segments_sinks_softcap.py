@@ -315,7 +315,12 @@ def test_segment_runs():
         for q_ids, kv_ids in ((ids, ids), (part, ids), (ids, part), (rng.integers(0, 3, 40), rng.integers(0, 3, 33))):
             _, _, q_runs, kv_runs = operands(q_ids[None], kv_ids[None])
             taken += _check_runs(q_ids, kv_ids, q_runs[0], kv_runs[0])
-    assert taken >= 30  # the packings are runs
+        # One array for both sides (kv_segment_ids defaulting to q_segment_ids: one buffer for both operands, which
+        # the GPU runs kernel reads once), the same answer as two equal arrays.
+        one = jnp.asarray(ids[None], jnp.int32)
+        _, _, q_runs, kv_runs = (np.asarray(x) for x in segment_operands(one, one))
+        taken += _check_runs(ids, ids, q_runs[0], kv_runs[0])
+    assert taken >= 40  # the packings are runs
     # Leading dims: each batch element decides for itself; rank-1 ids (rank-3 inputs) work too.
     two = np.stack([packed, np.where(packed == 0, 1, packed)])  # the second: id 1 twice
     _, _, q_runs, kv_runs = operands(two, two)

@@ -160,10 +160,13 @@ def segment_ops():
     cases = [(np.stack([packed, packed[::-1]]), np.stack([packed, packed])),
              (rng.integers(0, 3, (2, 77)), rng.integers(0, 3, (2, 150))),
              (np.arange(_ffi.MAX_SEGMENT_RUNS + 5)[None], np.arange(3000)[None]),
-             (np.sort(rng.integers(0, 50, (1, 40000))), np.sort(rng.integers(0, 50, (1, 70))))]
+             (np.sort(rng.integers(0, 50, (1, 40000))), np.sort(rng.integers(0, 50, (1, 70)))),
+             (np.stack([packed, packed[::-1]]), None)]  # None: one array for both sides (the runs kernel's one-side path)
     for q_ids, kv_ids in cases:
-        out = jax.block_until_ready(_ffi.segment_operands(jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)))
-        print(f"segment_operands {q_ids.shape} {kv_ids.shape}: runs taken {(np.asarray(out[2])[:, 0, 0] >= 0).tolist()}",
+        q = jnp.asarray(q_ids, jnp.int32)
+        kv = q if kv_ids is None else jnp.asarray(kv_ids, jnp.int32)
+        out = jax.block_until_ready(_ffi.segment_operands(q, kv))
+        print(f"segment_operands {q.shape} {kv.shape}: runs taken {(np.asarray(out[2])[:, 0, 0] >= 0).tolist()}",
               flush=True)
 
 
