@@ -218,34 +218,37 @@ __device__ void write_runs(int begin, int end, const SideRuns& side, bool exact,
 __global__ void __launch_bounds__(kRunsThreads) segment_runs_kernel(SegmentOperandsParams p, int parts) {
   extern __shared__ int32_t smem[];
   constexpr int kSide = 4 * kMaxSegmentRuns + 1;
-  SideRuns q_side{smem, smem + kMaxSegmentRuns, smem + 2 * kMaxSegmentRuns + 1, smem + 3 * kMaxSegmentRuns + 1};
-  SideRuns kv_side{smem + kSide, smem + kSide + kMaxSegmentRuns, smem + kSide + 2 * kMaxSegmentRuns + 1,
-                   smem + kSide + 3 * kMaxSegmentRuns + 1};
-  int32_t* tile = smem + 2 * kSide;
   const bool keys = blockIdx.y % 2 == 1;
+  // This block's side (`mine`: its part's runs and chunk ranges are written) and the other, each in its half of the
+  // runs' shared memory.
+  auto side_at = [&](int32_t* base) {
+    return SideRuns{base, base + kMaxSegmentRuns, base + 2 * kMaxSegmentRuns + 1, base + 3 * kMaxSegmentRuns + 1};
+  };
+  SideRuns mine = side_at(smem + (keys ? kSide : 0));
+  SideRuns other = side_at(smem + (keys ? 0 : kSide));
+  int32_t* tile = smem + 2 * kSide;
   const int n = keys ? p.seqlen_k : p.seqlen_q;
+  const int other_n = keys ? p.seqlen_q : p.seqlen_k;
   const int chunks_per_part = ((n + parts - 1) / parts + kSegmentChunk - 1) / kSegmentChunk;
   const int span = chunks_per_part * kSegmentChunk;
   const int begin = min(int(blockIdx.y / 2) * span, n), end = min(begin + span, n);
   if (begin == end) return;  // (block-uniform)
-  const int64_t q_chunks = (p.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
-  const int64_t kv_chunks = (p.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
+  const int64_t chunks = (n + kSegmentChunk - 1) / kSegmentChunk;
+  // Both sides one array (the key ids default to the query ids, and XLA passes one buffer for both operands): the
+  // other side's runs are this side's, found once, and each run matches itself.
+  const bool one_array = p.q_ids == p.kv_ids && p.seqlen_q == p.seqlen_k;
   for (int64_t b = blockIdx.x; b < p.batch; b += gridDim.x) {
-    find_runs(p.q_ids + b * p.seqlen_q, p.seqlen_q, tile, keys ? nullptr : p.q_meta + b * q_chunks * 4, begin, end,
-              &q_side);
-    find_runs(p.kv_ids + b * p.seqlen_k, p.seqlen_k, tile, keys ? p.kv_meta + b * kv_chunks * 4 : nullptr, begin, end,
-              &kv_side);
-    bool exact = q_side.count <= kMaxSegmentRuns && kv_side.count <= kMaxSegmentRuns;  // block-uniform
-    if (exact) {
-      const bool q_ok = match_runs(&q_side, kv_side);
-      const bool kv_ok = match_runs(&kv_side, q_side);
-      exact = q_ok && kv_ok;
+    find_runs((keys ? p.kv_ids : p.q_ids) + b * n, n, tile, (keys ? p.kv_meta : p.q_meta) + b * chunks * 4, begin,
+              end, &mine);
+    if (!one_array) find_runs((keys ? p.q_ids : p.kv_ids) + b * other_n, other_n, tile, nullptr, 0, 0, &other);
+    const SideRuns& theirs = one_array ? mine : other;
+    bool exact = mine.count <= kMaxSegmentRuns && theirs.count <= kMaxSegmentRuns;  // block-uniform
+    if (exact) {  // both sides' intervals exact (every block of the batch element decides alike)
+      const bool mine_ok = match_runs(&mine, theirs);
+      const bool other_ok = one_array || match_runs(&other, mine);
+      exact = mine_ok && other_ok;
     }
-    if (keys) {
-      write_runs(begin, end, kv_side, exact, p.kv_runs + b * p.seqlen_k * 2);
-    } else {
-      write_runs(begin, end, q_side, exact, p.q_runs + b * p.seqlen_q * 2);
-    }
+    write_runs(begin, end, mine, exact, (keys ? p.kv_runs : p.q_runs) + b * n * 2);
     __syncthreads();  // shared memory is reused by the next batch element
   }
 }

@@ -41,6 +41,13 @@ struct FwdEpilogue {
     const int t = lane % 4;
     const int warp_row0 = cw * kWgmmaM + warp * kWarpRows;
     RowFinish fin[2];
+    auto in_interval = [&](int r, int i) {  // row i (this thread's row g + 8 r) has keys in its interval
+      if constexpr (Accumulators::kHasRowBounds) {  // (the main loop kept them)
+        return acc.row_lo[r] < acc.row_hi[r];
+      } else {
+        return mask.lo(i) < mask.hi(i);
+      }
+    };
     float* gLse = p.lse + (int64_t(tile.b) * p.heads_q + tile.h) * p.seqlen_q + m0;
     const float sink = p.sinks != nullptr ? p.sinks[int64_t(tile.b) * p.heads_q + tile.h] : -INFINITY;
 #pragma unroll
@@ -48,8 +55,7 @@ struct FwdEpilogue {
       const int row = warp_row0 + g + 8 * r;
       // With segment ids a row may see no key inside its interval: the quad's lanes pool what they saw.
       const bool seen = !mask.segments.enabled() || quad_any(acc.seen[r]);
-      fin[r] = finish_row(acc.row_max[r], quad_sum(acc.row_sum[r]), p.scale,
-                          mask.lo(m0 + row) < mask.hi(m0 + row) && seen, sink);
+      fin[r] = finish_row(acc.row_max[r], quad_sum(acc.row_sum[r]), p.scale, in_interval(r, m0 + row) && seen, sink);
       if (t == 0 && row < rows_valid) gLse[row] = fin[r].lse;
     }
     if constexpr (Traits::kStoreOSmem) {

@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                           const __grid_constant__ CUtensorMap tm_o) {
 #if defined(JAX_FLASH_SM90A)
-  using Mainloop = FwdMainloop<T, Traits, kSoftCap, kFixedReference>;
+  using Mainloop = FwdMainloop<T, Traits, kSoftCap, kFixedReference, kSegments == SegmentMode::kRuns>;
   using Epilogue = FwdEpilogue<T, Traits>;
   using Storage = typename Traits::SharedStorage;
 

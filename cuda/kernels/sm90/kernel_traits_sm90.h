@@ -33,6 +33,10 @@ struct FwdTraitsSm90<64> {
   static constexpr int kBlockN = 128;  // S accumulator 64 registers; small K/V tiles (16 KB) allow a deep ring
   static constexpr int kStages = 3;
   static constexpr bool kPingPong = true;  // softmax of one warpgroup under the other's GEMMs
+  // Each step's PV_{i-1} wait pinned after the softmax (wgmma_wait_after), so the exponentials also run under the
+  // warpgroup's own PV product; left to ptxas, the wait comes before them. Measured per head dim (H100, NOTES
+  // session 41): d256 +5-7 % forward, d128 -1..-4 %, d64 -3..-5 %: only d256 takes it.
+  static constexpr bool kSoftmaxUnderPv = false;
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
   static constexpr bool kPersistent = true;  // faster on short sequences than a CTA per tile, equal on long ones
 };
@@ -44,6 +48,7 @@ struct FwdTraitsSm90<128> {
   static constexpr int kBlockN = 128;  // S and O accumulators 64 registers each
   static constexpr int kStages = 2;    // Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB
   static constexpr bool kPingPong = true;
+  static constexpr bool kSoftmaxUnderPv = false;  // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
 };
@@ -80,6 +85,7 @@ struct FwdTraitsSm90<256> {
   static constexpr int kBlockN = 64;   // O accumulator alone is 128 registers; Q 64 KB + 2 x 64 KB of K/V
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = true;
+  static constexpr bool kSoftmaxUnderPv = true;  // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = false;  // 192 KB in use; another 64 KB for O does not fit: stores from registers
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;

@@ -68,7 +68,9 @@ struct PingPong {
 // whose SoftCap::fixed_reference_holds): the exponentials are taken against a fixed reference instead of the
 // running maximum, so the softmax has no row maxima and O no rescaling: each score's tanh and exp2 follow each other
 // with nothing between the tile's 64 tanh and its 64 exp2 (a running maximum has to wait for every tanh first).
-template <typename T, typename Traits, bool kSoftCap, bool kFixedReference = false>
+// kRowBounds: the masks' lo() and hi() load each row's bounds (RunPolicy, the forward's runs grid): each consumer
+// thread loads its two rows' once per tile and keeps them (Accumulators::row_lo).
+template <typename T, typename Traits, bool kSoftCap, bool kFixedReference = false, bool kRowBounds = false>
 struct FwdMainloop {
   static_assert(kSoftCap || !kFixedReference, "a fixed reference needs the soft cap's bound");
   static constexpr int kD = Traits::kHeadDim;
@@ -93,6 +95,11 @@ struct FwdMainloop {
     float row_max[2];
     bool seen[2];  // with segment ids: the row saw some key (finish_row needs it; the interval masks tell otherwise)
     float row_sum[2];
+    // With kRowBounds: rows g and g + 8's visible keys [lo, hi), loaded when mma() begins and read by its masked
+    // steps and the epilogue (unused otherwise).
+    static constexpr bool kHasRowBounds = kRowBounds;
+    int row_lo[2];
+    int row_hi[2];
   };
 
   const FlashParams& p;
@@ -190,9 +197,18 @@ struct FwdMainloop {
     };
 
     // What the warp's 16 rows (from row0) need of key tile n0's masks, in a masked step (`masked`, a compile-time
-    // bool; unmasked steps need nothing). Asked right after the tile's S product is issued.
+    // bool; unmasked steps need nothing). Asked right after the tile's S product is issued. With kRowBounds,
+    // tile_masking_warp's interval test (runs have no ids) from the lanes that hold the warp's first row and its
+    // last row below seqlen_q, which tile_masking_warp would load again.
     auto masking = [&](auto masked, int row0, int n0) {
       if constexpr (decltype(masked)::value) {
+        if constexpr (kRowBounds) {
+          const int last = imin(kWarpRows, p.seqlen_q - row0) - 1;  // warp-uniform
+          const int lo_last = __shfl_sync(0xffffffffu, last >= 8 ? acc.row_lo[1] : acc.row_lo[0], 4 * (last & 7));
+          const int hi_first = __shfl_sync(0xffffffffu, acc.row_hi[0], 0);
+          const bool cover = last >= 0 && row0 + last < mask.length.q_len && lo_last <= n0 && hi_first >= n0 + kBN;
+          return cover ? TileMasking::kNone : TileMasking::kInterval;
+        }
         return mask.tile_masking_warp(row0, row0 + kWarpRows, n0, n0 + kBN, p.seqlen_q);
       } else {
         return TileMasking::kNone;
@@ -208,6 +224,7 @@ struct FwdMainloop {
     const float score_log2 = kSoftCap ? cap.log2_bound(p.scale_log2) : p.scale_log2;
     [[maybe_unused]] const float reference = SoftCap::fixed_reference(score_log2);
     const SegmentPolicy& seg = mask.segments;
+    [[maybe_unused]] const float wait_floor = -INFINITY * p.scale_log2;  // -inf (scale_log2 > 0), unknown to ptxas
     auto softmax = [&](auto masked, TileMasking how, int row0, int n0, float (&correction)[2]) {
       if constexpr (kSoftCap) {
 #pragma unroll
@@ -217,8 +234,8 @@ struct FwdMainloop {
         int lo[2], hi[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          lo[r] = mask.lo(row0 + g + 8 * r);
-          hi[r] = mask.hi(row0 + g + 8 * r);
+          lo[r] = kRowBounds ? acc.row_lo[r] : mask.lo(row0 + g + 8 * r);
+          hi[r] = kRowBounds ? acc.row_hi[r] : mask.hi(row0 + g + 8 * r);
         }
         if (seg.enabled() && how == TileMasking::kIds) {  // ids tested where the interval lets the pair through
           int32_t id[2];
@@ -315,6 +332,13 @@ struct FwdMainloop {
     acc.row_sum[0] = acc.row_sum[1] = 0.f;
     acc.seen[0] = acc.seen[1] = false;
     const int row0 = m0 + warp_row0;
+    if constexpr (kRowBounds) {  // (their loads under the waits below)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        acc.row_lo[r] = mask.lo(row0 + g + 8 * r);
+        acc.row_hi[r] = mask.hi(row0 + g + 8 * r);
+      }
+    }
     smem.q_ring.consumer_wait(q);
 
     // Key tile 0: S_0 alone. Key tile i sits at ring position kv + i.
@@ -356,7 +380,14 @@ struct FwdMainloop {
       fence_regs(acc_s);
       if (lane0) smem.k_ring.consumer_release(ki);
       softmax(masked, how, row0, n0, correction);
-      wgmma_wait<0>();  // PV_{i-1} done: O and P's registers are free
+      // PV_{i-1} done: O and P's registers are free. ptxas hoists a plain wait to just after the row maximum's first
+      // shuffle, so the exponentials run after PV_{i-1} has ended (NOTES, session 40); with kSoftmaxUnderPv the wait
+      // follows the softmax (its row sums depend on every exponential) and they run under PV_{i-1}.
+      if constexpr (Traits::kSoftmaxUnderPv) {
+        wgmma_wait_after<0>(acc.row_sum[0] + acc.row_sum[1], wait_floor);
+      } else {
+        wgmma_wait<0>();
+      }
       fence_regs(acc.o);
       fence_regs(a_p);
       if (lane0) smem.v_ring.consumer_release(kp);

@@ -195,6 +195,25 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
+// wgmma_wait<kPending> that the assembler cannot schedule before `after` is computed. A first wait predicated on
+// `after < floor` never runs for floor = -inf (the caller passes -inf as a value the assembler cannot fold, e.g. from
+// a kernel parameter) but depends on `after`, and the real wait cannot pass it, so the work `after` depends on stays
+// ahead of the wait. (ptxas otherwise hoists a wait to just after the previous one when the instructions between
+// only touch registers, and that work then runs after the wgmma it was meant to overlap. No path skips the wait,
+// as ptxas's wgmma pipeline analysis needs: a branch around it serialised every wgmma of the kernels that read O
+// after it.)
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait_after(float after, float floor) {
+  asm volatile(
+      "{\n"
+      ".reg .pred below;\n"
+      "setp.lt.f32 below, %0, %1;\n"
+      "@below wgmma.wait_group.sync.aligned %2;\n"
+      "wgmma.wait_group.sync.aligned %2;\n"
+      "}\n" ::"f"(after),
+      "f"(floor), "n"(kPending)
+      : "memory");
+}
 
 // Keeps the compiler from moving accumulator reads/writes across a wgmma wait (the registers are written
 // asynchronously).
