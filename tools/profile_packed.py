@@ -2,7 +2,9 @@
 kernel of the step through tools/kernel_list.sh, or one kernel in depth through tools/ncu_kernel.sh. --impl picks
 the row of bench_packed's packed table: `packed` (jax_flash with segment ids), `rows` (the same documents as
 separate batch rows), `unpacked` (plain causal over all the tokens) or `cudnn` (jax.nn's cuDNN, unpacked causal).
-Runs the step --runs times after compiling it (each run the same kernel sequence).
+Runs the step --runs times after compiling it (each run the same kernel sequence); with --trace, traces those runs
+with jax.profiler and prints the middle one's GPU activities and the gaps between them (launch gaps and clock
+effects that Nsight Compute's serialised kernel durations do not show).
 
     SCRIPT=tools/profile_packed.py bash tools/kernel_list.sh "packed rows unpacked" --batch 4 --tokens 8192
 """
@@ -35,6 +37,9 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--doc-lengths", default="equal", choices=("equal", "random"))
     ap.add_argument("--runs", type=int, default=2, help="runs after the compile")
+    ap.add_argument("--trace", action="store_true",
+                    help="trace the runs with jax.profiler and print the middle one's GPU activities and gaps "
+                         "(tools/timeline_step.py's trace_steps) instead of running them for Nsight Compute")
     a = ap.parse_args()
     bench = _bench()
     b, t, h, d, n = a.batch, a.tokens, a.heads, a.head_dim, a.docs
@@ -53,6 +58,12 @@ def main():
     }[a.impl]
     step = bench._train_step(attn)
     jax.block_until_ready(step(q, k, v, do, seg))
+    if a.trace:
+        here = os.path.dirname(os.path.abspath(__file__))
+        timeline = runpy.run_path(os.path.join(here, "timeline_step.py"))
+        timeline["trace_steps"](f"{a.impl} {b} x {t} tokens, {n} documents",
+                                lambda: jax.block_until_ready(step(q, k, v, do, seg)), a.runs)
+        return
     for _ in range(a.runs):
         jax.block_until_ready(step(q, k, v, do, seg))
 

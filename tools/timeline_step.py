@@ -40,6 +40,38 @@ def gpu_events(trace_dir):
     return sorted(out)
 
 
+def trace_steps(label, run_step, steps):
+    """Traces `steps` calls of run_step() (each waits for its step: the host's waits separate the steps) with
+    jax.profiler and prints the middle step's GPU activities, each with the idle gap before it, and every step's
+    span. Steps of equal activity counts are told apart by count, otherwise at the steps - 1 largest gaps."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                run_step()
+        events = gpu_events(d)
+    if not events:
+        print(f"{label}: no GPU events in the trace (CUPTI unavailable?)")
+        return
+    per = len(events) // steps
+    if per * steps == len(events):
+        pieces = [events[i * per:(i + 1) * per] for i in range(steps)]
+    else:
+        gaps = [(events[i][0] - (events[i - 1][0] + events[i - 1][1]), i) for i in range(1, len(events))]
+        cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:steps - 1])
+        pieces = [events[s:e] for s, e in zip([0] + cuts, cuts + [len(events)])]
+    spans = [p[-1][0] + p[-1][1] - p[0][0] for p in pieces]
+    mid = pieces[len(pieces) // 2]
+    busy = sum(dur for _, dur, _ in mid)
+    print(f"\n{label}: {len(events)} GPU events in {steps} steps; step spans (us) "
+          f"{', '.join(f'{s:.1f}' for s in spans)}; middle step: {len(mid)} events, busy {busy:.1f} us, "
+          f"idle inside {spans[len(pieces) // 2] - busy:.1f} us")
+    prev_end = None
+    for ts, dur, name in mid:
+        gap = 0.0 if prev_end is None else ts - prev_end
+        print(f"  gap {gap:7.1f}  dur {dur:8.1f}  {name[:110]}")
+        prev_end = ts + dur
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -62,30 +94,7 @@ def main():
             step = jax.jit(lambda q, k, v, f=f: jax.vjp(f, q, k, v)[1](jnp.ones_like(q)))
         jax.block_until_ready(step(q, k, v))
         jax.block_until_ready(step(q, k, v))
-        with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                for _ in range(a.steps):  # a host wait between steps: the largest gaps mark the steps
-                    jax.block_until_ready(step(q, k, v))
-            events = gpu_events(d)
-        if not events:
-            print(f"{impl}: no GPU events in the trace (CUPTI unavailable?)")
-            continue
-        # The host waits between steps leave the a.steps - 1 largest gaps: split there, show the middle step.
-        gaps = [(events[i][0] - (events[i - 1][0] + events[i - 1][1]), i) for i in range(1, len(events))]
-        cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:a.steps - 1])
-        pieces = [events[s:e] for s, e in zip([0] + cuts, cuts + [len(events)])]
-        spans = [p[-1][0] + p[-1][1] - p[0][0] for p in pieces]
-        mid = pieces[len(pieces) // 2]
-        busy = sum(dur for _, dur, _ in mid)
-        print(f"\n{impl}: {len(events)} GPU events in {a.steps} steps; step spans (us) "
-              f"{', '.join(f'{s:.1f}' for s in spans)}; middle step: {len(mid)} events, busy {busy:.1f} us, "
-              f"idle inside {spans[len(pieces) // 2] - busy:.1f} us")
-        prev_end = None
-        for ts, dur, name in mid:
-            gap = 0.0 if prev_end is None else ts - prev_end
-            print(f"  gap {gap:7.1f}  dur {dur:8.1f}  {name[:110]}")
-            prev_end = ts + dur
-
+        trace_steps(impl, lambda: jax.block_until_ready(step(q, k, v)), a.steps)
 
 if __name__ == "__main__":
     main()
