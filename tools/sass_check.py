@@ -21,8 +21,15 @@ import shutil
 import subprocess
 import sys
 
-CUDA_FLAGS = ["-std=c++17", "-O3", "--use_fast_math", "-Xptxas=-warn-spills", "-Xptxas=-v", "--expt-relaxed-constexpr",
-              "-lineinfo", "-gencode=arch=compute_90a,code=sm_90a", "-DJAX_FLASH_SM90A=1"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cuda_flags():
+    """nvcc's flags for an sm_90a translation unit: CMakeLists.txt's `_cuda_flags` (one source for them), with the
+    standard, optimisation and architecture CMake adds, and ptxas -v for the registers and spills."""
+    text = open(os.path.join(ROOT, "CMakeLists.txt")).read()
+    flags = re.search(r"set\(_cuda_flags ([^)]*)\)", text).group(1).split()
+    return ["-std=c++17", "-O3", *flags, "-Xptxas=-v", "-gencode=arch=compute_90a,code=sm_90a"]
 
 
 def _tool(name):
@@ -66,7 +73,7 @@ def _opcode(ins):
 
 def compile_tu(args):
     log = args.out + ".log"
-    cmd = ["nvcc", *CUDA_FLAGS, "-Icuda", "-c", args.source, "-o", args.out]
+    cmd = ["nvcc", *cuda_flags(), "-I" + os.path.join(ROOT, "cuda"), "-c", args.source, "-o", args.out]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     print(f"{' '.join(cmd)}\n-> rc {rc}, log {log}")

@@ -96,5 +96,6 @@ def main():
         jax.block_until_ready(step(q, k, v))
         trace_steps(impl, lambda: jax.block_until_ready(step(q, k, v)), a.steps)
 
+
 if __name__ == "__main__":
     main()
