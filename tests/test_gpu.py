@@ -102,6 +102,27 @@ def test_tiny_scales_fold_into_the_query(scale, attention_checks):
         assert err < 2e-2, f"scale {scale} {name}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_row_maximum_moving_across_key_tiles(head_dim, is_causal, attention_checks):
+    """Logits that grow along the keys (batch element 0: each key tile's row maximum passes the previous tiles' by
+    more than the forward's lazy-rescale margin of 2^8, so the reference moves and O is rescaled) and shrink (element
+    1: the first tile's maximum holds to the end), with rows whose logits stay O(1) (heads 2 and 3): forward and
+    backward against the float64 reference."""
+    case = attention_checks.Case(batch=2, seqlen_q=333, seqlen_k=1000, heads_q=4, heads_kv=2, head_dim=head_dim,
+                                 is_causal=is_causal)
+    q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16, seed=7)
+    ramp = np.linspace(0.2, 30.0, case.seqlen_k, dtype=np.float32)
+    gain = np.ones((2, case.seqlen_k, 2, 1), np.float32)
+    gain[0, :, 0, 0], gain[1, :, 0, 0] = ramp, ramp[::-1]  # kv head 0 (query heads 0, 1)
+    k = (k.astype(jnp.float32) * gain).astype(k.dtype)
+    ours = attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, is_causal=is_causal)
+    ref = attention_checks.numpy_reference(case, q, k, v, do)
+    for name, x, r in zip(("output", "dq", "dk", "dv"), ours, ref):
+        err = attention_checks.max_abs(x - r) / max(attention_checks.max_abs(r), 1e-30)
+        assert err < 2e-2, f"d{head_dim} causal={is_causal} {name}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 def test_every_element_written_over_poisoned_memory(dtype, attention_checks):
     """Outputs land on NaN-filled memory: every element must be written, finite, and every row checked."""

@@ -37,6 +37,11 @@ struct FwdTraitsSm90<64> {
   // warpgroup's own PV product; left to ptxas, the wait comes before them. Measured per head dim (H100, NOTES
   // session 41): d256 +5-7 % forward, d128 -1..-4 %, d64 -3..-5 %: only d256 takes it.
   static constexpr bool kSoftmaxUnderPv = false;
+  // The online softmax's reference maximum moves only when a row's maximum passes it by more than 2^8, so most
+  // steps skip O's rescale (FlashAttention-4's lazy rescale; FwdMainloop::kLazyLog2). Measured per kernel (H100,
+  // NOTES session 42, two A/Bs): d256 +2-8 % forward, d64's three-warpgroup kernel +2 %, d128 level (-1..+4 %
+  // around 0), d64's two-warpgroup kernel (causal) -1..-2 %: d256 and the d64 wide kernel take it.
+  static constexpr bool kLazyRescale = false;
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
   static constexpr bool kPersistent = true;  // faster on short sequences than a CTA per tile, equal on long ones
 };
@@ -49,6 +54,7 @@ struct FwdTraitsSm90<128> {
   static constexpr int kStages = 2;    // Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB
   static constexpr bool kPingPong = true;
   static constexpr bool kSoftmaxUnderPv = false;  // (FwdTraitsSm90<64>)
+  static constexpr bool kLazyRescale = false;      // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
 };
@@ -74,6 +80,7 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
   // than 96-key tiles and than two warpgroups on long and short non-causal sequences (NOTES.md).
   static constexpr int kBlockN = 128;
   static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x (K 16 + V 16) + O 24 KB = 144 KB
+  static constexpr bool kLazyRescale = true;  // (FwdTraitsSm90<64>)
   // Causal: faster than two warpgroups at 16k rows, a wash at 4k, slower below (above), so from 8192 rows.
   static constexpr int kCausalMinRows = 8192;
 };
@@ -86,6 +93,7 @@ struct FwdTraitsSm90<256> {
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = true;
   static constexpr bool kSoftmaxUnderPv = true;  // (FwdTraitsSm90<64>)
+  static constexpr bool kLazyRescale = true;     // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = false;  // 192 KB in use; another 64 KB for O does not fit: stores from registers
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;

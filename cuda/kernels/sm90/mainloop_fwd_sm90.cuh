@@ -87,6 +87,9 @@ struct FwdMainloop {
   using QState = PipelineState<1>;
   using PingPongT = PingPong<kGroups, Traits::kPingPong && kGroups >= 2>;
 
+  // Traits::kLazyRescale: how far (log2 units) a row's maximum may pass the exponentials' reference before it moves.
+  static constexpr float kLazyLog2 = 8.f;
+
   // A consumer thread's results for one tile: O (64 rows x kD per warpgroup, accumulator layout) and the online
   // softmax's running max (raw logits when mma() returns; tanh values during a capped call's loop; with a fixed
   // reference, the reference as a raw logit, set when mma() returns) and per-lane partial sums of rows g and g + 8.
@@ -294,8 +297,14 @@ struct FwdMainloop {
 #pragma unroll
           for (int j = 0; j < kSTiles; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
           mx = quad_max(mx);
+          // With kLazyRescale the exponentials' reference (row_max) moves only when the row's maximum passes it by
+          // more than 2^kLazyLog2 (a kept reference leaves this tile's terms at most 2^kLazyLog2, and O and the
+          // sum, both relative to it, exact), so most steps have correction 1. A first tile (reference -inf: the
+          // difference is +inf or nan) always moves it.
+          const bool kept = Traits::kLazyRescale && (mx - acc.row_max[r]) * score_log2 <= kLazyLog2;
+          if (kept) mx = acc.row_max[r];
           const float max_scaled = mx == -INFINITY ? 0.f : mx * score_log2;
-          correction[r] = exp2f(acc.row_max[r] * score_log2 - max_scaled);
+          correction[r] = kept ? 1.f : exp2f(acc.row_max[r] * score_log2 - max_scaled);
           acc.row_max[r] = mx;
           float sum = 0.f;
 #pragma unroll
@@ -391,7 +400,11 @@ struct FwdMainloop {
       fence_regs(acc.o);
       fence_regs(a_p);
       if (lane0) smem.v_ring.consumer_release(kp);
-      if constexpr (!kFixedReference) rescale_o(correction);
+      if constexpr (!kFixedReference) {  // (with kLazyRescale the warp skips it when none of its references moved)
+        if (!Traits::kLazyRescale || __any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
+          rescale_o(correction);
+        }
+      }
       convert_p();
     };
     for (int i = 1; i < full_begin; ++i) step(i, std::true_type{});
