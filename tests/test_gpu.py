@@ -108,7 +108,8 @@ def test_row_maximum_moving_across_key_tiles(head_dim, is_causal, attention_chec
     """Logits that grow along the keys (batch element 0: each key tile's row maximum passes the previous tiles' by
     more than the forward's lazy-rescale margin of 2^8, so the reference moves and O is rescaled) and shrink (element
     1: the first tile's maximum holds to the end), with rows whose logits stay O(1) (heads 2 and 3): forward and
-    backward against the float64 reference."""
+    backward against the float64 reference. The lazy rescale runs at d256 and in d64's non-causal three-warpgroup
+    kernel (kLazyRescale); the other cases check the running maximum on the same inputs."""
     case = attention_checks.Case(batch=2, seqlen_q=333, seqlen_k=1000, heads_q=4, heads_kv=2, head_dim=head_dim,
                                  is_causal=is_causal)
     q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16, seed=7)
