@@ -89,6 +89,14 @@ def _poison_device_memory(arrays):
     del poison
 
 
+def _assert_relative_errors(ours, ref, bound, label, attention_checks):
+    """Output and gradients (fwd_bwd's order) each within `bound` of the float64 reference, relative to its largest
+    magnitude."""
+    for name, x, r in zip(("output", "dq", "dk", "dv"), ours, ref):
+        err = attention_checks.max_abs(x - r) / max(attention_checks.max_abs(r), 1e-30)
+        assert err < bound, f"{label} {name}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("scale", [1e-40, -1e-40, 0.3], ids=["subnormal", "negative_subnormal", "normal"])
 def test_tiny_scales_fold_into_the_query(scale, attention_checks):
     """A scale whose scale * log2(e) is no normal float32 folds into q (the kernels' fast math would flush it to 0,
@@ -97,9 +105,7 @@ def test_tiny_scales_fold_into_the_query(scale, attention_checks):
     q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16, seed=5)
     ours = attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, scale=scale)
     ref = attention_checks.numpy_reference(case, q, k, v, do, scale=scale)
-    for name, x, r in zip(("output", "dq", "dk", "dv"), ours, ref):
-        err = attention_checks.max_abs(x - r) / max(attention_checks.max_abs(r), 1e-30)
-        assert err < 2e-2, f"scale {scale} {name}: relative error {err:.3g}"
+    _assert_relative_errors(ours, ref, 2e-2, f"scale {scale}", attention_checks)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -119,9 +125,7 @@ def test_row_maximum_moving_across_key_tiles(head_dim, is_causal, attention_chec
     k = (k.astype(jnp.float32) * gain).astype(k.dtype)
     ours = attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, is_causal=is_causal)
     ref = attention_checks.numpy_reference(case, q, k, v, do)
-    for name, x, r in zip(("output", "dq", "dk", "dv"), ours, ref):
-        err = attention_checks.max_abs(x - r) / max(attention_checks.max_abs(r), 1e-30)
-        assert err < 2e-2, f"d{head_dim} causal={is_causal} {name}: relative error {err:.3g}"
+    _assert_relative_errors(ours, ref, 2e-2, f"d{head_dim} causal={is_causal}", attention_checks)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)

@@ -10,8 +10,9 @@ blocks slowest over all heads, HeavyFirstOrder's groups of about --group-units u
 (`cuda/kernels/sm90/tile_scheduler_fwd.cuh`, the d256 causal forward with >= 16 query blocks per head), and the
 persistent backward's causal order (`tile_scheduler_bwd.cuh`: blocks fastest, but the last heads, about
 --tail-waves units per SM, blocks slowest), and that tail sorted heaviest first (an order tried for segment-id
-calls and dropped: 1.9 % slower on an H100 although modelled faster, NOTES session 41). The persistent backward takes units from a counter, which the same list scheduling models (a CTA
-takes the next unit when it is done with one). --docs N (backward, causal): every sequence packed from N equal
+calls and dropped: 1.9 % slower on an H100 although modelled faster, NOTES session 41). The persistent backward
+takes units from a counter, which the same list scheduling models (a CTA takes the next unit when it is done with
+one). --docs N (backward, causal): every sequence packed from N equal
 documents (segment ids), each key block seeing the query tiles of its own document only.
 A model, not a measurement: it ignores per-SM speed differences, L2 effects and the dispatch's own latency; its
 backward gains (+23..26 % for causal GQA) did not show on the H100 (session 10 A/B, NOTES.md), so the backward
