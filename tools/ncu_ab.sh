@@ -2,8 +2,8 @@
 # A/B of one kernel between builds, in one device call. Each wheel in dist/<name>/ is installed to /tmp/jf_<name>;
 # for every line "tag profile_one.py-arguments" of SHAPES_FILE (default: three d128 forward shapes) Nsight Compute
 # (clocks as found) profiles the first kernel matching REGEX under each build and prints its duration,
-# instructions, IPC, L2 hit rate, largest stall reasons and the busy share of the tensor, MUFU, FMA and ALU pipes and
-# of DRAM; per-instruction SASS views and the details pages go to $OUT/sass.tgz.
+# instructions, IPC, L2 hit rate, DRAM bytes read and written, largest stall reasons and the busy share of the
+# tensor, MUFU, FMA and ALU pipes and of DRAM; per-instruction SASS views and the details pages go to $OUT/sass.tgz.
 #   bash tools/ncu_ab.sh REGEX "nameA nameB" [SHAPES_FILE]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,9 +31,12 @@ import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 m = dict(zip(rows[0], rows[2]))
 g = lambda k: m.get(k, "?")
+unit = lambda k: dict(zip(rows[0], rows[1])).get(k, "")
 print(f"{sys.argv[2]}: {g('gpu__time_duration.sum')} {rows[1][rows[0].index('gpu__time_duration.sum')]}, "
       f"inst {g('smsp__inst_executed.sum')}, ipc {g('sm__inst_executed.avg.per_cycle_active')}, "
-      f"grid {g('launch__grid_size')}, L2 hit {g('lts__t_sector_hit_rate.pct')}%")
+      f"grid {g('launch__grid_size')}, L2 hit {g('lts__t_sector_hit_rate.pct')}%, "
+      f"DRAM read {g('dram__bytes_read.sum')} {unit('dram__bytes_read.sum')}, "
+      f"written {g('dram__bytes_write.sum')} {unit('dram__bytes_write.sum')}")
 prefix = "smsp__pcsamp_warps_issue_stalled_"
 stalls = {k[len(prefix):]: float(v.replace(",", "")) for k, v in m.items()
           if k.startswith(prefix) and not k.endswith("not_issued") and v.replace(",", "").replace(".", "").isdigit()}
