@@ -31,8 +31,9 @@ import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 m = dict(zip(rows[0], rows[2]))
 g = lambda k: m.get(k, "?")
-unit = lambda k: dict(zip(rows[0], rows[1])).get(k, "")
-print(f"{sys.argv[2]}: {g('gpu__time_duration.sum')} {rows[1][rows[0].index('gpu__time_duration.sum')]}, "
+units = dict(zip(rows[0], rows[1]))
+unit = lambda k: units.get(k, "")
+print(f"{sys.argv[2]}: {g('gpu__time_duration.sum')} {unit('gpu__time_duration.sum')}, "
       f"inst {g('smsp__inst_executed.sum')}, ipc {g('sm__inst_executed.avg.per_cycle_active')}, "
       f"grid {g('launch__grid_size')}, L2 hit {g('lts__t_sector_hit_rate.pct')}%, "
       f"DRAM read {g('dram__bytes_read.sum')} {unit('dram__bytes_read.sum')}, "
