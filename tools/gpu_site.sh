@@ -13,9 +13,10 @@ status=0
 wheel=${WHEEL:-$(ls dist/*/jax_flash-*-cp312-*.whl | head -1)}  # WHEEL: which carried wheel
 rm -rf /tmp/jf_site  # pip --target keeps an existing package: a warm machine would run the previous call's wheel
 python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
-# The working tree's Python over the wheel's (Python edits after the wheel was built), unless WHEEL_PYTHON=1: the
-# wheel's own (A/B of builds whose Python differs, tools/decode_ab.sh).
-[ "${WHEEL_PYTHON:-0}" = 1 ] || cp jax_flash/*.py /tmp/jf_site/jax_flash/
+# The working tree's Python over the wheel's (Python edits after the wheel was built; tools/python_overlay.sh keeps
+# the files a pending build's patches change), unless WHEEL_PYTHON=1: the wheel's own (A/B of builds whose Python
+# differs, tools/decode_ab.sh).
+[ "${WHEEL_PYTHON:-0}" = 1 ] || bash tools/python_overlay.sh "$(basename "$(dirname "$wheel")")" /tmp/jf_site/jax_flash
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer_site .whl/*.whl || note "peer install failed"
 fi

@@ -14,11 +14,12 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 for n in $names; do
   rm -rf "/tmp/jf_$n"  # pip --target keeps an existing package (a warm machine)
   python3 -m pip install -q --no-index --no-deps --target "/tmp/jf_$n" "dist/$n"/*.whl 2>&1 | grep -v WARNING
-  # The working tree's Python over each build's (builds that differ in kernels only), except for the builds named in
-  # WHEEL_PYTHON (or all with WHEEL_PYTHON=1), which keep their wheel's own (builds whose Python and FFI differ).
+  # The working tree's Python over each build's (tools/python_overlay.sh: but for the files a pending build's
+  # patches change), except for the builds named in WHEEL_PYTHON (or all with WHEEL_PYTHON=1), which keep their
+  # wheel's own (builds whose Python and FFI differ).
   case " ${WHEEL_PYTHON:-} " in
     " 1 " | *" $n "*) ;;
-    *) cp jax_flash/*.py "/tmp/jf_$n/jax_flash/" ;;
+    *) bash tools/python_overlay.sh "$n" "/tmp/jf_$n/jax_flash" ;;
   esac
 done
 read -r -a builds <<<"$names"
