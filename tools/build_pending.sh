@@ -15,19 +15,16 @@ repo=$PWD
 src=${PENDING_SRC:-/tmp/jax_flash_pending_src}
 build=${PENDING_BUILD:-/tmp/jax_flash_pending_build}
 [ -d "$src/.git" ] || [ -f "$src/.git" ] || git worktree add -q --detach "$src" HEAD
-mapfile -t series < <(grep -v '^\s*\(#\|$\)' tools/pending/series)
 [ $# -gt 0 ] || { echo "usage: build_pending.sh NAME... (main or a patch of tools/pending/series)" >&2; exit 2; }
 for name in "$@"; do
   [ -n "$name" ] || { echo "build_pending: empty name" >&2; exit 2; }
   git -C "$src" checkout -q -f --detach "$(git rev-parse HEAD)"
   git -C "$src" clean -q -fd
   if [ "$name" != main ]; then
-    found=0
-    for patch in "${series[@]}"; do
+    patches=$(bash tools/pending_series.sh "$name") || exit 2
+    for patch in $patches; do
       git -C "$src" apply --index "$repo/tools/pending/$patch"
-      if [ "${patch%.patch}" = "$name" ]; then found=1; break; fi
     done
-    [ "$found" = 1 ] || { echo "build_pending: $name is not in tools/pending/series" >&2; exit 2; }
   fi
   rm -rf "dist/$name"
   echo "== $name ($(date -u +%H:%M:%S))"

@@ -22,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 read -r -a MODES <<<"${1:-tests}"
-mapfile -t series < <(grep -v '^\s*\(#\|$\)' tools/pending/series)
+mapfile -t series < <(bash tools/pending_series.sh)
 [ ${#series[@]} -gt 0 ] || { echo "pending_gpu_check: tools/pending/series lists no patch" >&2; exit 2; }
 top=${2:-${series[-1]}}
 top=${top%.patch}
@@ -30,12 +30,11 @@ OUT=${OUT:-$PWD/pending_out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 note() { echo "$*" | tee -a "$OUT/pending.txt"; }
-printf '%s\n' "${series[@]}" | grep -qx "$top.patch" || { note "$top is not in tools/pending/series"; exit 2; }
+patches=$(bash tools/pending_series.sh "$top") || { note "$top is not in tools/pending/series"; exit 2; }
 command -v git >/dev/null || { note "git is needed to apply the patches"; exit 1; }
 rm -rf /tmp/jf_pending && cp -a . /tmp/jf_pending && cd /tmp/jf_pending || exit 1
-for p in "${series[@]}"; do
+for p in $patches; do
   git apply "tools/pending/$p" || { note "git apply $p failed"; exit 1; }
-  [ "${p%.patch}" = "$top" ] && break
 done
 wheel=$(ls dist/"$top"/*.whl) || { note "no wheel in dist/$top (tools/build_pending.sh $top)"; exit 1; }
 note "pending $top $(date -u +%Y-%m-%dT%H:%MZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"

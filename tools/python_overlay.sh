@@ -9,17 +9,11 @@ cd "$(dirname "$0")/.."
 name=$1
 dest=$2
 keep=()  # (a name not in the series, main or a dropped patch's, keeps nothing: every file is copied)
-if [ "$name" != main ]; then
-  mapfile -t series < <(grep -v '^\s*\(#\|$\)' tools/pending/series)
-  changed=()
-  for patch in "${series[@]}"; do
+if [ "$name" != main ] && patches=$(bash tools/pending_series.sh "$name" 2>/dev/null); then
+  for patch in $patches; do
     while read -r _ _ path; do
-      case $path in jax_flash/*.py) changed+=("$(basename "$path")") ;; esac
+      case $path in jax_flash/*.py) keep+=("$(basename "$path")") ;; esac
     done < <(git apply --numstat "tools/pending/$patch")
-    if [ "${patch%.patch}" = "$name" ]; then
-      keep=("${changed[@]}")
-      break
-    fi
   done
 fi
 for f in jax_flash/*.py; do

@@ -26,7 +26,7 @@ CASES = [
     (2, 300, 300, 4, 2, 128, dict(is_causal=True, segments="packed", sinks=True, logits_soft_cap=20.0)),
     (1, 77, 150, 2, 1, 64, dict(segments="random", logits_soft_cap=5.0)),
     (1, 130, 130, 2, 2, 256, dict(is_causal=True, segments="packed", sinks=True)),
-    # one query row: the backward's padding query tile (rows 64-127 of 128) has no row, nor a dQ tile counter
+    # one query row: the backward's query tiles past it (rows padded to 128) have no row at all
     (3, 1, 70, 2, 1, 128, dict(is_causal=True)),
 ]
 
