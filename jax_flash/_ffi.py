@@ -348,13 +348,27 @@ def decode_splits(q_shape, heads_kv, capacity, paged=False):
     return max(1, min(want, capacity // 128, capacity // (8 * packed), 256))
 
 
+#: decode_split_plan balances a batch's splits when each sequence gets at most BALANCE_MAX_SPLITS splits, of at least
+#: BALANCE_MIN_SPLIT_KEYS keys of the cache each or over at least BALANCE_MIN_PAIRS (sequence, kv head) pairs.
+BALANCE_MAX_SPLITS = 8
+BALANCE_MIN_SPLIT_KEYS = 4096
+BALANCE_MIN_PAIRS = 64
+
+
 def decode_split_plan(q_shape, heads_kv, capacity, paged=False):
     """(num_splits, balance_splits) of a decode call that leaves the split count to jax_flash: decode_splits' equal
-    share for one sequence (or when one split fills the GPU); for a batch of several, twice that many splits of one
-    size across the batch (the kernel gives each sequence as many as its length needs, FlashParams::balance_splits),
-    so that ragged lengths keep every block streaming about as many keys."""
+    share of each sequence's keys, or for a batch whose sequences get few splits (at most BALANCE_MAX_SPLITS) that are
+    long (BALANCE_MIN_SPLIT_KEYS keys of the cache) or over many (sequence, kv head) pairs (BALANCE_MIN_PAIRS),
+    twice that many splits of one size across the batch (the kernel gives each sequence as many as its length needs,
+    FlashParams::balance_splits), so that ragged lengths keep every block streaming about as many keys. The balanced
+    grid has twice the blocks, half of them without keys at equal lengths. On an H200 (NOTES.md, session 46: 8/1,
+    32/8, 64/8 at Tq 1, 4, 16 over 2-64 sequences) it took 5-25 % off ragged batches where it is kept and cost 2-3 %
+    at equal lengths; with many splits a sequence, or few short ones over few pairs (8/1 at 2-32 sequences), it cost
+    4-19 % even over ragged lengths."""
     splits = decode_splits(q_shape, heads_kv, capacity, paged)
-    if q_shape[0] < 2 or splits < 2:
+    balance = splits <= BALANCE_MAX_SPLITS and (capacity >= BALANCE_MIN_SPLIT_KEYS * splits
+                                                or q_shape[0] * heads_kv >= BALANCE_MIN_PAIRS)
+    if q_shape[0] < 2 or splits < 2 or not balance:
         return splits, False
     return min(2 * splits, MAX_DECODE_SPLITS), True
 

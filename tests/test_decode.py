@@ -125,7 +125,8 @@ KERNEL_CASES = {
     "rows64_d64_softcap_sinks": dict(batch=2, rows=8, hq=16, hkv=2, d=64, capacity=500, lengths=(500, 77),
                                      softcap=10.0, sinks=True),
     "rows96_d80_paged16": dict(batch=2, rows=12, hq=8, hkv=1, d=80, capacity=320, lengths=(320, 1), page_size=16),
-    # default splits of a ragged batch: balanced (decode_split_plan), on the wgmma kernel on an H100/H200
+    # ragged batches that test_balanced_splits_match_reference runs with balanced splits (decode_split_plan's
+    # choice for few long splits), on the wgmma kernel on an H100/H200
     "rows64_d64_balanced": dict(batch=3, rows=8, hq=16, hkv=2, d=64, capacity=4096, lengths=(4096, 1, 2500)),
     "rows64_paged16_balanced": dict(batch=3, rows=16, hq=8, hkv=2, d=128, capacity=4096, lengths=(4096, 3000, 17),
                                     page_size=16, window=(1000, 0)),
@@ -269,21 +270,25 @@ def test_forced_decode_kernel(kernel, name):
 
 
 def test_force_kernel_reaches_the_decode_target():
-    """force_kernel("sm80") sets the decode call's kernel attribute (which RunFlashDecode dispatches on), and
-    default splits of a ragged batch ask for balanced splits."""
+    """force_kernel("sm80") sets the decode call's kernel attribute (which RunFlashDecode dispatches on), and the
+    default split plan reaches the call: balanced for a batch of few long splits, not for many short ones."""
     if not ON_GPU:
         pytest.skip("the decode target is lowered for CUDA only")
-    q = jnp.zeros((3, 8, 16, 64), DTYPE)
-    k = jnp.zeros((3, 4096, 2, 64), DTYPE)
-    n = jnp.asarray([4096, 1, 2500], jnp.int32)
-    f = jax.jit(lambda q, k, n: jax_flash.decode_attention(q, k, k, n))  # noqa: E731
-    auto = f.lower(q, k, n).as_text()
-    with jax_flash.force_kernel("sm80"):
-        forced = jax.jit(lambda q, k, n: jax_flash.decode_attention(q, k, k, n)).lower(q, k, n).as_text()
-    for text, kernel in ((auto, 0), (forced, 1)):
-        call = next(line for line in text.splitlines() if "jax_flash_decode" in line)
-        assert re.search(rf"kernel = {kernel} : i32", call), call
-        assert "balance_splits = true" in call, call
+    from jax_flash import _ffi
+    seen = set()
+    for b, rows, hq, hkv, d, cap in ((16, 1, 32, 8, 128, 32768), (3, 8, 16, 2, 64, 4096)):
+        args = (jax.ShapeDtypeStruct((b, rows, hq, d), DTYPE), jax.ShapeDtypeStruct((b, cap, hkv, d), DTYPE),
+                jax.ShapeDtypeStruct((b,), jnp.int32))
+        auto = jax.jit(lambda q, k, n: jax_flash.decode_attention(q, k, k, n)).lower(*args).as_text()
+        with jax_flash.force_kernel("sm80"):  # (a function of its own: jit's cache does not know the choice)
+            forced = jax.jit(lambda q, k, n: jax_flash.decode_attention(q, k, k, n)).lower(*args).as_text()
+        splits, balance = _ffi.decode_split_plan((b, rows, hq, d), hkv, cap)
+        seen.add(balance)
+        for text, kernel in ((auto, 0), (forced, 1)):
+            call = next(line for line in text.splitlines() if "jax_flash_decode" in line)
+            assert re.search(rf"kernel = {kernel} : i32", call), call
+            assert f"balance_splits = {str(balance).lower()}" in call, call
+    assert seen == {False, True}
 
 
 def test_decode_launch_shape_follows_the_kernel_choice():
@@ -338,6 +343,30 @@ def test_independent_of_num_splits(name, num_splits):
     out, lse, _ = _run(_case(name), num_splits=num_splits)
     np.testing.assert_allclose(out, base, atol=TOL, rtol=TOL)
     np.testing.assert_allclose(lse, base_lse, atol=TOL, rtol=TOL)
+
+
+# Ragged batches on every decode kernel family (mma.sync, wgmma, TMA; dense and paged; soft cap, sinks, windows)
+# with balanced splits, which decode_split_plan picks only for few long splits (caches larger than a test needs).
+BALANCED = ["rows32_ragged", "rows24_noncausal", "rows64_d64_balanced", "rows64_paged16_balanced",
+            "rows48_d64_paged16_softcap", "rows1024_d96_softcap_sinks", "rows128_softcap_ragged",
+            "rows112_d96_noncausal_b5", "rows128_paged12_window", "rows128_units_paged16_b80",
+            "rows72_d64_units_balanced_b40"]
+
+
+@pytest.mark.parametrize("name", BALANCED)
+def test_balanced_splits_match_reference(name, monkeypatch):
+    """Default calls planned with balanced splits (twice decode_splits' count, at least two, of one size across the
+    batch; half of them without keys at equal lengths): the float64 reference."""
+    if not ON_GPU:
+        pytest.skip("the decode kernels' split plan")
+    from jax_flash import _ffi
+    monkeypatch.setattr(_ffi, "decode_split_plan", lambda q_shape, heads_kv, capacity, paged=False: (
+        min(2 * max(_ffi.decode_splits(q_shape, heads_kv, capacity, paged), 2), _ffi.MAX_DECODE_SPLITS), True))
+    out, lse, (ref_o, ref_lse) = _run(_case(name))
+    np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
+    assert (lse[~finite] == -np.inf).all()
 
 
 def test_paged_cache_size_limit():
@@ -558,9 +587,14 @@ def test_split_count_fills_one_wave(monkeypatch):
     assert _ffi.decode_splits((1, 16, 8, 128), 1, 131072) == 128
     # 128 packed rows: one block an SM holds, half the splits
     assert _ffi.decode_splits((1, 16, 64, 128), 8, 131072) == 16
-    # left to jax_flash, a batch of several sequences gets twice the splits, of one size across the batch; one
-    # sequence, or one split each, stays as it is
+    # left to jax_flash, a batch of few splits each (<= 8) that are long (>= 4096 keys) or over many (sequence, kv
+    # head) pairs (>= 64) gets twice the splits, of one size across the batch; many splits, few short ones over few
+    # pairs, one sequence, or one split each stay as they are
     assert _ffi.decode_split_plan((4, 1, 32, 128), 8, 32768) == (16, True)
+    assert _ffi.decode_split_plan((16, 1, 32, 128), 8, 32768) == (4, True)
+    assert _ffi.decode_split_plan((64, 1, 8, 128), 1, 8192) == (8, True)  # 2048 keys a split, 64 pairs
+    assert _ffi.decode_split_plan((4, 1, 32, 128), 8, 16384) == (8, False)  # 2048 keys a split, 32 pairs
+    assert _ffi.decode_split_plan((8, 1, 8, 128), 1, 32768) == (33, False)  # 33 splits a sequence
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072) == (16, False)
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072, paged=True) == (33, False)
     assert _ffi.decode_split_plan((64, 1, 32, 128), 8, 8192) == (1, False)
