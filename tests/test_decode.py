@@ -115,6 +115,14 @@ def _run(case, num_splits=None, seed=0):
     return np.asarray(out, np.float64), np.asarray(lse, np.float64), ref
 
 
+def _assert_matches(out, lse, ref_o, ref_lse):
+    """A call's (out, lse) against _run's float64 reference: within TOL, and lse -inf where no key is seen."""
+    np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
+    assert (lse[~finite] == -np.inf).all()
+
+
 # Shapes for the decode kernels' variants on a GPU (the mma.sync kernel's 1, 2, 4 and 8 row tiles; on compute
 # capability 9.0 the wgmma kernel past 32 packed rows at head dims up to 128, one and two warpgroups; padded
 # head dims; many splits), and one past 128 packed rows (the attention kernel runs, with a warning).
@@ -231,10 +239,7 @@ def test_matches_float64_reference(name, fresh_warnings):
             out, lse, (ref_o, ref_lse) = _run(_case(name))
     else:
         out, lse, (ref_o, ref_lse) = _run(_case(name))
-    np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
-    finite = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
-    assert (lse[~finite] == -np.inf).all()
+    _assert_matches(out, lse, ref_o, ref_lse)
 
 
 MANY_ROWS = ["paged16_t16_ragged", "rows32_ragged", "rows24_noncausal", "rows64_d64_softcap_sinks",
@@ -264,9 +269,7 @@ def test_forced_decode_kernel(kernel, name):
         pytest.skip("a GPU kernel choice")
     with jax_flash.force_kernel(kernel):
         out, lse, (ref_o, ref_lse) = _run(_case(name))
-    np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
-    finite = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
+    _assert_matches(out, lse, ref_o, ref_lse)
 
 
 def test_force_kernel_reaches_the_decode_target():
@@ -363,10 +366,7 @@ def test_balanced_splits_match_reference(name, monkeypatch):
     monkeypatch.setattr(_ffi, "decode_split_plan", lambda q_shape, heads_kv, capacity, paged=False: (
         min(2 * max(_ffi.decode_splits(q_shape, heads_kv, capacity, paged), 2), _ffi.MAX_DECODE_SPLITS), True))
     out, lse, (ref_o, ref_lse) = _run(_case(name))
-    np.testing.assert_allclose(out, ref_o, atol=TOL, rtol=TOL)
-    finite = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=TOL, rtol=TOL)
-    assert (lse[~finite] == -np.inf).all()
+    _assert_matches(out, lse, ref_o, ref_lse)
 
 
 def test_paged_cache_size_limit():
