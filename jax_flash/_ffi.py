@@ -366,10 +366,14 @@ def decode_split_plan(q_shape, heads_kv, capacity, paged=False):
     at equal lengths; with many splits a sequence, or few short ones over few pairs (8/1 at 2-32 sequences), it cost
     4-19 % even over ragged lengths."""
     splits = decode_splits(q_shape, heads_kv, capacity, paged)
-    balance = splits <= BALANCE_MAX_SPLITS and (capacity >= BALANCE_MIN_SPLIT_KEYS * splits
-                                                or q_shape[0] * heads_kv >= BALANCE_MIN_PAIRS)
-    if q_shape[0] < 2 or splits < 2 or not balance:
-        return splits, False
+    balance = (q_shape[0] >= 2 and 2 <= splits <= BALANCE_MAX_SPLITS
+               and (capacity >= BALANCE_MIN_SPLIT_KEYS * splits or q_shape[0] * heads_kv >= BALANCE_MIN_PAIRS))
+    return balanced_split_plan(splits) if balance else (splits, False)
+
+
+def balanced_split_plan(splits):
+    """(num_splits, True): the balanced grid for decode_splits' count `splits`, twice as many splits of one size
+    across the batch."""
     return min(2 * splits, MAX_DECODE_SPLITS), True
 
 

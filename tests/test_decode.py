@@ -363,8 +363,8 @@ def test_balanced_splits_match_reference(name, monkeypatch):
     if not ON_GPU:
         pytest.skip("the decode kernels' split plan")
     from jax_flash import _ffi
-    monkeypatch.setattr(_ffi, "decode_split_plan", lambda q_shape, heads_kv, capacity, paged=False: (
-        min(2 * max(_ffi.decode_splits(q_shape, heads_kv, capacity, paged), 2), _ffi.MAX_DECODE_SPLITS), True))
+    monkeypatch.setattr(_ffi, "decode_split_plan", lambda q_shape, heads_kv, capacity, paged=False:
+                        _ffi.balanced_split_plan(max(_ffi.decode_splits(q_shape, heads_kv, capacity, paged), 2)))
     out, lse, (ref_o, ref_lse) = _run(_case(name))
     _assert_matches(out, lse, ref_o, ref_lse)
 
