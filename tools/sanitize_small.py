@@ -28,6 +28,10 @@ CASES = [
     (1, 130, 130, 2, 2, 256, dict(is_causal=True, segments="packed", sinks=True)),
     # one query row: the backward's query tiles past it (rows padded to 128) have no row at all
     (3, 1, 70, 2, 1, 128, dict(is_causal=True)),
+    # soft cap without segment ids (the capped d64/d128 backward's packed dS^T product in unmasked tiles, its float32
+    # one in masked tiles)
+    (2, 200, 330, 4, 2, 128, dict(is_causal=True, logits_soft_cap=20.0)),
+    (1, 150, 150, 2, 1, 64, dict(logits_soft_cap=5.0)),
 ]
 
 
