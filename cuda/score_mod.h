@@ -42,7 +42,8 @@ struct SoftCap {
   // [-A, A]. Taken as 2^(x - R) for a fixed R, the exponentials need no row maximum and O no rescaling, provided
   // none overflows and a row's largest term stays a normal float with room below it. R = min(A, L - A), with
   // L = kFixedReferenceFloor = 100, gives x - R <= max(0, 2A - L) and a largest term >= 2^(-A - R) >= 2^-L (terms
-  // up to 2^-26 below it stay normal floats, in float32 and in P's 16-bit form alike); with A <=
+  // up to 2^-26 below it stay normal floats, in float32 and in P's bfloat16 form alike; float16's range is far too
+  // short, so float16 calls keep the running maximum: launch_fwd_sm90); with A <=
   // kFixedReferenceMaxBound the terms are <= 2^64, so a row's sum and its P V products stay finite wherever
   // |v| * keys < 2^64.
   static constexpr float kFixedReferenceFloor = 100.f;

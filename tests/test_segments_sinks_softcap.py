@@ -437,6 +437,27 @@ def test_residual_is_the_sink_inclusive_lse(name):
                                    rtol=1e-2)
 
 
+@pytest.mark.parametrize("cap,head_dim,causal", [(20.0, 128, True), (50.0, 128, False), (5.0, 64, True)])
+def test_soft_cap_in_float16(cap, head_dim, causal):
+    """float16 inputs with a soft cap against the float64 reference, forward and gradients: logits far below the cap
+    (standard normal q and k) put a fixed reference's exponentials (2^-(A + R), 2^-57.7 at c = 20) below float16's
+    range, where P would be flushed to 0 (the sm_90a forward keeps the running maximum for float16)."""
+    rng = np.random.default_rng(3)
+    b, t, s, n, kh = 2, 200, 330, 4, 2
+    q, k, v, do = (jnp.asarray(rng.standard_normal(shape, np.float32), jnp.float16)
+                   for shape in ((b, t, n, head_dim), (b, s, kh, head_dim), (b, s, kh, head_dim), (b, t, n, head_dim)))
+    kw = dict(is_causal=causal, local_window_size=None, logits_soft_cap=cap)
+    ref = _reference64(q, k, v, do, kw)
+    ours = _fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, kw)
+    base = _fwd_bwd(_baseline, q, k, v, do, kw)
+    eps = float(jnp.finfo(jnp.float16).eps)
+    for label, x, bl, r in zip(("output", "dq", "dk", "dv"), ours, base, ref):
+        assert np.isfinite(x).all(), f"{label}: non-finite values"
+        err, base_err = np.abs(x - r).max(), np.abs(bl - r).max()
+        bound = 3 * base_err + 2 * eps * np.abs(r).max() + 1e-6
+        assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g} (reference in float16: {base_err:.3g})"
+
+
 def test_soft_cap_keeps_nan_in_its_row():
     """A nan in one query row makes exactly that row's output nan with a soft cap, also over key tiles that every
     row sees (the kernels' unmasked steps)."""

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <climits>
+#include <type_traits>
 
 #include "kernels/common/bwd_pre_post.cuh"
 #include "kernels/common/launch_utils.h"
@@ -69,7 +70,8 @@ cudaError_t launch_fwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
 // the tiles of its policy's batch elements and steps over the others', a flag load per batch element): one body
 // with both policies, switched per tile, holds both in one consumer loop (d128: 80/192 B of spills against 4/16).
 // A soft cap takes its fixed-reference variant where the cap's bound allows it (SoftCap::fixed_reference_holds:
-// c <= 56.8), else the running maximum.
+// c <= 56.8) and P is bfloat16, else the running maximum: the fixed reference's terms reach 2^-(A + R) (2^-57.7 at
+// c = 20), which float32 and bfloat16 hold but float16 (2^-24 at the least) flushes to 0, zeroing whole rows of P.
 template <typename T, int kD>
 cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   const SoftCap cap(p);
@@ -87,7 +89,8 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
           return launch_fwd_sm90_variant<T, kD, SegmentMode::kIds, kCap, kFixed>(p, stream);
         }
       },
-      p.q_segment_ids != nullptr, cap.enabled(), cap.fixed_reference_holds(p.scale_log2));
+      p.q_segment_ids != nullptr, cap.enabled(),
+      std::is_same_v<T, __nv_bfloat16> && cap.fixed_reference_holds(p.scale_log2));
 }
 
 // Q and dO in tiles of kBlockM rows, K and V in tiles of kBlockN: the loads of every sm_90a backward kernel.
