@@ -1,5 +1,5 @@
 // The 16-bit element types the CUDA kernels take (bfloat16, float16): packing two float32 values into one 32-bit
-// register pair and back.
+// register pair and back, and the pairs' product (one packed multiply, rounded once).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,6 +22,10 @@ struct ElemTraits<__nv_bfloat16> {
   static __device__ __forceinline__ float2 unpack(uint32_t x) {
     return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
   }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    __nv_bfloat162 v = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
   static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 
@@ -33,6 +37,10 @@ struct ElemTraits<__half> {
     return *reinterpret_cast<uint32_t*>(&v);
   }
   static __device__ __forceinline__ float2 unpack(uint32_t x) { return __half22float2(*reinterpret_cast<__half2*>(&x)); }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    __half2 v = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
   static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 };
 

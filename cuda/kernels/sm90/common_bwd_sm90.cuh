@@ -37,6 +37,22 @@ __device__ __forceinline__ void cap_scores(float (&acc)[kPairs * 2], uint32_t (&
   }
 }
 
+// The d64/d128 kernel's form of cap_scores: the score becomes t = tanh(s / c) itself (probs_from_scores folds c
+// into the exponent's scale, SoftCap::log2_bound) and dcap holds 1 - t^2 as pairs of the kernel's element type T,
+// for one packed multiply of the packed dS^T pairs (pack_dscores) in place of unpacking it and
+// multiplying float32 scores: two and a half instructions a score fewer on the path to dS^T.
+template <typename T, int kPairs>
+__device__ __forceinline__ void tanh_scores(float (&acc)[kPairs * 2], uint32_t (&dcap)[kPairs], const SoftCap& cap) {
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) {
+    const float t0 = cap.tanh_of(acc[2 * i]);
+    const float t1 = cap.tanh_of(acc[2 * i + 1]);
+    acc[2 * i] = t0;
+    acc[2 * i + 1] = t1;
+    dcap[i] = ElemTraits<T>::pack(1.f - t0 * t0, 1.f - t1 * t1);
+  }
+}
+
 // dS times cap_scores' dcap, in place.
 template <int kPairs>
 __device__ __forceinline__ void scale_by_cap_derivative(float (&acc)[kPairs * 2], const uint32_t (&dcap)[kPairs]) {
@@ -76,22 +92,26 @@ __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], con
   }
 }
 
-// P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place (S^T soft-capped first, with a cap), zero where the mask
-// hides the pair (query0, key0 as for zero_hidden_pairs). With a cap, dcap receives each pair's d capped / d s =
-// 1 - tanh^2 as float16 pairs (elements 2 i, 2 i + 1 in dcap[i]; within [0, 1], float16's 2^-11 rounding is below
-// tanh.approx's error), for dscores_from_probs: no second transcendental to recover it from P^T. Returns what the
-// tile needed of the masks (the whole warp asks, AttentionMask::tile_masking_warp; dscores_from_probs then zeroes
-// the hidden pairs' dS^T too). kCap: the call has a soft cap (compiled out otherwise: dcap would be live registers
-// across the dP^T wait in every call). kHalfOnFma: half of the exponentials on the FMA pipe (exp2_fma), for a
-// capped call of the head-dim-64/128 kernel, whose tanh and exp2 queue two MUFU operations per score on the path to
-// dS^T (H200: that backward 4-7 % faster; the head-dim-256 kernel 1 % slower, the plain kernels 1-7 % slower:
-// NOTES, session 27).
-template <int kSTiles, bool kCap, bool kHalfOnFma = false>
+// P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place (with a cap, S^T becomes tanh(S^T / c) first and c goes
+// into the exponent's scale), zero where the mask hides the pair (query0, key0 as for zero_hidden_pairs). With a
+// cap, dcap receives each pair's d capped / d s = 1 - tanh^2 as a pair of T (tanh_scores: 1 - t^2 is formed in
+// float32, so T's rounding of it is relative, below tanh.approx's 2^-10.9 for float16 and at bfloat16's own 2^-9,
+// which dS^T takes anyway), for dscores_from_probs and pack_dscores: no second transcendental to
+// recover it from P^T. Returns what the tile needed of the masks (the whole warp asks,
+// AttentionMask::tile_masking_warp; dscores_from_probs then zeroes the hidden pairs' dS^T too). kCap: the call has
+// a soft cap (compiled out otherwise: dcap would be live registers across the dP^T wait in every call). kHalfOnFma:
+// half of the exponentials on the FMA pipe (exp2_fma), for a capped call of the head-dim-64/128 kernel, whose tanh
+// and exp2 queue two MUFU operations per score on the path to dS^T (H200: that backward 4-7 % faster; the
+// head-dim-256 kernel 1 % slower, the plain kernels 1-7 % slower: NOTES, session 27).
+template <typename T, int kSTiles, bool kCap, bool kHalfOnFma = false>
 __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles * 4], uint32_t (&dcap)[kSTiles * 2],
                                                          const float2 (&lse_log2)[kSTiles], float scale_log2,
                                                          const SoftCap& cap, const AttentionMask& mask, int query0,
                                                          int key0, int seqlen_q, int g, int t) {
-  if constexpr (kCap) cap_scores<kSTiles * 2>(acc_s, dcap, cap);
+  if constexpr (kCap) {
+    tanh_scores<T, kSTiles * 2>(acc_s, dcap, cap);
+    scale_log2 = cap.log2_bound(scale_log2);
+  }
 #pragma unroll
   for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -105,12 +125,13 @@ __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles 
   return how;
 }
 
-// dS^T = P^T * (dP^T - dsum) in place of dP^T, times probs_from_scores' dcap with a cap; in a masked tile
-// (`how` as for probs_from_scores; the same query0, key0) exactly 0 where the mask hides the pair, as jax.nn's
-// gradient of its masking select is, even where dP^T, dsum or the score is not finite (a row whose output is nan).
-template <int kSTiles, bool kCap>
+// dS^T = P^T * (dP^T - dsum) in place of dP^T. In a masked tile (`how` as for probs_from_scores; the same query0,
+// key0) times probs_from_scores' dcap with a cap (dcap then holds ones), then exactly 0 where the mask hides the
+// pair, as jax.nn's gradient of its masking select is, even where dP^T, dsum or the score is not finite (a row whose
+// output is nan). An unmasked tile's cap factor is left to scale_packed_by_cap_derivative, once dS^T is packed.
+template <typename T, int kSTiles, bool kCap>
 __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4], const float (&acc_s)[kSTiles * 4],
-                                                   const float2 (&dsum)[kSTiles], const uint32_t (&dcap)[kSTiles * 2],
+                                                   const float2 (&dsum)[kSTiles], uint32_t (&dcap)[kSTiles * 2],
                                                    TileMasking how, const AttentionMask& mask, int query0, int key0,
                                                    int g, int t) {
 #pragma unroll
@@ -120,8 +141,27 @@ __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4],
       acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
     }
   }
-  if constexpr (kCap) scale_by_cap_derivative<kSTiles * 2>(acc_dp, dcap);
-  if (how != TileMasking::kNone) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t, how == TileMasking::kIds);
+  if (how != TileMasking::kNone) {
+    if constexpr (kCap) {
+#pragma unroll
+      for (int i = 0; i < kSTiles * 2; ++i) {
+        const float2 d = ElemTraits<T>::unpack(dcap[i]);
+        acc_dp[2 * i] *= d.x;
+        acc_dp[2 * i + 1] *= d.y;
+        dcap[i] = ElemTraits<T>::pack(1.f, 1.f);  // the packed product leaves these pairs as they are (nan, zeros)
+      }
+    }
+    zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t, how == TileMasking::kIds);
+  }
+}
+
+// A packed pair of dS^T (elements lo, hi of the accumulator) for the wgmma A fragments, times its dcap pair with a
+// cap (1 - tanh^2 in an unmasked tile; ones where dscores_from_probs applied it already).
+template <typename T, bool kCap>
+__device__ __forceinline__ uint32_t pack_dscores(float lo, float hi, uint32_t dcap) {
+  const uint32_t ds = ElemTraits<T>::pack(lo, hi);
+  if constexpr (kCap) return ElemTraits<T>::mul(ds, dcap);
+  return ds;
 }
 
 }  // namespace jax_flash::cuda::sm90

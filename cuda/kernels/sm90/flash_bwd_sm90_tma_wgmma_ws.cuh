@@ -373,10 +373,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // query 8 j + 2 t + e % 2.
         wgmma_wait<1>();
         fence_regs(acc_s);
-        uint32_t dcap[kSTiles * 2];  // with a soft cap: 1 - tanh^2 of the pairs (float16)
+        uint32_t dcap[kSTiles * 2];  // with a soft cap: 1 - tanh^2 of the pairs (as T pairs)
         AttentionMask tile_mask = mask;
         if (kRunsBody && m0 >= run_rows_lo && m0 + kBM <= run_rows_hi) tile_mask.runs = RunPolicy{};
-        const TileMasking how = probs_from_scores<kSTiles, kSoftCap, /*kHalfOnFma=*/kSoftCap>(
+        const TileMasking how = probs_from_scores<T, kSTiles, kSoftCap, /*kHalfOnFma=*/kSoftCap>(
             acc_s, dcap, lse_log2, p.scale_log2, cap, tile_mask, m0, n0 + key_row0, p.seqlen_q, g, t);
         // dS^T = P^T * (dP^T - dsum) (times 1 - tanh^2 with a cap).
         float2 dsum[kSTiles];
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wgmma_wait<0>();
         fence_regs(acc_dp);
         if (it + 1 == iters && wg_tid == 0) smem.v_ring.consumer_release(kvs);  // the unit's last read of V
-        dscores_from_probs<kSTiles, kSoftCap>(acc_dp, acc_s, dsum, dcap, how, tile_mask, m0, n0 + key_row0, g, t);
+        dscores_from_probs<T, kSTiles, kSoftCap>(acc_dp, acc_s, dsum, dcap, how, tile_mask, m0, n0 + key_row0, g, t);
         // As wgmma A fragments (16 queries per step = column tiles 2 kk, 2 kk + 1).
         uint32_t a_p[kBM / kWgmmaK][4], a_ds[kBM / kWgmmaK][4];
 #pragma unroll
@@ -393,7 +393,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
           for (int q4 = 0; q4 < 4; ++q4) {
             a_p[kk][q4] = ET::pack(acc_s[8 * kk + 2 * q4], acc_s[8 * kk + 2 * q4 + 1]);
-            a_ds[kk][q4] = ET::pack(acc_dp[8 * kk + 2 * q4], acc_dp[8 * kk + 2 * q4 + 1]);
+            a_ds[kk][q4] = pack_dscores<T, kSoftCap>(acc_dp[8 * kk + 2 * q4], acc_dp[8 * kk + 2 * q4 + 1],
+                                                     dcap[4 * kk + q4]);
           }
         }
 
