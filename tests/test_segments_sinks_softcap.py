@@ -439,9 +439,10 @@ def test_residual_is_the_sink_inclusive_lse(name):
 
 @pytest.mark.parametrize("cap,head_dim,causal", [(20.0, 128, True), (50.0, 128, False), (5.0, 64, True)])
 def test_soft_cap_in_float16(cap, head_dim, causal):
-    """float16 inputs with a soft cap against the float64 reference, forward and gradients: logits far below the cap
-    (standard normal q and k) put a fixed reference's exponentials (2^-(A + R), 2^-57.7 at c = 20) below float16's
-    range, where P would be flushed to 0 (the sm_90a forward keeps the running maximum for float16)."""
+    """float16 inputs with a soft cap against the float64 reference, forward and gradients. At c = 20 and 50 logits
+    far below the cap (standard normal q and k) put a fixed reference's exponentials (2^-(A + R), 2^-57.7 at c = 20)
+    below float16's range, where P would be flushed to 0 (the sm_90a forward keeps the running maximum for float16);
+    c = 5 (d64) stays within it and covers the capped float16 backward's dS^T factor."""
     rng = np.random.default_rng(3)
     b, t, s, n, kh = 2, 200, 330, 4, 2
     q, k, v, do = (jnp.asarray(rng.standard_normal(shape, np.float32), jnp.float16)

@@ -1,5 +1,5 @@
 // The 16-bit element types the CUDA kernels take (bfloat16, float16): packing two float32 values into one 32-bit
-// register pair and back, and the pairs' product (one packed multiply, rounded once).
+// register pair and back (and for bfloat16 the pairs' product: one packed multiply, rounded once).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -37,10 +37,6 @@ struct ElemTraits<__half> {
     return *reinterpret_cast<uint32_t*>(&v);
   }
   static __device__ __forceinline__ float2 unpack(uint32_t x) { return __half22float2(*reinterpret_cast<__half2*>(&x)); }
-  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
-    __half2 v = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
   static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 };
 

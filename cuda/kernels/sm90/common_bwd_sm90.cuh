@@ -1,8 +1,11 @@
 // Pieces of the sm_90a backward kernels: the producer's loads of a key block's K or V rows and the soft cap's score
-// and derivative loops (both kernels); P^T and dS^T from the S^T and dP^T accumulators of a 64-key wgmma (m64nNk16
-// layout: column tile j holds keys g and g + 8 of the warp's 16 rows, queries 8 j + 2 t and 8 j + 2 t + 1), for the
-// d64/d128 kernel (the d256 kernel computes S and dP with the queries as rows and masks them itself).
+// and derivative loops (both kernels, cap_scores and scale_by_cap_derivative); P^T and dS^T from the S^T and dP^T
+// accumulators of a 64-key wgmma (m64nNk16 layout: column tile j holds keys g and g + 8 of the warp's 16 rows,
+// queries 8 j + 2 t and 8 j + 2 t + 1), for the d64/d128 kernel (the d256 kernel computes S and dP with the queries
+// as rows and masks them itself).
 #pragma once
+
+#include <type_traits>
 
 #include "flash_params.h"
 #include "kernels/common/element_traits.cuh"
@@ -23,42 +26,28 @@ __device__ __forceinline__ void load_key_block_rows(T* dst, const CUtensorMap* t
   for (int cb = 0; cb < kColBlocks; ++cb) tma_load_4d(dst + cb * kBlockN * kColBlock, tm, full, cb * kColBlock, n0, hk, b);
 }
 
-// Soft cap of a score accumulator in place (s -> c tanh(s / c), SoftCap's pre/post scales), keeping each pair's
-// d capped / d s = 1 - tanh^2 in dcap (two halves per 32 bits) for the dS product.
-template <int kPairs>
+// Soft cap of a score accumulator in place: s -> post * t (kKeepPost: the capped score) or t itself (the caller
+// folds post into the exponent's scale, SoftCap::log2_bound), t = tanh(pre * s) with SoftCap's pre = scale / c and
+// post = c / scale; each pair's d capped / d s = 1 - t^2 goes to dcap as a pair of T (formed in float32, so T's
+// rounding of it is relative while it is a normal number of T) for the dS product.
+template <typename T, bool kKeepPost, int kPairs>
 __device__ __forceinline__ void cap_scores(float (&acc)[kPairs * 2], uint32_t (&dcap)[kPairs], const SoftCap& cap) {
 #pragma unroll
   for (int i = 0; i < kPairs; ++i) {
     const float t0 = cap.tanh_of(acc[2 * i]);
     const float t1 = cap.tanh_of(acc[2 * i + 1]);
-    acc[2 * i] = cap.post * t0;
-    acc[2 * i + 1] = cap.post * t1;
-    dcap[i] = ElemTraits<__half>::pack(1.f - t0 * t0, 1.f - t1 * t1);
-  }
-}
-
-// The d64/d128 kernel's form of cap_scores: the score becomes t = tanh(s / c) itself (probs_from_scores folds c
-// into the exponent's scale, SoftCap::log2_bound) and dcap holds 1 - t^2 as pairs of the kernel's element type T,
-// for one packed multiply of the packed dS^T pairs (pack_dscores) in place of unpacking it and
-// multiplying float32 scores: two and a half instructions a score fewer on the path to dS^T.
-template <typename T, int kPairs>
-__device__ __forceinline__ void tanh_scores(float (&acc)[kPairs * 2], uint32_t (&dcap)[kPairs], const SoftCap& cap) {
-#pragma unroll
-  for (int i = 0; i < kPairs; ++i) {
-    const float t0 = cap.tanh_of(acc[2 * i]);
-    const float t1 = cap.tanh_of(acc[2 * i + 1]);
-    acc[2 * i] = t0;
-    acc[2 * i + 1] = t1;
+    acc[2 * i] = kKeepPost ? cap.post * t0 : t0;
+    acc[2 * i + 1] = kKeepPost ? cap.post * t1 : t1;
     dcap[i] = ElemTraits<T>::pack(1.f - t0 * t0, 1.f - t1 * t1);
   }
 }
 
-// dS times cap_scores' dcap, in place.
-template <int kPairs>
+// dS times cap_scores' dcap (pairs of T), in place.
+template <typename T, int kPairs>
 __device__ __forceinline__ void scale_by_cap_derivative(float (&acc)[kPairs * 2], const uint32_t (&dcap)[kPairs]) {
 #pragma unroll
   for (int i = 0; i < kPairs; ++i) {
-    const float2 d = ElemTraits<__half>::unpack(dcap[i]);
+    const float2 d = ElemTraits<T>::unpack(dcap[i]);
     acc[2 * i] *= d.x;
     acc[2 * i + 1] *= d.y;
   }
@@ -92,24 +81,22 @@ __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], con
   }
 }
 
-// P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place (with a cap, S^T becomes tanh(S^T / c) first and c goes
-// into the exponent's scale), zero where the mask hides the pair (query0, key0 as for zero_hidden_pairs). With a
-// cap, dcap receives each pair's d capped / d s = 1 - tanh^2 as a pair of T (tanh_scores: 1 - t^2 is formed in
-// float32, so T's rounding of it is relative, below tanh.approx's 2^-10.9 for float16 and at bfloat16's own 2^-9,
-// which dS^T takes anyway), for dscores_from_probs and pack_dscores: no second transcendental to
-// recover it from P^T. Returns what the tile needed of the masks (the whole warp asks,
-// AttentionMask::tile_masking_warp; dscores_from_probs then zeroes the hidden pairs' dS^T too). kCap: the call has
-// a soft cap (compiled out otherwise: dcap would be live registers across the dP^T wait in every call). kHalfOnFma:
-// half of the exponentials on the FMA pipe (exp2_fma), for a capped call of the head-dim-64/128 kernel, whose tanh
-// and exp2 queue two MUFU operations per score on the path to dS^T (H200: that backward 4-7 % faster; the
-// head-dim-256 kernel 1 % slower, the plain kernels 1-7 % slower: NOTES, session 27).
+// P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place (with a cap, S^T becomes t = tanh(pre * S^T) first and
+// post goes into the exponent's scale), zero where the mask hides the pair (query0, key0 as for zero_hidden_pairs).
+// With a cap, dcap receives each pair's d capped / d s = 1 - t^2 as a pair of T (cap_scores), for dscores_from_probs
+// and pack_dscores: no second transcendental to recover it from P^T. Returns what the tile needed of the masks (the
+// whole warp asks, AttentionMask::tile_masking_warp; dscores_from_probs then zeroes the hidden pairs' dS^T too).
+// kCap: the call has a soft cap (compiled out otherwise: dcap would be live registers across the dP^T wait in
+// every call). kHalfOnFma: half of the exponentials on the FMA pipe (exp2_fma), for a capped call of the
+// head-dim-64/128 kernel, whose tanh and exp2 queue two MUFU operations per score on the path to dS^T (H200: that
+// backward 4-7 % faster; the head-dim-256 kernel 1 % slower, the plain kernels 1-7 % slower: NOTES, session 27).
 template <typename T, int kSTiles, bool kCap, bool kHalfOnFma = false>
 __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles * 4], uint32_t (&dcap)[kSTiles * 2],
                                                          const float2 (&lse_log2)[kSTiles], float scale_log2,
                                                          const SoftCap& cap, const AttentionMask& mask, int query0,
                                                          int key0, int seqlen_q, int g, int t) {
   if constexpr (kCap) {
-    tanh_scores<T, kSTiles * 2>(acc_s, dcap, cap);
+    cap_scores<T, false, kSTiles * 2>(acc_s, dcap, cap);
     scale_log2 = cap.log2_bound(scale_log2);
   }
 #pragma unroll
@@ -128,7 +115,7 @@ __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles 
 // dS^T = P^T * (dP^T - dsum) in place of dP^T. In a masked tile (`how` as for probs_from_scores; the same query0,
 // key0) times probs_from_scores' dcap with a cap (dcap then holds ones), then exactly 0 where the mask hides the
 // pair, as jax.nn's gradient of its masking select is, even where dP^T, dsum or the score is not finite (a row whose
-// output is nan). An unmasked tile's cap factor is left to scale_packed_by_cap_derivative, once dS^T is packed.
+// output is nan). An unmasked tile's cap factor is left to pack_dscores, once dS^T is packed.
 template <typename T, int kSTiles, bool kCap>
 __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4], const float (&acc_s)[kSTiles * 4],
                                                    const float2 (&dsum)[kSTiles], uint32_t (&dcap)[kSTiles * 2],
@@ -143,25 +130,28 @@ __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4],
   }
   if (how != TileMasking::kNone) {
     if constexpr (kCap) {
+      scale_by_cap_derivative<T, kSTiles * 2>(acc_dp, dcap);
 #pragma unroll
-      for (int i = 0; i < kSTiles * 2; ++i) {
-        const float2 d = ElemTraits<T>::unpack(dcap[i]);
-        acc_dp[2 * i] *= d.x;
-        acc_dp[2 * i + 1] *= d.y;
-        dcap[i] = ElemTraits<T>::pack(1.f, 1.f);  // the packed product leaves these pairs as they are (nan, zeros)
-      }
+      for (int i = 0; i < kSTiles * 2; ++i) dcap[i] = ElemTraits<T>::pack(1.f, 1.f);  // pack_dscores: as they are
     }
     zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t, how == TileMasking::kIds);
   }
 }
 
 // A packed pair of dS^T (elements lo, hi of the accumulator) for the wgmma A fragments, times its dcap pair with a
-// cap (1 - tanh^2 in an unmasked tile; ones where dscores_from_probs applied it already).
+// cap (1 - t^2 in an unmasked tile; ones where dscores_from_probs applied it already): for bfloat16 one packed
+// multiply of the packed pair (its range is float32's); float16 multiplies in float32 first, so that a dS^T past
+// float16's range whose capped product fits stays finite.
 template <typename T, bool kCap>
 __device__ __forceinline__ uint32_t pack_dscores(float lo, float hi, uint32_t dcap) {
-  const uint32_t ds = ElemTraits<T>::pack(lo, hi);
-  if constexpr (kCap) return ElemTraits<T>::mul(ds, dcap);
-  return ds;
+  if constexpr (!kCap) {
+    return ElemTraits<T>::pack(lo, hi);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return ElemTraits<T>::mul(ElemTraits<T>::pack(lo, hi), dcap);
+  } else {
+    const float2 d = ElemTraits<T>::unpack(dcap);
+    return ElemTraits<T>::pack(lo * d.x, hi * d.y);
+  }
 }
 
 }  // namespace jax_flash::cuda::sm90

@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
       wgmma_wait<1>();
       fence_regs(acc_s);
       [[maybe_unused]] uint32_t dcap[kSTiles * 2];  // 1 - tanh^2 per pair (soft cap only)
-      if constexpr (kSoftCap) cap_scores<kSTiles * 2>(acc_s, dcap, cap);
+      if constexpr (kSoftCap) cap_scores<__half, true, kSTiles * 2>(acc_s, dcap, cap);
 #pragma unroll
       for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(BwdD256TraitsSm90::kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - (e < 2 ? dsum0 : dsum1));
       }
-      if constexpr (kSoftCap) scale_by_cap_derivative<kSTiles * 2>(acc_dp, dcap);
+      if constexpr (kSoftCap) scale_by_cap_derivative<__half, kSTiles * 2>(acc_dp, dcap);
       if (how != TileMasking::kNone) {
         zero_hidden_pairs_rows<kSTiles>(acc_dp, mask, q_row0, n_wg, g, t, how == TileMasking::kIds);
       }

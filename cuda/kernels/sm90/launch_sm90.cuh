@@ -78,7 +78,7 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
   return with_static_flags(
       [&](auto segments, auto soft_cap, auto fixed_reference) -> cudaError_t {
         constexpr bool kCap = decltype(soft_cap)::value;
-        constexpr bool kFixed = kCap && decltype(fixed_reference)::value;
+        constexpr bool kFixed = kCap && decltype(fixed_reference)::value && std::is_same_v<T, __nv_bfloat16>;
         if constexpr (!decltype(segments)::value) {
           return launch_fwd_sm90_variant<T, kD, SegmentMode::kNone, kCap, kFixed>(p, stream);
         } else {
@@ -89,8 +89,7 @@ cudaError_t launch_fwd_sm90(const FlashParams& p, cudaStream_t stream) {
           return launch_fwd_sm90_variant<T, kD, SegmentMode::kIds, kCap, kFixed>(p, stream);
         }
       },
-      p.q_segment_ids != nullptr, cap.enabled(),
-      std::is_same_v<T, __nv_bfloat16> && cap.fixed_reference_holds(p.scale_log2));
+      p.q_segment_ids != nullptr, cap.enabled(), cap.fixed_reference_holds(p.scale_log2));
 }
 
 // Q and dO in tiles of kBlockM rows, K and V in tiles of kBlockN: the loads of every sm_90a backward kernel.
