@@ -164,21 +164,26 @@ def _baseline(q, k, v, sinks=None, **kw):
     return jax_flash.reference_attention(q, k, v, sinks=sinks, **kw)
 
 
+def _assert_near_reference(name, ours, base, ref, dtype):
+    """Each of ours (output, dq, dk, dv[, dsinks]) finite and within 3x the materialised reference's error in dtype
+    (base) of the float64 reference, plus 2 eps of its largest magnitude."""
+    eps = float(jnp.finfo(dtype).eps)
+    for label, x, b, r in zip(("output", "dq", "dk", "dv", "dsinks"), ours, base, ref):
+        assert np.isfinite(x).all(), f"{name} {label}: non-finite values"
+        err, base_err = np.abs(x - r).max(), np.abs(b - r).max()
+        bound = 3 * base_err + 2 * eps * np.abs(r).max() + 1e-6
+        assert err <= bound, f"{name} {label}: error {err:.3g} > {bound:.3g} (reference in " \
+                             f"{jnp.dtype(dtype).name}: {base_err:.3g})"
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_matches_float64_reference(name):
     q, k, v, do, kw = _problem(CASES[name])
     ref = _reference64(q, k, v, do, kw)
     ours = _fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, kw)
     base = _fwd_bwd(_baseline, q, k, v, do, kw)
-    eps = float(jnp.finfo(DTYPE).eps)
-    names = ("output", "dq", "dk", "dv", "dsinks")
     assert len(ours) == len(ref)
-    for label, x, b, r in zip(names, ours, base, ref):
-        assert np.isfinite(x).all(), f"{name} {label}: non-finite values"
-        err, base_err = np.abs(x - r).max(), np.abs(b - r).max()
-        bound = 3 * base_err + 2 * eps * np.abs(r).max() + 1e-6
-        assert err <= bound, f"{name} {label}: error {err:.3g} > {bound:.3g} (reference in {DTYPE.__name__}: " \
-                             f"{base_err:.3g})"
+    _assert_near_reference(name, ours, base, ref, DTYPE)
     # Rows that see no key (padding ids, lengths, no key of their segment) output 0 and get dq = 0.
     vis = np.asarray(visible_mask(q.shape[1], k.shape[1], is_causal=kw["is_causal"],
                                   local_window_size=kw["local_window_size"],
@@ -451,12 +456,7 @@ def test_soft_cap_in_float16(cap, head_dim, causal):
     ref = _reference64(q, k, v, do, kw)
     ours = _fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, kw)
     base = _fwd_bwd(_baseline, q, k, v, do, kw)
-    eps = float(jnp.finfo(jnp.float16).eps)
-    for label, x, bl, r in zip(("output", "dq", "dk", "dv"), ours, base, ref):
-        assert np.isfinite(x).all(), f"{label}: non-finite values"
-        err, base_err = np.abs(x - r).max(), np.abs(bl - r).max()
-        bound = 3 * base_err + 2 * eps * np.abs(r).max() + 1e-6
-        assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g} (reference in float16: {base_err:.3g})"
+    _assert_near_reference(f"c={cap} d{head_dim}", ours, base, ref, jnp.float16)
 
 
 def test_soft_cap_keeps_nan_in_its_row():

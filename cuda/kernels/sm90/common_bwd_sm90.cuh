@@ -112,10 +112,16 @@ __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles 
   return how;
 }
 
-// dS^T = P^T * (dP^T - dsum) in place of dP^T. In a masked tile (`how` as for probs_from_scores; the same query0,
-// key0) times probs_from_scores' dcap with a cap (dcap then holds ones), then exactly 0 where the mask hides the
-// pair, as jax.nn's gradient of its masking select is, even where dP^T, dsum or the score is not finite (a row whose
-// output is nan). An unmasked tile's cap factor is left to pack_dscores, once dS^T is packed.
+// Whether a capped kernel of element type T multiplies dS^T by 1 - t^2 after packing it (pack_dscores: one packed
+// multiply a pair, bfloat16's range being float32's) rather than in float32 before (float16, so that a dS^T past its
+// range whose capped product fits stays finite).
+template <typename T>
+inline constexpr bool kPackedCapProduct = std::is_same_v<T, __nv_bfloat16>;
+
+// dS^T = P^T * (dP^T - dsum) in place of dP^T, times probs_from_scores' dcap with a cap (in float32 in a masked tile
+// or without kPackedCapProduct; else pack_dscores applies it, and a masked tile hands it ones), then in a masked
+// tile (`how` as for probs_from_scores; the same query0, key0) exactly 0 where the mask hides the pair, as jax.nn's
+// gradient of its masking select is, even where dP^T, dsum or the score is not finite (a row whose output is nan).
 template <typename T, int kSTiles, bool kCap>
 __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4], const float (&acc_s)[kSTiles * 4],
                                                    const float2 (&dsum)[kSTiles], uint32_t (&dcap)[kSTiles * 2],
@@ -128,30 +134,23 @@ __device__ __forceinline__ void dscores_from_probs(float (&acc_dp)[kSTiles * 4],
       acc_dp[4 * j + e] = acc_s[4 * j + e] * (acc_dp[4 * j + e] - ((e & 1) ? dsum[j].y : dsum[j].x));
     }
   }
-  if (how != TileMasking::kNone) {
-    if constexpr (kCap) {
-      scale_by_cap_derivative<T, kSTiles * 2>(acc_dp, dcap);
+  if constexpr (kCap) {
+    if (!kPackedCapProduct<T> || how != TileMasking::kNone) scale_by_cap_derivative<T, kSTiles * 2>(acc_dp, dcap);
+    if (kPackedCapProduct<T> && how != TileMasking::kNone) {
 #pragma unroll
       for (int i = 0; i < kSTiles * 2; ++i) dcap[i] = ElemTraits<T>::pack(1.f, 1.f);  // pack_dscores: as they are
     }
-    zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t, how == TileMasking::kIds);
   }
+  if (how != TileMasking::kNone) zero_hidden_pairs<kSTiles>(acc_dp, mask, query0, key0, g, t, how == TileMasking::kIds);
 }
 
-// A packed pair of dS^T (elements lo, hi of the accumulator) for the wgmma A fragments, times its dcap pair with a
-// cap (1 - t^2 in an unmasked tile; ones where dscores_from_probs applied it already): for bfloat16 one packed
-// multiply of the packed pair (its range is float32's); float16 multiplies in float32 first, so that a dS^T past
-// float16's range whose capped product fits stays finite.
+// A packed pair of dS^T (elements lo, hi of the accumulator) for the wgmma A fragments, times its dcap pair where
+// dscores_from_probs left that product to it (kPackedCapProduct).
 template <typename T, bool kCap>
 __device__ __forceinline__ uint32_t pack_dscores(float lo, float hi, uint32_t dcap) {
-  if constexpr (!kCap) {
-    return ElemTraits<T>::pack(lo, hi);
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return ElemTraits<T>::mul(ElemTraits<T>::pack(lo, hi), dcap);
-  } else {
-    const float2 d = ElemTraits<T>::unpack(dcap);
-    return ElemTraits<T>::pack(lo * d.x, hi * d.y);
-  }
+  const uint32_t ds = ElemTraits<T>::pack(lo, hi);
+  if constexpr (kCap && kPackedCapProduct<T>) return ElemTraits<T>::mul(ds, dcap);
+  return ds;
 }
 
 }  // namespace jax_flash::cuda::sm90
