@@ -7,6 +7,7 @@ Helpers reach the test modules through the ``attention_checks`` fixture; test mo
 
 import dataclasses
 import functools
+import os
 import pathlib
 import shutil
 import subprocess
@@ -273,6 +274,13 @@ def check_nan_padding(case, dtype, seed):
     return q, k, v, do
 
 
+def sm90_backward_available():
+    """The sm_90a backward runs on compute capability 9.0 unless JAX_FLASH_FORCE_SM80 is set."""
+    device = jax.devices("gpu")[0]
+    forced_sm80 = os.environ.get("JAX_FLASH_FORCE_SM80", "") not in ("", "0")
+    return getattr(device, "compute_capability", "") == "9.0" and not forced_sm80
+
+
 # Where the CUDA kernels can run (a GPU and jax_flash's CUDA build), modules that use each_platform run twice.
 PLATFORMS = ["cpu"] + (["gpu"] if jax_flash.cuda_available() else [])
 
@@ -306,7 +314,8 @@ def attention_checks():
         Case=Case, make_inputs=make_inputs, fwd_bwd=fwd_bwd, numpy_reference=numpy_reference,
         masked_reference=masked_reference, max_abs=max_abs, check_against_reference=check_against_reference,
         nonfinite_inputs=nonfinite_inputs, infinite_logit_inputs=infinite_logit_inputs,
-        check_nonfinite=check_nonfinite, check_nan_padding=check_nan_padding)
+        check_nonfinite=check_nonfinite, check_nan_padding=check_nan_padding,
+        sm90_backward_available=sm90_backward_available)
 
 
 @pytest.fixture

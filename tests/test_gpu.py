@@ -5,7 +5,6 @@ Skipped unless JAX sees a GPU and jax_flash's CUDA kernels are built. The long-s
 """
 
 import functools
-import os
 import warnings
 
 import jax
@@ -341,13 +340,6 @@ def test_128k_tokens_causal_runs_in_linear_memory(head_dim):
     np.testing.assert_allclose(got, expected, atol=2e-2, rtol=2e-2)
 
 
-def _sm90_backward_available():
-    """The sm_90a backward runs on compute capability 9.0 unless JAX_FLASH_FORCE_SM80 is set."""
-    device = jax.devices("gpu")[0]
-    forced_sm80 = os.environ.get("JAX_FLASH_FORCE_SM80", "") not in ("", "0")
-    return getattr(device, "compute_capability", "") == "9.0" and not forced_sm80
-
-
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_deterministic_backward_is_bitwise_reproducible(is_causal, attention_checks):
     """deterministic=True: repeated backward passes agree bit for bit (many key blocks add into each dQ tile) and
@@ -355,7 +347,7 @@ def test_deterministic_backward_is_bitwise_reproducible(is_causal, attention_che
     case = attention_checks.Case(batch=2, seqlen_q=1000, seqlen_k=1531, heads_q=8, heads_kv=2, head_dim=128,
                                  is_causal=is_causal, kv_lens=(1531, 1200))
     q, k, v, do = attention_checks.make_inputs(case, jnp.bfloat16, seed=7)
-    if not _sm90_backward_available():
+    if not attention_checks.sm90_backward_available():
         with pytest.raises(Exception, match="deterministic=True needs the sm_90a backward"):
             attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, deterministic=True,
                                      **case.kwargs())

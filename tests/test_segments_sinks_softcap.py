@@ -6,6 +6,7 @@ segment metadata that lets the kernels skip tiles; the xla fallback (platforms w
 The bound: jax_flash's error against float64 at most 3x that of the materialised reference
 (jax_flash.reference_attention) in the same dtype, plus 2 ulp of the largest value."""
 
+import functools
 import warnings
 
 import jax
@@ -98,6 +99,9 @@ CASES = {
     "softcap_saturated_rows_c57_d128": dict(batch=1, t=200, s=530, n=2, k=1, h=128, softcap=57.0, saturate=100.0),
     "softcap_saturated_rows_causal_c30_d64": dict(batch=1, t=260, s=260, n=2, k=1, h=64, is_causal=True,
                                                   softcap=30.0, saturate=50.0),
+    # A cap below the softmax scale (pre = scale / c > 1, which the bfloat16 kernels fold into Q and K), with q
+    # scaled so the capped logits' tanh works in its curved range.
+    "softcap_below_scale_d128": dict(batch=1, t=200, s=330, n=4, k=2, h=128, is_causal=True, softcap=0.05, amp=0.05),
 }
 
 
@@ -457,6 +461,28 @@ def test_soft_cap_in_float16(cap, head_dim, causal):
     ours = _fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, kw)
     base = _fwd_bwd(_baseline, q, k, v, do, kw)
     _assert_near_reference(f"c={cap} d{head_dim}", ours, base, ref, jnp.float16)
+
+
+@pytest.mark.parametrize("cap,head_dim,causal", [(50.0, 128, True), (0.05, 128, False), (20.0, 64, False)])
+def test_soft_cap_with_deterministic_backward(cap, head_dim, causal, attention_checks):
+    """A soft cap with deterministic=True (the sm_90a backward's ordered dQ additions) against the float64 reference,
+    bit for bit equal over two runs; c = 0.05 lies below the softmax scale (the cap's pre = scale / c > 1, which the
+    bfloat16 kernels fold into K, the conversion taking dq_accum times scale / pre; q is scaled by min(c, 1) so the
+    tanh works in its curved range)."""
+    if not ON_GPU or not attention_checks.sm90_backward_available():
+        pytest.skip("deterministic=True needs the sm_90a backward")
+    rng = np.random.default_rng(5)
+    b, t, s, n, kh = 2, 300, 530, 4, 2
+    q, k, v, do = (jnp.asarray(rng.standard_normal(shape, np.float32) * amp, DTYPE)
+                   for shape, amp in (((b, t, n, head_dim), min(cap, 1.0)), ((b, s, kh, head_dim), 1.0),
+                                      ((b, s, kh, head_dim), 1.0), ((b, t, n, head_dim), 1.0)))
+    kw = dict(is_causal=causal, local_window_size=None, logits_soft_cap=cap)
+    deterministic = functools.partial(jax_flash.dot_product_attention, deterministic=True)
+    runs = [_fwd_bwd(deterministic, q, k, v, do, kw) for _ in range(2)]
+    for x, y in zip(*runs):
+        np.testing.assert_array_equal(x, y)
+    _assert_near_reference(f"c={cap} d{head_dim}", runs[0], _fwd_bwd(_baseline, q, k, v, do, kw),
+                           _reference64(q, k, v, do, kw), DTYPE)
 
 
 def test_soft_cap_keeps_nan_in_its_row():
