@@ -84,17 +84,19 @@ __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], con
 // P^T = exp2(S^T * scale_log2 - lse * log2(e)) in place (with a cap, S^T becomes t = tanh(pre * S^T) first and
 // post goes into the exponent's scale), zero where the mask hides the pair (query0, key0 as for zero_hidden_pairs).
 // With a cap, dcap receives each pair's d capped / d s = 1 - t^2 as a pair of T (cap_scores), for dscores_from_probs
-// and pack_dscores: no second transcendental to recover it from P^T. Returns what the tile needed of the masks (the
-// whole warp asks, AttentionMask::tile_masking_warp; dscores_from_probs then zeroes the hidden pairs' dS^T too).
+// and pack_dscores: no second transcendental to recover it from P^T. Returns what the tile needed of the masks, as
+// masking() answers it (the whole warp asks: AttentionMask::tile_masking_warp for this tile's rows and keys, of
+// `mask` or of a mask that hides the same pairs with cheaper hooks); dscores_from_probs then zeroes the hidden pairs'
+// dS^T too.
 // kCap: the call has a soft cap (compiled out otherwise: dcap would be live registers across the dP^T wait in
 // every call). kHalfOnFma: half of the exponentials on the FMA pipe (exp2_fma), for a capped call of the
 // head-dim-64/128 kernel, whose tanh and exp2 queue two MUFU operations per score on the path to dS^T (H200: that
 // backward 4-7 % faster; the head-dim-256 kernel 1 % slower, the plain kernels 1-7 % slower: NOTES, session 27).
-template <typename T, int kSTiles, bool kCap, bool kHalfOnFma = false>
+template <typename T, int kSTiles, bool kCap, bool kHalfOnFma = false, typename Masking>
 __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles * 4], uint32_t (&dcap)[kSTiles * 2],
                                                          const float2 (&lse_log2)[kSTiles], float scale_log2,
-                                                         const SoftCap& cap, const AttentionMask& mask, int query0,
-                                                         int key0, int seqlen_q, int g, int t) {
+                                                         const SoftCap& cap, const AttentionMask& mask,
+                                                         Masking&& masking, int query0, int key0, int g, int t) {
   if constexpr (kCap) {
     cap_scores<T, false, kSTiles * 2>(acc_s, dcap, cap);
     scale_log2 = cap.log2_bound(scale_log2);
@@ -107,7 +109,7 @@ __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles 
       acc_s[4 * j + e] = kHalfOnFma && j % 2 == 1 ? exp2_fma(x) : exp2f(x);
     }
   }
-  const TileMasking how = mask.tile_masking_warp(query0, query0 + kSTiles * 8, key0, key0 + kWarpRows, seqlen_q);
+  const TileMasking how = masking();
   if (how != TileMasking::kNone) zero_hidden_pairs<kSTiles>(acc_s, mask, query0, key0, g, t, how == TileMasking::kIds);
   return how;
 }
