@@ -99,8 +99,8 @@ CASES = {
     "softcap_saturated_rows_c57_d128": dict(batch=1, t=200, s=530, n=2, k=1, h=128, softcap=57.0, saturate=100.0),
     "softcap_saturated_rows_causal_c30_d64": dict(batch=1, t=260, s=260, n=2, k=1, h=64, is_causal=True,
                                                   softcap=30.0, saturate=50.0),
-    # A cap below the softmax scale (pre = scale / c > 1, which the bfloat16 kernels fold into Q and K), with q
-    # scaled so the capped logits' tanh works in its curved range.
+    # A cap below the softmax scale (the tanh's argument pre * q.k with pre = scale / c > 1), with q scaled so the
+    # capped logits' tanh works in its curved range.
     "softcap_below_scale_d128": dict(batch=1, t=200, s=330, n=4, k=2, h=128, is_causal=True, softcap=0.05, amp=0.05),
 }
 
@@ -466,9 +466,8 @@ def test_soft_cap_in_float16(cap, head_dim, causal):
 @pytest.mark.parametrize("cap,head_dim,causal", [(50.0, 128, True), (0.05, 128, False), (20.0, 64, False)])
 def test_soft_cap_with_deterministic_backward(cap, head_dim, causal, attention_checks):
     """A soft cap with deterministic=True (the sm_90a backward's ordered dQ additions) against the float64 reference,
-    bit for bit equal over two runs; c = 0.05 lies below the softmax scale (the cap's pre = scale / c > 1, which the
-    bfloat16 kernels fold into K, the conversion taking dq_accum times scale / pre; q is scaled by min(c, 1) so the
-    tanh works in its curved range)."""
+    bit for bit equal over two runs; c = 0.05 lies below the softmax scale (the tanh's argument pre * q.k with
+    pre = scale / c > 1; q is scaled by min(c, 1) so the tanh works in its curved range)."""
     if not ON_GPU or not attention_checks.sm90_backward_available():
         pytest.skip("deterministic=True needs the sm_90a backward")
     rng = np.random.default_rng(5)
