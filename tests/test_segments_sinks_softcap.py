@@ -446,16 +446,22 @@ def test_residual_is_the_sink_inclusive_lse(name):
                                    rtol=1e-2)
 
 
+def _normal_inputs(seed, dtype, head_dim, t, s, q_amp=1.0):
+    """(q, k, v, do) of standard normal values (q times q_amp) in dtype: batch 2, 4 query heads on 2 kv heads."""
+    rng = np.random.default_rng(seed)
+    b, n, kh = 2, 4, 2
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32) * amp, dtype)
+                 for shape, amp in (((b, t, n, head_dim), q_amp), ((b, s, kh, head_dim), 1.0),
+                                    ((b, s, kh, head_dim), 1.0), ((b, t, n, head_dim), 1.0)))
+
+
 @pytest.mark.parametrize("cap,head_dim,causal", [(20.0, 128, True), (50.0, 128, False), (5.0, 64, True)])
 def test_soft_cap_in_float16(cap, head_dim, causal):
     """float16 inputs with a soft cap against the float64 reference, forward and gradients. At c = 20 and 50 logits
     far below the cap (standard normal q and k) put a fixed reference's exponentials (2^-(A + R), 2^-57.7 at c = 20)
     below float16's range, where P would be flushed to 0 (the sm_90a forward keeps the running maximum for float16);
     c = 5 (d64) stays within it and covers the capped float16 backward's dS^T factor."""
-    rng = np.random.default_rng(3)
-    b, t, s, n, kh = 2, 200, 330, 4, 2
-    q, k, v, do = (jnp.asarray(rng.standard_normal(shape, np.float32), jnp.float16)
-                   for shape in ((b, t, n, head_dim), (b, s, kh, head_dim), (b, s, kh, head_dim), (b, t, n, head_dim)))
+    q, k, v, do = _normal_inputs(3, jnp.float16, head_dim, t=200, s=330)
     kw = dict(is_causal=causal, local_window_size=None, logits_soft_cap=cap)
     ref = _reference64(q, k, v, do, kw)
     ours = _fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, kw)
@@ -470,11 +476,7 @@ def test_soft_cap_with_deterministic_backward(cap, head_dim, causal, attention_c
     pre = scale / c > 1; q is scaled by min(c, 1) so the tanh works in its curved range)."""
     if not ON_GPU or not attention_checks.sm90_backward_available():
         pytest.skip("deterministic=True needs the sm_90a backward")
-    rng = np.random.default_rng(5)
-    b, t, s, n, kh = 2, 300, 530, 4, 2
-    q, k, v, do = (jnp.asarray(rng.standard_normal(shape, np.float32) * amp, DTYPE)
-                   for shape, amp in (((b, t, n, head_dim), min(cap, 1.0)), ((b, s, kh, head_dim), 1.0),
-                                      ((b, s, kh, head_dim), 1.0), ((b, t, n, head_dim), 1.0)))
+    q, k, v, do = _normal_inputs(5, DTYPE, head_dim, t=300, s=530, q_amp=min(cap, 1.0))
     kw = dict(is_causal=causal, local_window_size=None, logits_soft_cap=cap)
     deterministic = functools.partial(jax_flash.dot_product_attention, deterministic=True)
     runs = [_fwd_bwd(deterministic, q, k, v, do, kw) for _ in range(2)]
