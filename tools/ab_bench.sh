@@ -9,6 +9,8 @@
 # --impls jax_flash,jax_flash+softcap (say) each variant is a row of its own. One build's run longer than
 # RUN_LIMIT seconds (default 200: an experimental kernel that hangs) is stopped and the rest go on. A build whose
 # dist/<name>/env exists runs with its lines (NAME=value) in the environment (one wheel's run-time variants).
+# Each row is timed for at least 0.5 s: one wheel A/B'd against itself (3 rounds, H100) read +-3 % per shape at 0.15 s
+# and within +-0.8 % at 0.5 s (NOTES, session 49).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 names=$1; shapes=$2; rounds=${3:-2}; shift $(( $# < 3 ? $# : 3 ))
@@ -30,7 +32,7 @@ for r in $(seq 1 "$rounds"); do
     t0=$SECONDS
     envs=(); [ -f "dist/$n/env" ] && mapfile -t envs <"dist/$n/env"
     (cd /tmp && env "${envs[@]}" PYTHONPATH="/tmp/jf_$n" timeout "${RUN_LIMIT:-200}" python3 "$root/benchmarks/bench_attention.py" --impls $impls --shapes "$shapes" \
-        --iters 10 --min-time 0.15 --ref-heads 1 --out "$OUT/ab" --name "$n-r$r" "$@" >"/tmp/ab_$n-r$r.log" 2>&1) ||
+        --iters 10 --min-time 0.5 --ref-heads 1 --out "$OUT/ab" --name "$n-r$r" "$@" >"/tmp/ab_$n-r$r.log" 2>&1) ||
       tail -5 "/tmp/ab_$n-r$r.log"
     echo "round $r $n: $((SECONDS - t0)) s"
   done
