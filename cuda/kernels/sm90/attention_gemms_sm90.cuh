@@ -13,15 +13,9 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// The descriptors of successive wgmmas: kLowWord, moved by desc_advance_low (else desc_advance).
-template <bool kLowWord>
-__device__ __forceinline__ uint64_t desc_step(uint64_t desc, uint32_t bytes) {
-  return kLowWord ? desc_advance_low(desc, bytes) : desc_advance(desc, bytes);
-}
-
 // S (64 x kN) = Q K^T over head dim kD: Q's 64 rows at q_base, K's kN rows at k_base, both K-major with their 64-wide
 // column blocks q_block_bytes / k_block_bytes apart.
-template <int kN, int kD, typename T, bool kLowWord = false>
+template <int kN, int kD, typename T>
 __device__ __forceinline__ void issue_qk(float (&acc)[kN / 2], uint32_t q_base, uint32_t q_block_bytes,
                                          uint32_t k_base, uint32_t k_block_bytes) {
   constexpr int kKStepsPerColBlock = kColBlock / kWgmmaK;  // 16-element K slices per 128-byte row
@@ -30,8 +24,8 @@ __device__ __forceinline__ void issue_qk(float (&acc)[kN / 2], uint32_t q_base, 
 #pragma unroll
   for (int kk = 0; kk < kD / kWgmmaK; ++kk) {
     const uint32_t k_off = (kk % kKStepsPerColBlock) * (kWgmmaK * sizeof(T));  // inside the 128-byte row
-    const uint64_t desc_q = desc_step<kLowWord>(desc_q0, (kk / kKStepsPerColBlock) * q_block_bytes + k_off);
-    const uint64_t desc_k = desc_step<kLowWord>(desc_k0, (kk / kKStepsPerColBlock) * k_block_bytes + k_off);
+    const uint64_t desc_q = desc_advance(desc_q0, (kk / kKStepsPerColBlock) * q_block_bytes + k_off);
+    const uint64_t desc_k = desc_advance(desc_k0, (kk / kKStepsPerColBlock) * k_block_bytes + k_off);
     Wgmma<kN, T, 0>::ss(acc, desc_q, desc_k, kk > 0);
   }
   wgmma_commit();
@@ -39,13 +33,13 @@ __device__ __forceinline__ void issue_qk(float (&acc)[kN / 2], uint32_t q_base, 
 
 // O (64 x kD) += P V over kKeys keys: P as wgmma A fragments (16 keys per step), V's rows at v_base read N-major, its
 // 64-wide column blocks v_block_bytes apart.
-template <int kKeys, int kD, typename T, bool kLowWord = false>
+template <int kKeys, int kD, typename T>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[kD / 2], const uint32_t (&a_p)[kKeys / kWgmmaK][4],
                                          uint32_t v_base, uint32_t v_block_bytes) {
   const uint64_t desc_v0 = make_desc_sw128(v_base, v_block_bytes);
 #pragma unroll
   for (int kk = 0; kk < kKeys / kWgmmaK; ++kk) {
-    Wgmma<kD, T, 1>::rs(acc_o, a_p[kk], desc_step<kLowWord>(desc_v0, kk * kWgmmaK * kSwizzleBytes), 1);
+    Wgmma<kD, T, 1>::rs(acc_o, a_p[kk], desc_advance(desc_v0, kk * kWgmmaK * kSwizzleBytes), 1);
   }
   wgmma_commit();
 }

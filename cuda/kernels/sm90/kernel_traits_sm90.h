@@ -44,12 +44,6 @@ struct FwdTraitsSm90<64> {
   static constexpr bool kLazyRescale = false;
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
   static constexpr bool kPersistent = true;  // faster on short sequences than a CTA per tile, equal on long ones
-  // The wgmma descriptors of a product advanced by low-word adds (desc_advance_low): ptxas then keeps each operand's
-  // high word instead of carrying into it and rebuilding it per wgmma, 20-34 fewer instructions a key-tile step at
-  // this head dim (unmasked: 472 -> 452, the wide kernel's 494 -> 460). Measured (H100, NOTES session 50): the d64
-  // forward +1.5-2.5 %. d128 (542 -> 514 instructions) measured +0.5-1.3 % on 1k tiles but 1-3 % slower on the long
-  // causal forward; d256 and the TMA decode kernel compile to more instructions with it: those keep the 64-bit add.
-  static constexpr bool kDescLowWord = true;
 };
 
 template <>
@@ -63,7 +57,6 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kLazyRescale = false;      // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
-  static constexpr bool kDescLowWord = false;  // (FwdTraitsSm90<64>)
 };
 
 // A second tile choice for attention without a causal or window mask (every key tile but the last unmasked), used
@@ -104,7 +97,6 @@ struct FwdTraitsSm90<256> {
   static constexpr bool kStoreOSmem = false;  // 192 KB in use; another 64 KB for O does not fit: stores from registers
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;
-  static constexpr bool kDescLowWord = false;  // (FwdTraitsSm90<64>)
 };
 
 // The TMA decode kernel (flash_decode_tma_sm90.cuh) of head-dim class kD: the forward's tiles (128 packed rows in
@@ -115,7 +107,6 @@ struct DecodeTmaTileTraits : FwdTraitsSm90<kD> {
   static_assert(kD <= 128 && FwdTraitsSm90<kD>::kConsumerWarpgroups == 2);
   static constexpr bool kStoreOSmem = false;
   static constexpr bool kPersistent = false;
-  static constexpr bool kDescLowWord = false;  // (FwdTraitsSm90<64>)
 };
 
 template <typename T, typename Base>

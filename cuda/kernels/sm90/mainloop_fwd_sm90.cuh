@@ -193,10 +193,10 @@ struct FwdMainloop {
     constexpr uint32_t kQColBlockBytes = kBM * kSwizzleBytes;
     constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
     auto issue_s = [&](int slot) {  // S = Q K^T (64 x kBN), both operands in shared memory
-      sm90::issue_qk<kBN, kD, T, Traits::kDescLowWord>(acc_s, q_base, kQColBlockBytes, smem_addr(smem.k[slot]), kKVColBlockBytes);
+      sm90::issue_qk<kBN, kD, T>(acc_s, q_base, kQColBlockBytes, smem_addr(smem.k[slot]), kKVColBlockBytes);
     };
     auto issue_pv = [&](int slot) {  // O += P V; V read N-major, 64-dim column blocks kKVColBlockBytes apart
-      sm90::issue_pv<kBN, kD, T, Traits::kDescLowWord>(acc.o, a_p, smem_addr(smem.v[slot]), kKVColBlockBytes);
+      sm90::issue_pv<kBN, kD, T>(acc.o, a_p, smem_addr(smem.v[slot]), kKVColBlockBytes);
     };
 
     // What the warp's 16 rows (from row0) need of key tile n0's masks, in a masked step (`masked`, a compile-time

@@ -68,10 +68,5 @@ JF_HD uint64_t make_desc_sw128(uint32_t start_addr, uint32_t leading_bytes) {
 // Moves a descriptor's start address by `bytes` (bits 0-13 in 16-byte units; tiles lie inside shared memory, so
 // the field cannot overflow). Descriptors are built once per operand and advanced by compile-time offsets.
 JF_HD uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
-// The same move as an add to the low word alone (no carry can leave the field) that keeps the high word as it is.
-// Which of the two compiles to fewer instructions depends on the kernel around it (FwdTraitsSm90::kDescLowWord).
-JF_HD uint64_t desc_advance_low(uint64_t desc, uint32_t bytes) {
-  return (desc & 0xFFFFFFFF00000000ull) | (uint32_t(desc) + (bytes >> 4));
-}
 
 }  // namespace jax_flash::cuda::sm90
