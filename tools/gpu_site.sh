@@ -11,6 +11,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 note "$CHECK_NAME $(date -u +%Y-%m-%dT%H:%MZ) $CHECK_ARGS $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 status=0
 wheel=${WHEEL:-$(ls dist/*/jax_flash-*-cp312-*.whl | head -1)}  # WHEEL: which carried wheel
+note "wheel: $wheel"  # (without WHEEL, the first of dist/*/ in name order: session 50's call 9 got dist/base)
 rm -rf /tmp/jf_site  # pip --target keeps an existing package: a warm machine would run the previous call's wheel
 python3 -m pip install -q --no-index --no-deps --target /tmp/jf_site "$wheel" || exit 1
 # The working tree's Python over the wheel's (Python edits after the wheel was built; tools/python_overlay.sh keeps

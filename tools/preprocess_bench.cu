@@ -21,13 +21,8 @@ using jax_flash::cuda::kPreprocessThreads;
 
 constexpr int kD = 128;
 
-// dq_accum's zeros alone.
-__global__ void zero_kernel(float4* p, long n) {
-  for (long i = long(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += long(gridDim.x) * blockDim.x)
-    p[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-}
-// Evicts the L2 between runs.
-__global__ void flush_kernel(float4* p, long n, float v) {
+// Writes v to n float4s, grid-stride: dq_accum's zeros alone (v = 0), and the flush that evicts the L2 between runs.
+__global__ void fill_kernel(float4* p, long n, float v) {
   for (long i = long(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += long(gridDim.x) * blockDim.x)
     p[i] = make_float4(v, v, v, v);
 }
@@ -76,12 +71,12 @@ int main() {
       flash_bwd_preprocess_kernel<__nv_bfloat16><<<grid, kPreprocessThreads>>>(q);
     };
     auto memset = [&] { CUDA_CHECK(cudaMemsetAsync(dq, 0, elems * 4)); };
-    auto zero = [&] { zero_kernel<<<sms * 8, 256>>>(reinterpret_cast<float4*>(dq), elems / 4); };
+    auto zero = [&] { fill_kernel<<<sms * 8, 256>>>(reinterpret_cast<float4*>(dq), elems / 4, 0.f); };
     // Median and minimum of 12 timed runs (after 3 untimed), each after the flush.
     auto run = [&](const char* name, auto f) {
       std::vector<float> t;
       for (int it = 0; it < 15; ++it) {
-        flush_kernel<<<sms * 4, 512>>>(flush, flush_bytes / 16, float(it));
+        fill_kernel<<<sms * 4, 512>>>(flush, flush_bytes / 16, float(it));
         CUDA_CHECK(cudaEventRecord(e0));
         f();
         CUDA_CHECK(cudaEventRecord(e1));
