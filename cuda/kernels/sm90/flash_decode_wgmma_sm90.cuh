@@ -104,14 +104,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) fla
 
   // Q: column block cb starts at q + cb * kRows * 64, its rows at 128-byte pitch; this warpgroup's 64 rows from
   // row 64 (tid / 128) (a whole number of 1024-byte swizzle atoms in).
-  // (warp_uniform, meant to keep the descriptors built from it on the uniform datapath, did not: the SASS is the same
-  // with and without it, the descriptors still in vector registers with two R2UR per k-step; NOTES, session 29)
   const uint32_t q_base = smem_addr(smem.q) + warp_uniform(tid / kWarpgroupThreads) * kWgmmaM * kSwizzleBytes;
   constexpr uint32_t kQColBlockBytes = Traits::kRows * kSwizzleBytes;
   constexpr uint32_t kKVColBlockBytes = kBN * kSwizzleBytes;
   constexpr uint32_t kStageBytes = kBN * kD * sizeof(T);
-  const uint32_t k_base0 = smem_addr(smem.k);
-  const uint32_t v_base0 = smem_addr(smem.v);
+  // The K and V rings' addresses as warp-uniform values in the dense kernels: the dense loader's copies derive their
+  // per-thread addresses from the same bases, and sharing them put every wgmma descriptor of the loop (Q's too) in
+  // vector registers (40 R2UR a tile; 926 -> 847 instructions a tile at d128). The paged kernels keep theirs uniform
+  // unaided, and there the shuffle cost the one-warpgroup kernel its K descriptors (894 -> 938).
+  auto ring_base = [](const T* ring) {
+    return kPaged ? smem_addr(ring) : uint32_t(warp_uniform(int(smem_addr(ring))));
+  };
+  const uint32_t k_base0 = ring_base(smem.k);
+  const uint32_t v_base0 = ring_base(smem.v);
 
   // Per tile i: S_i and P_{i-1} V_{i-1} issued together, the softmax of S_i while P V runs (intra-warpgroup
   // overlap, as in the forward's main loop); the last tile's P V after the stream.
