@@ -27,9 +27,14 @@ def main():
         except ValueError:
             return 0.0
 
-    body = [r for r in rows[head + 1:] if len(r) > max(src, stall)]
+    # The export can hold the kernel more than once (a block per matched launch, each with its own header row; the
+    # two of session 51's call 6 were identical): read the first block only, or every instruction is listed twice.
+    heads = [i for i, r in enumerate(rows) if i > head and "Source" in r]
+    end = heads[0] - 1 if heads else len(rows)
+    body = [r for r in rows[head + 1:end] if len(r) > max(src, stall)]
     total = sum(num(r[stall]) for r in body)
-    print(f"{len(body)} instructions, {total:.0f} stall samples")
+    launches = f" (the first of {len(heads) + 1} blocks in the export)" if heads else ""
+    print(f"{len(body)} instructions, {total:.0f} stall samples{launches}")
     for r in sorted(body, key=lambda r: -num(r[stall]))[:a.top]:
         where = r[addr] if addr is not None else ""
         print(f"{num(r[stall]):8.0f} {100 * num(r[stall]) / max(total, 1):5.1f}%  {where:>6}  {r[src].strip()[:90]}")
