@@ -33,8 +33,8 @@ def main():
     end = heads[0] - 1 if heads else len(rows)
     body = [r for r in rows[head + 1:end] if len(r) > max(src, stall)]
     total = sum(num(r[stall]) for r in body)
-    launches = f" (the first of {len(heads) + 1} blocks in the export)" if heads else ""
-    print(f"{len(body)} instructions, {total:.0f} stall samples{launches}")
+    blocks = f" (the first of {len(heads) + 1} blocks in the export)" if heads else ""
+    print(f"{len(body)} instructions, {total:.0f} stall samples{blocks}")
     for r in sorted(body, key=lambda r: -num(r[stall]))[:a.top]:
         where = r[addr] if addr is not None else ""
         print(f"{num(r[stall]):8.0f} {100 * num(r[stall]) / max(total, 1):5.1f}%  {where:>6}  {r[src].strip()[:90]}")
