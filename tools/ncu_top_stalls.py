@@ -30,8 +30,7 @@ def main():
     # The export can hold the kernel more than once (a block per matched launch, each with its own header row; the
     # two of session 51's call 6 were identical): read the first block only, or every instruction is listed twice.
     heads = [i for i, r in enumerate(rows) if i > head and "Source" in r]
-    end = heads[0] - 1 if heads else len(rows)
-    body = [r for r in rows[head + 1:end] if len(r) > max(src, stall)]
+    body = [r for r in rows[head + 1:heads[0] if heads else len(rows)] if len(r) > max(src, stall)]
     total = sum(num(r[stall]) for r in body)
     blocks = f" (the first of {len(heads) + 1} blocks in the export)" if heads else ""
     print(f"{len(body)} instructions, {total:.0f} stall samples{blocks}")
