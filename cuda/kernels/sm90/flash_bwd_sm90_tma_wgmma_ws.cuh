@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "flash_params.h"
 #include "kernels/common/block_ranges.cuh"
@@ -337,6 +338,43 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       smem.k_ring.consumer_wait(kvs);
       smem.v_ring.consumer_wait(kvs);
 
+      // dQ (kDqRows x kDqCols of this warpgroup) = dS K over all kBN keys from dS^T buffer `buffer`: A = dS read
+      // M-major from dS^T, B = K read N-major.
+      auto issue_dq = [&](float (&acc_dq)[kDqTiles * 4], int buffer) {
+        const uint64_t desc_ds_cur = desc_advance(desc_ds, buffer * kDsBufferBytes);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
+          Wgmma<kDqCols, T, 1>::template ss<1>(acc_dq, desc_advance(desc_ds_cur, kk * kNMajorStep),
+                                               desc_advance(desc_k_cols, kk * kNMajorStep), kk > 0);
+        }
+        wgmma_commit();
+      };
+      // dQ -> shared memory (float32, DqFragmentOrder) once the writer warp has read the previous one; the writer
+      // adds it to the accumulator.
+      auto stage_dq = [&](const float (&acc_dq)[kDqTiles * 4]) {
+        named_barrier_sync(kDqEmptyBarrier + cw, kDqWgThreads);
+#pragma unroll
+        for (int j = 0; j < kDqTiles; ++j) {
+          st_shared_f32x4(dq_thread + j * kWarpgroupThreads * sizeof(float4), acc_dq[4 * j], acc_dq[4 * j + 1],
+                          acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
+        }
+        fence_proxy_async_smem();
+        named_barrier_arrive(kDqFullBarrier + cw, kDqWgThreads);
+      };
+      // kDqLags (64-query tiles): a warpgroup's dQ needs both warpgroups' dS^T of the tile, so it computes query tile
+      // i's dQ in tile i + 1 (the unit's last after the loop), and the warpgroups take turns instead of meeting:
+      // warpgroup 1 issues tile i's S^T and dP^T once warpgroup 0 has announced tile i, so that each one's
+      // exponentials run under the other's GEMMs, and warpgroup 0 stores tile i's dS^T once 1 has announced tile
+      // i - 1. A warpgroup announces tile i (ds_ready) after storing its dS^T(i) and finishing its dQ(i - 1), which
+      // read the buffer that dS^T(i + 1) overwrites (two buffers, by tile parity). Each wait on the other
+      // warpgroup's announcement of a parity comes before this one's next announcement of that parity, so the
+      // one-sided barriers (the announcing warpgroup's 128 threads arrive, the other's wait) never overrun.
+      constexpr bool kDqLags = Traits::kDqLags;
+      const bool follower = cw == 1;
+      const int other = 1 - cw;
+      auto ds_ready = [](int wg, int it) { return kDsReadyBarrier + 2 * wg + (it & 1); };
+
       auto pos = walk.start();
       for (int it = 0; it < iters; ++it, walk.advance(pos), qdo.advance()) {
         const int m0 = pos.row0;
@@ -365,6 +403,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         float2 lse_log2[kSTiles];
 #pragma unroll
         for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
+        if (kDqLags && follower) named_barrier_sync(ds_ready(0, it), kConsumerThreads);
         wgmma_fence();
         issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
         issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
@@ -414,64 +453,93 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
 
         // dS^T -> shared memory ([64-query column block][key][64 queries], 128-byte swizzled rows) for dQ; fragment
-        // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1). Stored before dV is issued:
-        // behind the dV GEMM's instructions in the MIO queue the stores would complete only as those are accepted,
-        // and the proxy fence below waits for them.
-        const uint32_t ds_base = smem_addr(smem.ds[it & 1]);
+        // q4 holds key row g + 8 (q4 % 2), queries 16 kk + 8 (q4 / 2) + 2 t (+1).
+        auto store_ds = [&](int buffer) {
+          const uint32_t ds_base = smem_addr(smem.ds[buffer]);
 #pragma unroll
-        for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-          constexpr int kStepsPerColBlock = kColBlock / kWgmmaK;  // 16-query steps in a 64-query column block
-          const uint32_t addr = ds_base + (kk / kStepsPerColBlock) * kDsColBlockBytes +
-                                stmatrix_x4_pair_offset(ds_lane, kk % kStepsPerColBlock);
-          stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
-        }
+          for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+            constexpr int kStepsPerColBlock = kColBlock / kWgmmaK;  // 16-query steps in a 64-query column block
+            const uint32_t addr = ds_base + (kk / kStepsPerColBlock) * kDsColBlockBytes +
+                                  stmatrix_x4_pair_offset(ds_lane, kk % kStepsPerColBlock);
+            stmatrix_x4(addr, a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
+          }
+        };
+        // dV += P^T dO (B read N-major); dK += dS^T Q (B = Q read N-major).
+        auto issue_dv = [&] {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+            Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
+          }
+          wgmma_commit();
+        };
+        auto issue_dk = [&] {
+#pragma unroll
+          for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
+            Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], desc_advance(desc_q_n, stage_off + kk * kNMajorStep), 1);
+          }
+          wgmma_commit();
+        };
 
-        // dV += P^T dO (B read N-major) runs while the warpgroups meet.
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-          Wgmma<kD, T, 1>::rs(acc_dv, a_p[kk], desc_advance(desc_do_n, stage_off + kk * kNMajorStep), 1);
+        if constexpr (kDqLags) {
+          // dS^T(it), then dQ(it - 1), dV(it), dK(it); dQ is staged while dV and dK run. (Each branch waits for its
+          // own products: a runtime test between a wgmma's issue and its wait makes ptxas serialise them, C7514.)
+          if (it > 0) {
+            if (!follower) named_barrier_sync(ds_ready(other, it - 1), kConsumerThreads);
+            store_ds(it & 1);
+            fence_proxy_async_smem();
+            float acc_dq[kDqTiles * 4];
+            issue_dq(acc_dq, (it - 1) & 1);
+            issue_dv();
+            issue_dk();
+            wgmma_wait<2>();
+            named_barrier_arrive(ds_ready(cw, it), kConsumerThreads);
+            fence_regs(acc_dq);
+            stage_dq(acc_dq);
+          } else {
+            store_ds(it & 1);
+            fence_proxy_async_smem();
+            named_barrier_arrive(ds_ready(cw, it), kConsumerThreads);
+            issue_dv();
+            wgmma_fence();  // (the zeroed dK accumulator is set just before)
+            issue_dk();
+          }
+          wgmma_wait<0>();
+          fence_regs(acc_dv);
+          fence_regs(a_p);
+        } else {
+          // Stored before dV is issued: behind the dV GEMM's instructions in the MIO queue the stores would complete
+          // only as those are accepted, and the proxy fence below waits for them.
+          store_ds(it & 1);
+          // dV runs while the warpgroups meet.
+          issue_dv();
+          fence_proxy_async_smem();
+          named_barrier_sync(kDsBarrier, kConsumerThreads);
+          // dQ (kDqRows x kDqCols of this warpgroup) over all kBN keys, then dK.
+          float acc_dq[kDqTiles * 4];
+          issue_dq(acc_dq, it & 1);
+          issue_dk();
+          // dQ -> shared memory while dK runs.
+          wgmma_wait<1>();
+          fence_regs(acc_dv);
+          fence_regs(a_p);
+          fence_regs(acc_dq);
+          if (it + 1 == iters && wg_tid == 0) smem.k_ring.consumer_release(kvs);  // the unit's last read of K
+          stage_dq(acc_dq);
+          wgmma_wait<0>();
         }
-        wgmma_commit();
-        fence_proxy_async_smem();
-        named_barrier_sync(kDsBarrier, kConsumerThreads);
-
-        // dQ (kDqRows x kDqCols of this warpgroup) = dS K over all kBN keys: A = dS read M-major from dS^T, B = K
-        // read N-major. Then dK += dS^T Q (B = Q read N-major).
-        float acc_dq[kDqTiles * 4];
-        const uint64_t desc_ds_cur = desc_advance(desc_ds, (it & 1) * kDsBufferBytes);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBN / kWgmmaK; ++kk) {
-          Wgmma<kDqCols, T, 1>::template ss<1>(acc_dq, desc_advance(desc_ds_cur, kk * kNMajorStep),
-                                               desc_advance(desc_k_cols, kk * kNMajorStep), kk > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < kBM / kWgmmaK; ++kk) {
-          Wgmma<kD, T, 1>::rs(acc_dk, a_ds[kk], desc_advance(desc_q_n, stage_off + kk * kNMajorStep), 1);
-        }
-        wgmma_commit();
-
-        // dQ -> shared memory (float32, DqFragmentOrder) while dK runs; the writer warp adds it to the accumulator.
-        wgmma_wait<1>();
-        fence_regs(acc_dv);
-        fence_regs(a_p);
-        fence_regs(acc_dq);
-        if (it + 1 == iters && wg_tid == 0) smem.k_ring.consumer_release(kvs);  // the unit's last read of K
-        named_barrier_sync(kDqEmptyBarrier + cw, kDqWgThreads);
-#pragma unroll
-        for (int j = 0; j < kDqTiles; ++j) {
-          st_shared_f32x4(dq_thread + j * kWarpgroupThreads * sizeof(float4), acc_dq[4 * j], acc_dq[4 * j + 1],
-                          acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
-        }
-        fence_proxy_async_smem();
-        named_barrier_arrive(kDqFullBarrier + cw, kDqWgThreads);
-
-        wgmma_wait<0>();
         fence_regs(acc_dk);
         fence_regs(a_ds);
         smem.qdo_ring.consumer_release(qdo);  // its wgmma reads and statistics loads are done
+      }
+      if constexpr (kDqLags) {  // the unit's last query tile's dQ
+        if (!follower) named_barrier_sync(ds_ready(other, iters - 1), kConsumerThreads);
+        float acc_dq[kDqTiles * 4];
+        issue_dq(acc_dq, (iters - 1) & 1);
+        wgmma_wait<0>();
+        fence_regs(acc_dq);
+        if (wg_tid == 0) smem.k_ring.consumer_release(kvs);  // the unit's last read of K
+        stage_dq(acc_dq);
       }
 
       // Epilogue: dK = scale * dS^T Q and dV = P^T dO leave through shared memory (K and V already went to the next

@@ -165,7 +165,9 @@ template <>
 struct BwdTraitsSm90<128> {
   static constexpr int kHeadDim = 128;
   static constexpr int kBlockM = 64;  // S^T/dP^T 32 registers each; dK + dV accumulators 128; dQ 32
-  static constexpr int kStages = 2;   // K 32 + V 32 + 2 x (Q 16 + dO 16) + 2 x dS^T 16 + dQ 32 + stats 1 KB = 193 KB
+  // K 32 + V 32 + 3 x (Q 16 + dO 16) + 2 x dS^T 16 + dQ 32 + stats 1.5 KB = 225.5 KB: the third stage lets a
+  // warpgroup run ahead of the other (the lagging dQ) without waiting for the next tile's load.
+  static constexpr int kStages = 3;
 };
 
 template <typename T, typename Base>
@@ -179,6 +181,9 @@ struct BwdKernelTraitsSm90 : Base {
   static constexpr bool kDqSplitRows = Base::kBlockM > kWgmmaM;
   static constexpr int kDqRows = kDqSplitRows ? kWgmmaM : Base::kBlockM;  // dQ rows per consumer warpgroup
   static constexpr int kDqCols = kDqSplitRows ? Base::kHeadDim : Base::kHeadDim / kConsumerWarpgroups;
+  // With 64 queries a tile, a warpgroup's dQ needs the other warpgroup's dS^T: it is computed one query tile late
+  // and the warpgroups take turns instead of meeting every tile (kDqLags; flash_bwd_sm90_tma_wgmma_ws.cuh).
+  static constexpr bool kDqLags = !kDqSplitRows;
   // setmaxnreg budgets: 2 x 128 x 240 + 128 x 24 <= 64K registers.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;

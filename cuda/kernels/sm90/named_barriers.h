@@ -18,14 +18,17 @@ enum NamedBarrier : int {
   kDecodeTailBarrier = kFwdBarrierEnd,
 
   // Backward (flash_bwd_sm90_tma_wgmma_ws.cuh; the split-head-dim kernel uses the first two).
-  kDsBarrier = 1,       // both consumer warpgroups wrote dS^T; after a unit's loop, dS^T is free; after its
-                        // dK/dV stores have read the staging buffers, those are free (256 threads)
+  kDsBarrier = 1,       // (head dim 64) both consumer warpgroups wrote dS^T; after a unit's loop, dS^T is free;
+                        // after its dK/dV stores have read the staging buffers, those are free (256 threads)
   kStatsBarrier = 2,    // 2..3: a consumer warpgroup staged its row statistics (128 threads; split-head-dim only)
   kDqFullBarrier = 4,   // 4..5: a consumer warpgroup's dQ tile is in shared memory (128 + the dQ writer warp)
   kDqEmptyBarrier = 6,  // 6..7: the writer has read that tile (128 + the dQ writer warp)
   kKvStoreBarrier = 8,  // 8..9: a consumer warpgroup's dK and dV are in shared memory (128 threads)
   kDqDrainedBarrier = 10,  // 10..11: the writer has read a unit's last dQ tile of that warpgroup (128 + the writer)
-  kBwdBarrierEnd = 12,
+  kDsReadyBarrier = 12,    // 12..15: with a lagging dQ, warpgroup w stored the dS^T of a query tile of parity p
+                           // and finished the tile before's dQ (id 12 + 2 w + p; w's 128 threads arrive, the
+                           // other warpgroup's 128 wait)
+  kBwdBarrierEnd = 16,
 };
 static_assert(kDecodeTailBarrier < 16 && kFwdBarrierEnd <= 16 && kBwdBarrierEnd <= 16, "16 named barriers per CTA");
 
