@@ -6,8 +6,9 @@
 // Persistent: each CTA takes (key block, kv head, batch) units one after another (tile_scheduler_bwd.cuh). The
 // producer thread publishes each unit in unit_ring for the other roles; every role walks the same units and
 // skips the same empty ones. The rings' states (unit, K/V, Q/dO) run on across units. K and V have one-stage rings
-// of their own, freed inside a unit's last query tile (V after its last dP^T, K after its last dQ), and dK/dV leave
-// through the dS^T and dQ buffers, so the next unit's K and V load under the last products and the epilogue.
+// of their own, freed at a unit's end (V after its last dP^T, K after its last dQ: inside the last query tile, or at
+// head dim 128, whose dQ lags a tile, after the loop), and dK/dV leave through the dS^T and dQ buffers, so the next
+// unit's K and V load under the last products and the epilogue.
 #pragma once
 
 #include <cmath>
@@ -214,8 +215,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         publish(walk.first, walk.count);
         {
           const int iters = walk.iters();
-          // V once the consumers' last dP^T of the previous unit is done, K once its last dQ is (both within that
-          // unit's last query tile), then the query tiles as their stages free up.
+          // V once the consumers' last dP^T of the previous unit is done, K once its last dQ is, then the query tiles
+          // as their stages free up.
           if (iters > 0) {
             constexpr uint32_t kTileBytes = kBN * kD * sizeof(T);  // K or V
             smem.v_ring.producer_acquire(kvs, kTileBytes);
@@ -482,8 +483,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         };
 
         if constexpr (kDqLags) {
-          // dS^T(it), then dQ(it - 1), dV(it), dK(it); dQ is staged while dV and dK run. (Each branch waits for its
-          // own products: a runtime test between a wgmma's issue and its wait makes ptxas serialise them, C7514.)
+          // dS^T(it), then dQ(it - 1), dV(it), dK(it); dQ is staged while dV and dK run. (dQ's issue and its wait
+          // sit in one branch: a runtime test around the issue alone, with the wait after the join, made ptxas
+          // serialise every wgmma, C7514.)
           if (it > 0) {
             if (!follower) named_barrier_sync(ds_ready(other, it - 1), kConsumerThreads);
             store_ds(it & 1);
@@ -501,7 +503,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             fence_proxy_async_smem();
             named_barrier_arrive(ds_ready(cw, it), kConsumerThreads);
             issue_dv();
-            wgmma_fence();  // (the zeroed dK accumulator is set just before)
             issue_dk();
           }
           wgmma_wait<0>();
@@ -533,7 +534,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         smem.qdo_ring.consumer_release(qdo);  // its wgmma reads and statistics loads are done
       }
       if constexpr (kDqLags) {  // the unit's last query tile's dQ
-        if (!follower) named_barrier_sync(ds_ready(other, iters - 1), kConsumerThreads);
+        // The leader waits for the follower's last dS^T. The follower has the leader's (its wait at the tile's
+        // start), and its own warps' stores are ordered before this wgmma by the last tile's dQ staging barrier,
+        // or, in a unit of one query tile, which has none, by a barrier of its own warps.
+        if (!follower) {
+          named_barrier_sync(ds_ready(other, iters - 1), kConsumerThreads);
+        } else if (iters == 1) {
+          named_barrier_sync(kKvStoreBarrier + cw, kWarpgroupThreads);
+        }
         float acc_dq[kDqTiles * 4];
         issue_dq(acc_dq, (iters - 1) & 1);
         wgmma_wait<0>();

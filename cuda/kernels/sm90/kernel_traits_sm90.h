@@ -144,10 +144,11 @@ struct FwdKernelTraitsSm90 : Base {
 // (the dQ writer) adds each consumer warpgroup's dQ tile from shared memory into the float32 accumulator with one
 // 1-D bulk reduce-add (DqFragmentOrder).
 // Per query tile of kBlockM rows a consumer warpgroup computes S^T and dP^T (64 keys x kBlockM, wgmma from shared
-// memory), P^T (under the dP^T GEMM) and dS^T in registers, issues dV += P^T dO (A from registers), writes dS^T to
-// shared memory, and after a barrier between the two warpgroups issues dQ = dS K over all 128 keys (its half of the
-// dQ columns with 64 query rows, its 64 rows with 128) and dK += dS^T Q; dQ goes to shared memory for the writer
-// while dK runs.
+// memory), P^T (under the dP^T GEMM) and dS^T in registers, writes dS^T to shared memory, and issues dV += P^T dO
+// (A from registers), dQ = dS K over all 128 keys (its half of the dQ columns with 64 query rows, its 64 rows with
+// 128) and dK += dS^T Q; dQ goes to shared memory for the writer while the GEMMs after it run. dQ needs both
+// warpgroups' dS^T: with 128 query rows they meet at a barrier every tile; with 64 (kDqLags) dQ is a tile late and
+// the warpgroups take turns (flash_bwd_sm90_tma_wgmma_ws.cuh).
 template <int kHeadDim_>
 struct BwdTraitsSm90;
 
@@ -165,8 +166,9 @@ template <>
 struct BwdTraitsSm90<128> {
   static constexpr int kHeadDim = 128;
   static constexpr int kBlockM = 64;  // S^T/dP^T 32 registers each; dK + dV accumulators 128; dQ 32
-  // K 32 + V 32 + 3 x (Q 16 + dO 16) + 2 x dS^T 16 + dQ 32 + stats 1.5 KB = 225.5 KB: the third stage lets a
-  // warpgroup run ahead of the other (the lagging dQ) without waiting for the next tile's load.
+  // K 32 + V 32 + 3 x (Q 16 + dO 16) + 2 x dS^T 16 + dQ 32 + stats 1.5 KB = 225.5 KB (227 KB with the barriers and
+  // the alignment slack: all of it): the third stage lets a warpgroup run ahead of the other (the lagging dQ)
+  // without waiting for the next tile's load.
   static constexpr int kStages = 3;
 };
 

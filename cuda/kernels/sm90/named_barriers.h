@@ -1,5 +1,6 @@
-// Named hardware barriers of the sm_90a kernels: 16 per CTA, id 0 is __syncthreads'. Ids must be compile-time
-// constants plus a warpgroup index (runtime ids make ptxas reserve all 16). The forward and the backward kernels
+// Named hardware barriers of the sm_90a kernels: 16 per CTA, id 0 is __syncthreads'. Ids are compile-time
+// constants plus a warpgroup index (runtime ids make ptxas reserve all 16; the backward's kDsReadyBarrier adds a
+// tile parity, and that kernel uses all 16). The forward and the backward kernels
 // are separate launches and number theirs independently; a per-warpgroup barrier takes id + warpgroup index, so
 // the next id leaves room for every warpgroup.
 #pragma once
@@ -23,7 +24,8 @@ enum NamedBarrier : int {
   kStatsBarrier = 2,    // 2..3: a consumer warpgroup staged its row statistics (128 threads; split-head-dim only)
   kDqFullBarrier = 4,   // 4..5: a consumer warpgroup's dQ tile is in shared memory (128 + the dQ writer warp)
   kDqEmptyBarrier = 6,  // 6..7: the writer has read that tile (128 + the dQ writer warp)
-  kKvStoreBarrier = 8,  // 8..9: a consumer warpgroup's dK and dV are in shared memory (128 threads)
+  kKvStoreBarrier = 8,  // 8..9: a consumer warpgroup's dK and dV are in shared memory (128 threads); with a
+                        // lagging dQ also its dS^T before the last dQ of a unit of one query tile
   kDqDrainedBarrier = 10,  // 10..11: the writer has read a unit's last dQ tile of that warpgroup (128 + the writer)
   kDsReadyBarrier = 12,    // 12..15: with a lagging dQ, warpgroup w stored the dS^T of a query tile of parity p
                            // and finished the tile before's dQ (id 12 + 2 w + p; w's 128 threads arrive, the
