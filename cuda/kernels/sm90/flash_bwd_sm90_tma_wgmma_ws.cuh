@@ -12,7 +12,6 @@
 #pragma once
 
 #include <cmath>
-#include <type_traits>
 
 #include "flash_params.h"
 #include "kernels/common/block_ranges.cuh"

@@ -19,8 +19,8 @@ enum NamedBarrier : int {
   kDecodeTailBarrier = kFwdBarrierEnd,
 
   // Backward (flash_bwd_sm90_tma_wgmma_ws.cuh; the split-head-dim kernel uses the first two).
-  kDsBarrier = 1,       // (head dim 64) both consumer warpgroups wrote dS^T; after a unit's loop, dS^T is free;
-                        // after its dK/dV stores have read the staging buffers, those are free (256 threads)
+  kDsBarrier = 1,       // both consumer warpgroups wrote dS^T (each tile at head dim 64); after a unit's loop,
+                        // dS^T is free; after its dK/dV stores have read the staging buffers, those are free (256)
   kStatsBarrier = 2,    // 2..3: a consumer warpgroup staged its row statistics (128 threads; split-head-dim only)
   kDqFullBarrier = 4,   // 4..5: a consumer warpgroup's dQ tile is in shared memory (128 + the dQ writer warp)
   kDqEmptyBarrier = 6,  // 6..7: the writer has read that tile (128 + the dQ writer warp)
