@@ -374,6 +374,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const bool follower = cw == 1;
       const int other = 1 - cw;
       auto ds_ready = [](int wg, int it) { return kDsReadyBarrier + 2 * wg + (it & 1); };
+      // The previous unit's epilogue (if this CTA had one) staged dK in the dS^T buffers and dV in the dQ buffers for
+      // TMA stores that it did not wait for: each warpgroup's storing thread waits for its store's reads before the
+      // unit's first dS^T store, the follower's announced to the leader on kStagingFreeBarrier (the follower arrives
+      // before its first wait for the leader; the follower's own stores come after the leader's first announcement).
+      const bool staging_pending = kDqLags && kvs.count > 0;
+      auto staging_read = [&] {
+        if (wg_tid == 0) bulk_wait_group_read<0>();
+      };
 
       auto pos = walk.start();
       for (int it = 0; it < iters; ++it, walk.advance(pos), qdo.advance()) {
@@ -403,7 +411,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         float2 lse_log2[kSTiles];
 #pragma unroll
         for (int j = 0; j < kSTiles; ++j) lse_log2[j] = ld_shared_f32x2(stats + (8 * j + 2 * t) * sizeof(float));
-        if (kDqLags && follower) named_barrier_sync(ds_ready(0, it), kConsumerThreads);
+        if (kDqLags && follower) {
+          if (it == 0 && staging_pending) {
+            staging_read();
+            named_barrier_arrive(kStagingFreeBarrier, kConsumerThreads);
+          }
+          named_barrier_sync(ds_ready(0, it), kConsumerThreads);
+        }
         wgmma_fence();
         issue_rows_times_tile(acc_s, desc_k_rows, desc_advance(desc_q_k, stage_off));
         issue_rows_times_tile(acc_dp, desc_v_rows, desc_advance(desc_do_k, stage_off));
@@ -498,6 +512,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             fence_regs(acc_dq);
             stage_dq(acc_dq);
           } else {
+            if (!follower && staging_pending) {
+              staging_read();
+              named_barrier_sync(kStagingFreeBarrier, kConsumerThreads);
+            }
             store_ds(it & 1);
             fence_proxy_async_smem();
             named_barrier_arrive(ds_ready(cw, it), kConsumerThreads);
@@ -580,9 +598,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           tma_store_4d(&tm_dv, dv_boxes + cb * kWgmmaM * kColBlock, cb * kColBlock, row0, e_tile.hk, e_tile.b);
         }
         bulk_commit_group();
-        bulk_wait_group_read<0>();  // the buffers are free once read (the writes complete in the background)
+        // The buffers are free once read (the writes complete in the background); with a lagging dQ the next unit
+        // waits for that (staging_pending).
+        if constexpr (!kDqLags) bulk_wait_group_read<0>();
       }
-      named_barrier_sync(kDsBarrier, kConsumerThreads);  // both warpgroups' buffers are free for the next unit
+      if constexpr (!kDqLags) named_barrier_sync(kDsBarrier, kConsumerThreads);  // both buffers free: next unit
     });
     smem.unit_ring.consumer_release(us);
   }

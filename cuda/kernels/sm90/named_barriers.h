@@ -18,10 +18,12 @@ enum NamedBarrier : int {
   // keys outside the range in a V tile (256 threads).
   kDecodeTailBarrier = kFwdBarrierEnd,
 
-  // Backward (flash_bwd_sm90_tma_wgmma_ws.cuh; the split-head-dim kernel uses the first two).
+  // Backward (flash_bwd_sm90_tma_wgmma_ws.cuh; the head-dim-256 kernel uses the first).
   kDsBarrier = 1,       // both consumer warpgroups wrote dS^T (each tile at head dim 64); after a unit's loop,
-                        // dS^T is free; after its dK/dV stores have read the staging buffers, those are free (256)
-  kStatsBarrier = 2,    // 2..3: a consumer warpgroup staged its row statistics (128 threads; split-head-dim only)
+                        // dS^T is free; at head dim 64, after its dK/dV stores have read the staging buffers, those
+                        // are free (256)
+  kStagingFreeBarrier = 2,  // with a lagging dQ, the previous unit's dK/dV stores have read the staging buffers
+                            // (dS^T and dQ): the follower's 128 threads arrive, the leader's 128 wait (256)
   kDqFullBarrier = 4,   // 4..5: a consumer warpgroup's dQ tile is in shared memory (128 + the dQ writer warp)
   kDqEmptyBarrier = 6,  // 6..7: the writer has read that tile (128 + the dQ writer warp)
   kKvStoreBarrier = 8,  // 8..9: a consumer warpgroup's dK and dV are in shared memory (128 threads); with a
