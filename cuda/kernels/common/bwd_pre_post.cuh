@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
 // The order in which a main kernel adds into a dq_accum slab (FlashParams::dq_accum_of): tiles of kTileRows rows x
 // head_dim_rounded columns one after the other, each a sequence of float4 slots; slot `slot` of a tile holds two
 // column pairs, (row[k], col[k]) and (row[k], col[k] + 1) for k = 0, 1, which pairs() gives. DqRowMajor: rows of
-// head_dim_rounded floats (the sm_80-class and the split-head-dim kernels); the sm_90a d64/d128 kernel adds in its
+// head_dim_rounded floats (the sm_80-class kernels); the sm_90a d64/d128 kernel adds in its
 // accumulator fragments' order (DqFragmentOrder). An order whose slots hold four scalars instead
 // (kScalarElems, DqTransposedFragmentOrder: the d256 redesign's dQ^T, whose pairs run along rows) gives them by
 // elems(slot, row[4], col[4]).
