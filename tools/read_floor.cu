@@ -2,8 +2,10 @@
 // (the GPU's span of calls chained back to back, caches that do not fit in L2)? A plain read kernel (16-byte loads,
 // L1 not allocated, LOADS loads a thread in flight, a persistent grid of BLOCKS_PER_SM blocks an SM) over copies of
 // the buffer taken in turn, so that a call never finds its bytes in L2; alone, and followed by a one-block kernel (a
-// split kernel's combine launch: the gap a second kernel adds). Prints the median time a call over ITERS chained
-// calls and its share of the HBM peak (H200 4.8 TB/s, H100 3.35 TB/s).
+// split kernel's combine launch: the gap a second kernel adds), and that pair with programmatic dependent launch
+// (PDL: the read kernel's blocks trigger their dependents as they start, the one-block kernel launched with
+// programmatic stream serialisation waits for the read kernel's completion with griddepcontrol.wait). Prints the
+// median time a call over ITERS chained calls and its share of the HBM peak (H200 4.8 TB/s, H100 3.35 TB/s).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda tools/read_floor.cu -o /tmp/rf && /tmp/rf
 #include <cuda_runtime.h>
 
@@ -17,8 +19,9 @@
 
 constexpr int kThreads = 512;
 
-template <int kLoads>
+template <int kLoads, bool kTrigger>
 __global__ void __launch_bounds__(kThreads) read_kernel(const uint4* __restrict__ p, int64_t n, unsigned* out) {
+  if constexpr (kTrigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   unsigned acc = 0;
   int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
@@ -36,8 +39,35 @@ __global__ void __launch_bounds__(kThreads) read_kernel(const uint4* __restrict_
   if (acc == 0x9e3779b9u) out[0] = acc;  // never in practice (the buffer is zero); keeps the loads
 }
 
+template <bool kWait>
 __global__ void tail_kernel(unsigned* out) {
+  if constexpr (kWait) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (threadIdx.x == 0 && out[1] == 0x9e3779b9u) out[0] = 1;
+}
+
+// One call: the read kernel, then with tail 1 the one-block kernel, with tail 2 that kernel by PDL.
+template <int kLoads>
+void call(const uint4* p, int64_t n, unsigned* out, int blocks, int tail) {
+  if (tail == 2) {
+    read_kernel<kLoads, true><<<blocks, kThreads>>>(p, n, out);
+    CUDA_CHECK(cudaGetLastError());
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1);
+    cfg.blockDim = dim3(128);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, tail_kernel<true>, out));
+    return;
+  }
+  read_kernel<kLoads, false><<<blocks, kThreads>>>(p, n, out);
+  CUDA_CHECK(cudaGetLastError());
+  if (tail == 1) {
+    tail_kernel<false><<<1, 128>>>(out);
+    CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 int main() {
@@ -58,15 +88,15 @@ int main() {
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
   const int kIters = 20, kReps = 7;
-  printf("%8s %6s %6s %5s | %10s %6s | %10s %6s\n", "MB", "blk/SM", "loads", "copies", "us/call", "%peak",
-         "+tail us", "%peak");
+  printf("%8s %6s %6s %5s | %10s %6s | %10s %6s | %10s %6s\n", "MB", "blk/SM", "loads", "copies", "us/call",
+         "%peak", "+tail us", "%peak", "+PDL us", "%peak");
   for (size_t mb : {32, 64, 128, 256, 512}) {
     const size_t bytes = mb << 20;
     const int copies = int(std::max<size_t>(1, std::min(pool / bytes, (4 * l2 + bytes - 1) / bytes + 1)));
     for (int bps : {1, 2, 4}) {
       for (int loads : {4, 8}) {
-        double best[2];
-        for (int tail = 0; tail < 2; ++tail) {
+        double best[3];
+        for (int tail = 0; tail < 3; ++tail) {
           std::vector<float> med;
           for (int r = 0; r < kReps; ++r) {
             CUDA_CHECK(cudaEventRecord(e0));
@@ -74,12 +104,10 @@ int main() {
               const uint4* p = reinterpret_cast<const uint4*>(buf + size_t(it % copies) * bytes);
               const int64_t n = int64_t(bytes / 16);
               if (loads == 4) {
-                read_kernel<4><<<sms * bps, kThreads>>>(p, n, out);
+                call<4>(p, n, out, sms * bps, tail);
               } else {
-                read_kernel<8><<<sms * bps, kThreads>>>(p, n, out);
+                call<8>(p, n, out, sms * bps, tail);
               }
-              CUDA_CHECK(cudaGetLastError());
-              if (tail) tail_kernel<<<1, 128>>>(out);
             }
             CUDA_CHECK(cudaEventRecord(e1));
             CUDA_CHECK(cudaEventSynchronize(e1));
@@ -90,8 +118,9 @@ int main() {
           std::sort(med.begin(), med.end());
           best[tail] = med[med.size() / 2];
         }
-        printf("%8zu %6d %6d %5d | %10.1f %5.0f%% | %10.1f %5.0f%%\n", mb, bps, loads, copies, best[0],
-               100.0 * bytes / (best[0] * 1e3) / peak, best[1], 100.0 * bytes / (best[1] * 1e3) / peak);
+        printf("%8zu %6d %6d %5d", mb, bps, loads, copies);
+        for (double us : best) printf(" | %10.1f %5.0f%%", us, 100.0 * bytes / (us * 1e3) / peak);
+        printf("\n");
       }
     }
   }
