@@ -1,7 +1,7 @@
 // Issue 19's floor: how fast can any kernel stream N bytes from HBM on this GPU, the way bench_decode.py times a call
-// (the GPU's span of calls chained back to back, caches that do not fit in L2)? A plain read kernel (16-byte loads,
-// L1 not allocated, LOADS loads a thread in flight, a persistent grid of BLOCKS_PER_SM blocks an SM) over copies of
-// the buffer taken in turn, so that a call never finds its bytes in L2; alone, and followed by a one-block kernel (a
+// (the GPU's span of calls chained back to back, caches that do not fit in L2)? A plain read kernel (16-byte loads
+// through the read-only path, 4 or 8 loads a thread in flight, a persistent grid of 1, 2 or 4 blocks an SM) over
+// copies of the buffer taken in turn, so that a call never finds its bytes in L2; alone, and followed by a one-block kernel (a
 // split kernel's combine launch: the gap a second kernel adds), and that pair with programmatic dependent launch
 // (PDL: the read kernel's blocks trigger their dependents as they start, the one-block kernel launched with
 // programmatic stream serialisation waits for the read kernel's completion with griddepcontrol.wait). Prints the
