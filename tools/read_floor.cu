@@ -1,11 +1,11 @@
 // Issue 19's floor: how fast can any kernel stream N bytes from HBM on this GPU, the way bench_decode.py times a call
 // (the GPU's span of calls chained back to back, caches that do not fit in L2)? A plain read kernel (16-byte loads
-// through the read-only path, 4 or 8 loads a thread in flight, a persistent grid of 1, 2 or 4 blocks an SM) over
-// copies of the buffer taken in turn, so that a call never finds its bytes in L2; alone, and followed by a one-block kernel (a
-// split kernel's combine launch: the gap a second kernel adds), and that pair with programmatic dependent launch
-// (PDL: the read kernel's blocks trigger their dependents as they start, the one-block kernel launched with
-// programmatic stream serialisation waits for the read kernel's completion with griddepcontrol.wait). Prints the
-// median time a call over ITERS chained calls and its share of the HBM peak (H200 4.8 TB/s, H100 3.35 TB/s).
+// through the read-only path, 4 or 8 loads a thread in flight, a persistent grid of 1, 2 or 4 blocks an SM) over copies
+// of the buffer taken in turn, so that a call never finds its bytes in L2; alone, and followed by a one-block kernel (a
+// split kernel's combine launch: the gap a second kernel adds), and that pair with programmatic dependent launch (PDL:
+// the read kernel's blocks trigger their dependents as they start, the one-block kernel launched with programmatic
+// stream serialisation waits for the read kernel's completion with griddepcontrol.wait). Prints the median time a call
+// over 20 chained calls (median of 7) and its share of the HBM peak (H200 4.8 TB/s, H100 3.35 TB/s).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda tools/read_floor.cu -o /tmp/rf && /tmp/rf
 #include <cuda_runtime.h>
 
