@@ -16,6 +16,7 @@
 
 using jax_flash::FlashParams;
 using jax_flash::cuda::flash_bwd_preprocess_kernel;
+using jax_flash::cuda::kPreprocessRows;
 using jax_flash::cuda::kPreprocessThreads;
 
 constexpr int kD = 128;
@@ -60,6 +61,7 @@ int main() {
     CUDA_CHECK(cudaMalloc(&stats, 2 * rows * 4));
     pattern_kernel<<<sms * 8, 256>>>(o, elems, 1u);
     pattern_kernel<<<sms * 8, 256>>>(dout, elems, 2u);
+    CUDA_CHECK(cudaGetLastError());
     CUDA_CHECK(cudaMemset(lse, 0, rows * 4));
     FlashParams p{};  // the fields the preprocess reads; S is a multiple of every backward's query tile
     p.o = o;
@@ -71,7 +73,7 @@ int main() {
     p.seqlen_q = p.seqlen_q_rounded = sh.S;
     p.heads_q = sh.H;
     p.head_dim = p.head_dim_rounded = kD;
-    const unsigned grid = unsigned(rows / jax_flash::cuda::kPreprocessRows);
+    const unsigned grid = unsigned(rows / kPreprocessRows);
     auto preprocess = [&](bool with_zeros) {
       FlashParams q = p;
       if (!with_zeros) q.head_dim_rounded = 0;

@@ -18,6 +18,8 @@ inline constexpr int kPreprocessThreads = 256;
 
 // Threads per row of the preprocess: 16-byte loads of 8 elements, 128 columns per pass (two rows per warp).
 inline constexpr int kPreprocessLanesPerRow = 16;
+inline constexpr int kPreprocessElems = 8;  // 16-bit elements per 16-byte load; head_dim is a multiple of 8
+inline constexpr int kPreprocessChunkColumns = kPreprocessLanesPerRow * kPreprocessElems;  // a row's, per chunk
 // Query rows per preprocess block: a tile of one (batch, head), kPreprocessThreads / kPreprocessLanesPerRow rows a
 // pass (seqlen_q_rounded is a multiple of kRowStatsAlign, so tiles never straddle heads).
 inline constexpr int kPreprocessRows = 64;
@@ -37,7 +39,7 @@ template <typename T, int kChunks>
 __global__ void __launch_bounds__(kPreprocessThreads, 2) flash_bwd_preprocess_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
   constexpr int kLanes = kPreprocessLanesPerRow;
-  constexpr int kElems = 8;  // per 16-byte load; head_dim is a multiple of 8
+  constexpr int kElems = kPreprocessElems;
   constexpr int kRowsPerPass = kPreprocessThreads / kLanes;
   const int tiles = p.seqlen_q_rounded / kPreprocessRows;
   const int m0 = int(blockIdx.x % tiles) * kPreprocessRows;
@@ -192,10 +194,9 @@ cudaError_t launch_bwd_sequence(const FlashParams& p, cudaStream_t stream, Launc
   if (q_elems > 0) {
     const int64_t blocks = int64_t(p.batch) * p.heads_q * (p.seqlen_q_rounded / kPreprocessRows);
     if (blocks > INT32_MAX || p.seqlen_q_rounded % kPreprocessRows != 0) return cudaErrorInvalidConfiguration;
-    constexpr int kRowColumns = kPreprocessLanesPerRow * 8;  // a row's columns per 16-byte load of each lane
-    if (p.head_dim <= kRowColumns) {
+    if (p.head_dim <= kPreprocessChunkColumns) {
       flash_bwd_preprocess_kernel<T, 1><<<unsigned(blocks), kPreprocessThreads, 0, stream>>>(p);
-    } else if (p.head_dim <= 2 * kRowColumns) {
+    } else if (p.head_dim <= 2 * kPreprocessChunkColumns) {
       flash_bwd_preprocess_kernel<T, 2><<<unsigned(blocks), kPreprocessThreads, 0, stream>>>(p);
     } else {
       return cudaErrorInvalidValue;  // (the handlers allow head dims up to 256)
