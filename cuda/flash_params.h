@@ -28,6 +28,10 @@ inline constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(
 // The backward's row statistics are padded to whole tiles of this many query rows (jax_flash/_ffi.py allocates them
 // with the same constant; the handler checks the shape).
 inline constexpr int kRowStatsAlign = 128;
+// Without deterministic dQ, the first ints of dq_semaphore that the backward preprocess zeroes (as many as it holds):
+// the persistent sm_90a backward's work counter, then two flags for each unit its last round splits
+// (sm90/tile_scheduler_bwd.cuh).
+inline constexpr int kBwdCounterInts = 1 + 2 * 1024;
 // The kernels' head-dim classes: 64, 128 or 256 columns (head dims in between run padded to the class).
 JF_HD constexpr int head_dim_class(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 
@@ -126,7 +130,8 @@ struct FlashParams {
   int seqlen_q_rounded;
   // Bitwise-reproducible dQ: key blocks add into each query tile of dq_accum in ascending order, counted on
   // dq_semaphore (workspace; zeroed by the launcher). Only the sm_90a backward implements it. Without it, the
-  // first int of dq_semaphore is the persistent sm_90a backward's work counter (zeroed by the preprocess).
+  // first ints of dq_semaphore are the persistent sm_90a backward's work counter and its split units' flags (the
+  // preprocess zeroes kBwdCounterInts of them).
   bool deterministic;
   int32_t* dq_semaphore;
 

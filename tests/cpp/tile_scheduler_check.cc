@@ -7,8 +7,11 @@
 // INT_MAX. BwdTileScheduler (tile_scheduler_bwd.cuh): its units are every (key block, kv head, batch) exactly once,
 // the key block fastest, except under a causal mask with running CTAs given: then the last tail_groups (batch, kv
 // head)s (about kTailWaves units per CTA, at most all) come last with the key block slowest; each (batch, kv head)'s
-// key blocks in increasing order either way; units_fit() refuses counts the work counter could overflow. Prints
-// "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+// key blocks in increasing order either way; units_fit() refuses counts the work counter could overflow. Its last
+// round: with units of equal work and running CTAs given, the last units mod CTAs units are handed out as 2 to
+// kMaxParts parts each (every index once: whole units one part, split units each part once, their flags in range),
+// and part_range splits a walk into ordered, disjoint shares that cover it. Prints "ok <cases>" or the first
+// failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
 #include <algorithm>
 #include <climits>
 #include <cstdio>
@@ -142,11 +145,78 @@ long check_order(long* bad) {
   return cases;
 }
 
+// The backward's last round: split units and their parts, for small shapes without masks.
+long check_bwd_split(long* bad) {
+  long cases = 0;
+  auto fail = [&](const char* what, int batch, int heads_kv, int n_blocks, int ctas) {
+    if (++*bad <= 5) {
+      std::printf("%s: batch=%d heads_kv=%d n_blocks=%d ctas=%d\n", what, batch, heads_kv, n_blocks, ctas);
+    }
+  };
+  for (int batch = 1; batch <= 3; ++batch) {
+    for (int heads_kv = 1; heads_kv <= 3; ++heads_kv) {
+      for (int n_blocks = 1; n_blocks <= 12; ++n_blocks) {
+        for (int ctas : {0, 1, 2, 5, 7, 13}) {
+          FlashParams p{};
+          p.batch = batch, p.heads_kv = heads_kv, p.heads_q = 2 * heads_kv, p.seqlen_q = 64;
+          p.seqlen_k = n_blocks * 4, p.window_left = -1, p.window_right = -1;
+          const BwdTileScheduler s(p, 4, ctas);
+          ++cases;
+          const int units = n_blocks * heads_kv * batch;
+          const long left = ctas > 0 && units > ctas ? units % ctas : 0;
+          if (s.whole + s.split_units != units || s.units != s.whole + s.split_units * s.parts) {
+            fail("split counts", batch, heads_kv, n_blocks, ctas);
+            continue;
+          }
+          if (s.split_units != 0 && (s.split_units != left || s.parts < 2 || s.parts > BwdTileScheduler::kMaxParts)) {
+            fail("split units not the last round's", batch, heads_kv, n_blocks, ctas);
+          }
+          std::vector<int> seen(long(units) * BwdTileScheduler::kMaxParts, 0);
+          for (int u = 0; u < s.units; ++u) {
+            const int unit = s.unit_of(u), part = s.part_of(u), parts = s.parts_of(u), flags = s.flags_of(u);
+            const bool split = unit >= s.whole;
+            if (unit < 0 || unit >= units || part < 0 || part >= parts || parts != (split ? s.parts : 1) ||
+                flags != (split ? 1 + 2 * (unit - s.whole) : -1) || flags + 2 > 1 + 2 * long(s.split_units) + 1) {
+              fail("split index out of range", batch, heads_kv, n_blocks, ctas);
+              break;
+            }
+            ++seen[long(unit) * BwdTileScheduler::kMaxParts + part];
+          }
+          for (int unit = 0; unit < units; ++unit) {
+            for (int part = 0; part < BwdTileScheduler::kMaxParts; ++part) {
+              const int want = part < (unit >= s.whole ? s.parts : 1) ? 1 : 0;
+              if (seen[long(unit) * BwdTileScheduler::kMaxParts + part] != want) {
+                fail("a part not once", batch, heads_kv, n_blocks, ctas);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  for (int total = 0; total <= 20; ++total) {
+    for (int parts = 1; parts <= BwdTileScheduler::kMaxParts; ++parts) {
+      ++cases;
+      int next = 0;
+      for (int part = 0; part < parts; ++part) {
+        int lo, n;
+        BwdTileScheduler::part_range(total, part, parts, &lo, &n);
+        if (n < 0 || (n > 0 && lo != next)) std::printf("part_range %d/%d of %d\n", part, parts, total), ++*bad;
+        if (n > 0) next = lo + n;
+        if (part < total && n == 0) std::printf("part_range %d/%d of %d empty\n", part, parts, total), ++*bad;
+      }
+      if (next != total) std::printf("part_range of %d in %d parts covers %d\n", total, parts, next), ++*bad;
+    }
+  }
+  return cases;
+}
+
 int main() {
   constexpr int kGroupUnits[] = {1, 2, 5, 512};
   long bad = 0;
   long cases = check_order(&bad);
   cases += check_bwd(&bad);
+  cases += check_bwd_split(&bad);
   auto fail = [&](const char* what, int b, int h, int sq, int bm, int persistent, int causal) {
     if (++bad <= 5) {
       std::printf("%s: batch=%d heads=%d seqlen_q=%d block_m=%d persistent=%d causal=%d\n", what, b, h, sq, bm,

@@ -32,9 +32,10 @@ static_assert(kRowStatsAlign % kPreprocessRows == 0, "preprocess tiles cover the
 // issued before any is used; lse read and lse * log2(e) written by one thread a row, coalesced. The block also zeroes
 // its rows of the (b, h) dq_accum slab (contiguous; whatever order the main kernel adds in, the rows tile the slab):
 // one pass instead of a memset before it. (FlashAttention-3's preprocess has this shape: 5-7 % faster than one row a
-// 16-thread group and a block per 16 rows, NOTES, session 54.) Without deterministic dQ, thread 0 of block 0 also
-// zeroes dq_semaphore's first int: the persistent sm_90a backward's work counter (sm90/tile_scheduler_bwd.cuh),
-// unused by the other backward kernels. kChunks: 16-byte loads a row and thread (head_dim up to kChunks x 128).
+// 16-thread group and a block per 16 rows, NOTES, session 54.) Without deterministic dQ, block 0 also zeroes
+// dq_semaphore's first kBwdCounterInts ints: the persistent sm_90a backward's work counter and its split units'
+// flags (sm90/tile_scheduler_bwd.cuh), unused by the other backward kernels. kChunks: 16-byte loads a row and thread
+// (head_dim up to kChunks x 128).
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kPreprocessThreads, 2) flash_bwd_preprocess_kernel(const FlashParams p) {
   using ET = ElemTraits<T>;
@@ -47,7 +48,10 @@ __global__ void __launch_bounds__(kPreprocessThreads, 2) flash_bwd_preprocess_ke
   const int b = int(blockIdx.x / tiles / p.heads_q);
   const int t = threadIdx.x;
   const int sub = t % kLanes;
-  if (!p.deterministic && p.dq_semaphore != nullptr && blockIdx.x == 0 && t == 0) p.dq_semaphore[0] = 0;
+  if (!p.deterministic && p.dq_semaphore != nullptr && blockIdx.x == 0) {
+    const int64_t ints = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+    for (int i = t; i < kBwdCounterInts && i < ints; i += kPreprocessThreads) p.dq_semaphore[i] = 0;
+  }
   const bool lse_row = t < kPreprocessRows && m0 + t < p.seqlen_q;  // (loaded first: its latency hides below)
   const float lse = lse_row ? p.lse[(int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + t] : 0.f;
   uint4 ov[kPreprocessPasses][kChunks], dv[kPreprocessPasses][kChunks];

@@ -85,6 +85,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const BwdUnitSlot& slot = unit_of(us);
     return QueryTileWalk<kBM>{warp_uniform(slot.first), warp_uniform(slot.count), p.group_size(), hk};
   };
+  // The walk's iterations this unit or part takes, [lo, lo + n), and where the first stands.
+  auto iters_of = [&](UnitState us) { return warp_uniform(unit_of(us).n); };
+  auto start_of = [&](UnitState us, const QueryTileWalk<kBM>& walk) {
+    const int lo = warp_uniform(unit_of(us).lo);
+    return typename QueryTileWalk<kBM>::Position{warp_uniform(walk.row0(lo)), warp_uniform(walk.head(lo))};
+  };
 
   const int warpgroup = tid / kWarpgroupThreads;
   if (warpgroup == 0) {
@@ -99,8 +105,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (sched.done(u)) break;
         const BwdTile tile = sched.tile(u);
         const auto walk = walk_of(us, tile.hk);
+        const int iters = iters_of(us);
+        auto pos = start_of(us, walk);
         smem.unit_ring.consumer_release(us);
-        const int iters = walk.iters();
         // Deterministic dQ: the key blocks that see query tile m_block add into it in ascending order; this block's
         // turn comes when the tile's semaphore equals the number of such key blocks before it.
         auto key_blocks_before = [&](int m_block) {
@@ -130,7 +137,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
               named_barrier_arrive(kDqEmptyBarrier + wg, kDqWgThreads);
             }
           }
-          auto pos = walk.start();
           // The warpgroups' dQ buffers are free again: kDqEmptyBarrier + wg, or after a unit's last query tile
           // kDqDrainedBarrier + wg (named barrier ids stay compile-time constants: named_barriers.h).
           auto release = [&](int wg, bool last) {
@@ -196,12 +202,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (UnitState us{};; us.advance()) {
         smem.unit_ring.producer_wait_empty(us);  // then take the unit: a CTA holds one only when it can publish it
         const int u = sched.next_unit<kPersistent>(p, us.count);
-        auto publish = [&](int first, int count) {
-          smem.unit[us.slot()] = BwdUnitSlot{u, first, count};
+        auto publish = [&](int first, int count, int lo, int n) {
+          smem.unit[us.slot()] = BwdUnitSlot{u, first, count, lo, n, sched.part_of(u), sched.flags_of(u)};
           mbar_arrive(smem.unit_ring.full_barrier(us));  // (release: the other roles read it after their wait)
         };
         if (sched.done(u)) {
-          publish(0, 0);
+          publish(0, 0, 0, 0);
           break;
         }
         const BwdTile tile = sched.tile(u);
@@ -211,9 +217,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           walk = query_tile_walk<kBN, kBM>(kernel_mask_for_batch<decltype(segment_mode)::value>(p, tile.b), p, n0,
                                            tile.hk);
         });
-        publish(walk.first, walk.count);
+        int lo, iters;
+        BwdTileScheduler::part_range(walk.iters(), sched.part_of(u), sched.parts_of(u), &lo, &iters);
+        publish(walk.first, walk.count, lo, iters);
         {
-          const int iters = walk.iters();
           // V once the consumers' last dP^T of the previous unit is done, K once its last dQ is, then the query tiles
           // as their stages free up.
           if (iters > 0) {
@@ -226,7 +233,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                          tile.b);
             kvs.advance();
           }
-          auto pos = walk.start();
+          auto pos = typename QueryTileWalk<kBM>::Position{walk.row0(lo), walk.head(lo)};
 #pragma unroll 1  // one thread issuing loads: unrolling only costs its 24 registers
           for (int it = 0; it < iters; ++it, walk.advance(pos), qdo.advance()) {
             const int s = qdo.slot();
@@ -269,9 +276,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const auto [n0, keys_valid, kv_stride, kv_off, gdK, gdV] = key_block<kBN, T>(p, tile.n_block, tile.hk, tile.b);
 
       const auto walk = walk_of(us, tile.hk);
-      const int iters = walk.iters();
-      if (iters == 0) {  // no query sees these keys: zero gradients
-        zero_kv_grads<kConsumerThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid - kWarpgroupThreads);
+      const int iters = iters_of(us);
+      if (iters == 0) {  // no query sees these keys: zero gradients (a part with no share of a walk: nothing)
+        if (walk.count == 0) {
+          zero_kv_grads<kConsumerThreads>(gdK, gdV, kv_stride, keys_valid, p.head_dim, tid - kWarpgroupThreads);
+        }
         return;
       }
 
@@ -383,7 +392,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (wg_tid == 0) bulk_wait_group_read<0>();
       };
 
-      auto pos = walk.start();
+      auto pos = start_of(us, walk);
       for (int it = 0; it < iters; ++it, walk.advance(pos), qdo.advance()) {
         const int m0 = pos.row0;
         const uint32_t stage_off = qdo.slot() * kQdOStageBytes;
@@ -589,15 +598,39 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                          [](float x, int) { return x; });
       fence_proxy_async_smem();
       named_barrier_sync(kKvStoreBarrier + e_cw, kWarpgroupThreads);
+      // A split unit's parts (the last round): part 0 stores and then raises its flag once the stores have landed;
+      // the others wait for the flag (every thread of the warpgroup: a one-thread spin here cost the main loop its
+      // uniform descriptors, ptxas) and add theirs. Part 0 was handed out first, so it never waits on them.
+      const int part = warp_uniform(unit_of(us).part);
+      const int flags = warp_uniform(unit_of(us).flags);
+      int32_t* flag = flags >= 0 ? p.dq_semaphore + flags + e_cw : nullptr;
+      if (part > 0) {
+        while (warp_uniform(ld_acquire_gpu(flag)) == 0) {
+        }
+      }
       if (threadIdx.x % kWarpgroupThreads == 0) {
-        const BwdTile e_tile = sched.tile(unit_of(us).unit);
+        const BwdUnitSlot& slot = unit_of(us);
+        const BwdTile e_tile = sched.tile(slot.unit);
         const int row0 = e_tile.n_block * kBN + e_cw * kWgmmaM;
+        if (part > 0) fence_proxy_async_global();
 #pragma unroll
         for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          tma_store_4d(&tm_dk, dk_boxes + cb * kWgmmaM * kColBlock, cb * kColBlock, row0, e_tile.hk, e_tile.b);
-          tma_store_4d(&tm_dv, dv_boxes + cb * kWgmmaM * kColBlock, cb * kColBlock, row0, e_tile.hk, e_tile.b);
+          const T* dk_box = dk_boxes + cb * kWgmmaM * kColBlock;
+          const T* dv_box = dv_boxes + cb * kWgmmaM * kColBlock;
+          if (part > 0) {
+            tma_reduce_add_4d(&tm_dk, dk_box, cb * kColBlock, row0, e_tile.hk, e_tile.b);
+            tma_reduce_add_4d(&tm_dv, dv_box, cb * kColBlock, row0, e_tile.hk, e_tile.b);
+          } else {
+            tma_store_4d(&tm_dk, dk_box, cb * kColBlock, row0, e_tile.hk, e_tile.b);
+            tma_store_4d(&tm_dv, dv_box, cb * kColBlock, row0, e_tile.hk, e_tile.b);
+          }
         }
         bulk_commit_group();
+        if (part == 0 && flag != nullptr) {
+          bulk_wait_group<0>();
+          fence_proxy_async_global();
+          red_release_gpu_add(flag, 1);
+        }
         // The buffers are free once read (the writes complete in the background); with a lagging dQ the next unit
         // waits for that (staging_pending).
         if constexpr (!kDqLags) bulk_wait_group_read<0>();

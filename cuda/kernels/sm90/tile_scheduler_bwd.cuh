@@ -23,6 +23,11 @@
 // stored, the CTA's set-up is paid once, and the dQ reductions and dK/dV stores complete in the background instead
 // of holding the CTA's exit. Deterministic dQ keeps one CTA per unit (its ordered reductions then follow the
 // hardware's dispatch order) and the key-block-fastest order throughout.
+//
+// The last round: with units of equal work (no causal mask, window or segment ids) and r = units mod CTAs left for
+// it, the last r units are handed out as k parts each (each part an equal share of the unit's query tiles, k chosen
+// for the shortest round: ceil(r k / CTAs) / k of a unit instead of a whole one). Each part adds dQ as a unit does;
+// part 0 stores dK and dV and raises its flag, the others wait for it and add theirs (the kernel's epilogue).
 #pragma once
 
 #include <climits>
@@ -41,35 +46,73 @@ struct BwdTile {
 // What the producer publishes of each unit for the other roles (the kernel's unit ring): the unit and its walk
 // over query tiles (QueryTileWalk's first and count, which it derives from the mask once for all roles).
 struct BwdUnitSlot {
-  int unit;   // >= BwdTileScheduler::units: no unit left
+  int unit;   // index of the unit or part handed out; >= BwdTileScheduler::units: no unit left
   int first;  // first query tile that sees the key block
   int count;  // query tiles per query head (0: none sees it)
+  int lo;     // the walk's iterations this unit or part takes: [lo, lo + n) of count x query heads
+  int n;
+  int part;   // a split unit's part (0: the first, or a whole unit)
+  int flags;  // a split unit's first flag in dq_semaphore (its warpgroup's: + warpgroup), or -1
 };
 
 struct BwdTileScheduler {
   static constexpr int kTailWaves = 3;  // units per running CTA that the tail's order spans
   static constexpr int kTailWavesGrouped = 1;  // the same with more than one query head per kv head
 
+  static constexpr int kMaxParts = 3;          // parts of a last-round unit (each part past the first adds in bf16)
+  static constexpr int kMaxSplitUnits = (kBwdCounterInts - 1) / 2;  // their flags, 2 each, zeroed by the preprocess
+
   int n_blocks;  // key blocks per (batch, kv head)
   int heads_kv;
   int64_t units_wide;  // n_blocks * heads_kv * batch; launches refuse counts the counter cannot hold (units_fit)
-  int units;           // the same as an int, what the kernel walks
   int groups;          // (batch, kv head)s
   int tail_groups;     // the last ones, whose units go key block slowest (0: none)
   int head_units;      // units before them
+  int parts;           // parts of each of the last split_units units (1: none split)
+  int split_units;
+  int whole;           // units handed out whole, before the parts
+  int units;           // indices handed out: whole + split_units * parts, what the kernel walks
 
-  // ctas: how many CTAs run at once (the persistent grid); 0 keeps the key-block-fastest order throughout.
+  // ctas: how many CTAs run at once (the persistent grid); 0 keeps the key-block-fastest order throughout and splits
+  // no unit.
   JF_HD BwdTileScheduler(const FlashParams& p, int block_n, int ctas = 0)
       : n_blocks(int((p.seqlen_k + block_n - 1) / block_n)),
         heads_kv(p.heads_kv),
         units_wide(int64_t(n_blocks) * p.heads_kv * p.batch),
-        units(int(units_wide)),
         groups(p.heads_kv * p.batch),
         tail_groups(p.causal && ctas > 0 && n_blocks > 1
                         ? tail_group_count(groups, n_blocks, ctas,
                                            p.heads_q > p.heads_kv ? kTailWavesGrouped : kTailWaves)
                         : 0),
-        head_units((groups - tail_groups) * n_blocks) {}
+        head_units((groups - tail_groups) * n_blocks),
+        parts(1),
+        split_units(0),
+        whole(int(units_wide)),
+        units(int(units_wide)) {
+    // The last round: units of equal work (no causal mask, window or segment ids) split into parts when fewer are
+    // left than CTAs run, so that the round ends sooner: k parts of r units take ceil(r k / ctas) / k of a unit's
+    // time instead of one (2048 units on 132 CTAs: r = 68, k = 3: 2/3; NOTES.md, session 55).
+    const int64_t left = ctas > 0 && units_wide > ctas ? units_wide % ctas : 0;
+    const bool equal_units = !p.causal && p.window_left < 0 && p.window_right < 0 && p.q_segment_ids == nullptr;
+    const int64_t flag_ints = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // dq_semaphore: the counter, then flags
+    if (equal_units && left > 0 && left <= kMaxSplitUnits && 1 + 2 * left <= flag_ints) {
+      int best = 1;
+      int64_t best_rounds = 1;  // cost of k parts: ceil(left k / ctas) / k of a unit; 1 part: 1 / 1
+      for (int k = 2; k <= kMaxParts; ++k) {
+        const int64_t rounds = (left * k + ctas - 1) / ctas;
+        if (rounds * best < best_rounds * k) {
+          best = k;
+          best_rounds = rounds;
+        }
+      }
+      if (best > 1) {
+        parts = best;
+        split_units = int(left);
+        whole = int(units_wide - left);
+        units = int(whole + left * best);
+      }
+    }
+  }
 
   // (batch, kv head)s whose units span about `waves` units per running CTA, at most all of them.
   static JF_HD int tail_group_count(int groups, int n_blocks, int ctas, int waves) {
@@ -77,13 +120,34 @@ struct BwdTileScheduler {
     return want < groups ? int(want) : groups;
   }
 
-  // The units handed out reach units + grid - 1 (each CTA takes one past the end): room for any grid.
-  JF_HD bool units_fit() const { return units_wide <= INT_MAX / 2; }
+  // The indices handed out reach units + grid - 1 (each CTA takes one past the end): room for any grid (splitting
+  // adds at most kMaxSplitUnits * (kMaxParts - 1)).
+  JF_HD bool units_fit() const { return units_wide <= INT_MAX / 2 - int64_t(kMaxSplitUnits) * kMaxParts; }
 
   // Whether unit index u means no unit is left (past the end; negative only from a counter nobody zeroed).
   JF_HD bool done(int u) const { return u < 0 || u >= units; }
 
-  JF_HD BwdTile tile(int u) const {
+  // The unit of index u (a part's unit for the last split_units * parts indices).
+  JF_HD int unit_of(int u) const { return u < whole ? u : whole + (u - whole) / parts; }
+  // Index u's part of its unit (0 of 1 for a whole unit), and a split unit's flag pair after the work counter.
+  JF_HD int part_of(int u) const { return u < whole ? 0 : (u - whole) % parts; }
+  JF_HD int parts_of(int u) const { return u < whole ? 1 : parts; }
+  JF_HD int flags_of(int u) const { return u < whole ? -1 : 1 + 2 * (unit_of(u) - whole); }
+  // Part `part` of `parts` of a walk of `total` iterations: an equal share, [*lo, *lo + *n); with fewer iterations
+  // than parts, the parts past them take none.
+  static JF_HD void part_range(int total, int part, int parts, int* lo, int* n) {
+    const int used = total < parts ? total : parts;
+    if (part >= used) {
+      *lo = 0;
+      *n = 0;
+      return;
+    }
+    *lo = int(int64_t(part) * total / used);
+    *n = int(int64_t(part + 1) * total / used) - *lo;
+  }
+
+  JF_HD BwdTile tile(int index) const {
+    const int u = unit_of(index);
     int hb, n_block;
     if (u < head_units) {  // key block fastest
       hb = u / n_blocks;
