@@ -58,12 +58,17 @@ CASES = {
     # staged in the dS^T and dQ buffers, rings running on across units; units of different work (causal) and GQA.
     "d128_gqa_causal_bwd_units": dict(batch=4, seqlen_q=900, seqlen_k=900, heads_q=24, heads_kv=12, head_dim=128,
                                       is_causal=True),
-    # The persistent backward's last round split into parts (192 units: 60 left after 132 CTAs, 3 parts each): GQA,
-    # a batch element whose later key blocks no query sees (all parts zero them) and whose 2 query-tile iterations
-    # leave the third part of each unit nothing.
+    # The persistent backward's last round split into parts (tile_scheduler_bwd.cuh; on 132 SMs): 192 units, 60 left
+    # after 132 CTAs, 2 parts each (32 iterations a unit): GQA, a batch element whose later key blocks no query sees
+    # (all parts zero them).
     "d128_gqa_split_last_round": dict(batch=2, seqlen_q=1000, seqlen_k=1000, heads_q=24, heads_kv=12, head_dim=128,
                                       q_lens=(1000, 37), kv_lens=(1000, 300)),
-    "d64_split_last_round": dict(batch=2, seqlen_q=777, seqlen_k=1000, heads_q=12, heads_kv=12, head_dim=64),
+    # 200 units, 68 left, 7 parts each (64 iterations a unit); the last units are batch element 1's, whose 4
+    # iterations (one query tile x 4 query heads) leave parts 4-6 nothing, and whose key blocks past 700 no query sees.
+    "d128_gqa_split_seven_parts": dict(batch=2, seqlen_q=1000, seqlen_k=3100, heads_q=16, heads_kv=4, head_dim=128,
+                                       q_lens=(1000, 50), kv_lens=(3100, 700)),
+    # 192 units, 60 left, 2 parts each (16 query tiles of 128 a unit).
+    "d64_split_last_round": dict(batch=2, seqlen_q=2000, seqlen_k=1000, heads_q=12, heads_kv=12, head_dim=64),
     # Non-causal d64 runs the three-warpgroup forward (192-row blocks): GQA, Sq != Sk, Sq not a multiple of 192.
     "d64_gqa_wide_sq_ne_sk": dict(batch=2, seqlen_q=401, seqlen_k=333, heads_q=8, heads_kv=2, head_dim=64),
     "d256_causal_many_tiles": dict(batch=2, seqlen_q=520, seqlen_k=520, heads_q=24, heads_kv=24, head_dim=256,

@@ -39,7 +39,7 @@ long check_bwd(long* bad) {
             for (int ctas : {0, 1, 2, 5, 1000}) {
               FlashParams p{};
               p.batch = batch, p.heads_kv = heads_kv, p.seqlen_k = seqlen_k, p.causal = causal;
-              const BwdTileScheduler s(p, block_n, ctas);
+              const BwdTileScheduler s(p, 64, block_n, ctas);
               ++cases;
               const int n_blocks = (seqlen_k + block_n - 1) / block_n;
               const int groups = heads_kv * batch;
@@ -87,10 +87,10 @@ long check_bwd(long* bad) {
   FlashParams big{};
   big.batch = 1 << 10, big.heads_kv = 1 << 10, big.seqlen_k = (1 << 9) * 128;  // 2^29 units
   ++cases;
-  if (!BwdTileScheduler(big, 128).units_fit()) std::printf("backward: 2^29 units refused\n"), ++*bad;
+  if (!BwdTileScheduler(big, 64, 128).units_fit()) std::printf("backward: 2^29 units refused\n"), ++*bad;
   big.seqlen_k = (1 << 10) * 128;  // 2^30 units
   ++cases;
-  if (BwdTileScheduler(big, 128).units_fit()) std::printf("backward: units above INT_MAX / 2 accepted\n"), ++*bad;
+  if (BwdTileScheduler(big, 64, 128).units_fit()) std::printf("backward: units above INT_MAX / 2 accepted\n"), ++*bad;
   return cases;
 }
 
@@ -157,36 +157,51 @@ long check_bwd_split(long* bad) {
     for (int heads_kv = 1; heads_kv <= 3; ++heads_kv) {
       for (int n_blocks = 1; n_blocks <= 12; ++n_blocks) {
         for (int ctas : {0, 1, 2, 5, 7, 13}) {
-          FlashParams p{};
-          p.batch = batch, p.heads_kv = heads_kv, p.heads_q = 2 * heads_kv, p.seqlen_q = 64;
-          p.seqlen_k = n_blocks * 4, p.window_left = -1, p.window_right = -1;
-          const BwdTileScheduler s(p, 4, ctas);
-          ++cases;
-          const int units = n_blocks * heads_kv * batch;
-          const long left = ctas > 0 && units > ctas ? units % ctas : 0;
-          if (s.whole + s.split_units != units || s.units != s.whole + s.split_units * s.parts) {
-            fail("split counts", batch, heads_kv, n_blocks, ctas);
-            continue;
-          }
-          if (s.split_units != 0 && (s.split_units != left || s.parts < 2 || s.parts > BwdTileScheduler::kMaxParts)) {
-            fail("split units not the last round's", batch, heads_kv, n_blocks, ctas);
-          }
-          std::vector<int> seen(long(units) * BwdTileScheduler::kMaxParts, 0);
-          for (int u = 0; u < s.units; ++u) {
-            const int unit = s.unit_of(u), part = s.part_of(u), parts = s.parts_of(u), flags = s.flags_of(u);
-            const bool split = unit >= s.whole;
-            if (unit < 0 || unit >= units || part < 0 || part >= parts || parts != (split ? s.parts : 1) ||
-                flags != (split ? 1 + 2 * (unit - s.whole) : -1) || flags + 2 > 1 + 2 * long(s.split_units) + 1) {
-              fail("split index out of range", batch, heads_kv, n_blocks, ctas);
-              break;
+          // 64 query rows, 2 query heads a kv head: units of 128, 32, 8 iterations (at most 7, 4, 1 parts).
+          for (int block_m : {1, 4, 16}) {
+            FlashParams p{};
+            p.batch = batch, p.heads_kv = heads_kv, p.heads_q = 2 * heads_kv, p.seqlen_q = 64;
+            p.seqlen_k = n_blocks * 4, p.window_left = -1, p.window_right = -1;
+            const BwdTileScheduler s(p, block_m, 4, ctas);
+            ++cases;
+            const int units = n_blocks * heads_kv * batch;
+            const long left = ctas > 0 && units > ctas ? units % ctas : 0;
+            if (s.whole + s.split_units != units || s.units != s.whole + s.split_units * s.parts) {
+              fail("split counts", batch, heads_kv, n_blocks, ctas);
+              continue;
             }
-            ++seen[long(unit) * BwdTileScheduler::kMaxParts + part];
-          }
-          for (int unit = 0; unit < units; ++unit) {
-            for (int part = 0; part < BwdTileScheduler::kMaxParts; ++part) {
-              const int want = part < (unit >= s.whole ? s.parts : 1) ? 1 : 0;
-              if (seen[long(unit) * BwdTileScheduler::kMaxParts + part] != want) {
-                fail("a part not once", batch, heads_kv, n_blocks, ctas);
+            if (s.split_units != 0 && (s.split_units != left || s.parts < 2 || s.parts > BwdTileScheduler::kMaxParts)) {
+              fail("split units not the last round's", batch, heads_kv, n_blocks, ctas);
+            }
+            // The parts: the fewest with the shortest round (ceil(left k / ctas) / k units) among those whose shares
+            // keep kMinPartIters iterations.
+            const int unit_iters = 64 / block_m * 2;
+            int want_parts = 1;
+            for (int k = 2; left > 0 && k <= BwdTileScheduler::kMaxParts; ++k) {
+              if (unit_iters / k < BwdTileScheduler::kMinPartIters) break;
+              const long rounds = (left * k + ctas - 1) / ctas, best = (left * want_parts + ctas - 1) / ctas;
+              if (rounds * want_parts < best * k) want_parts = k;
+            }
+            if (s.parts != want_parts || (want_parts > 1) != (s.split_units > 0)) {
+              fail("split parts not the shortest round's", batch, heads_kv, n_blocks, ctas);
+            }
+            std::vector<int> seen(long(units) * BwdTileScheduler::kMaxParts, 0);
+            for (int u = 0; u < s.units; ++u) {
+              const int unit = s.unit_of(u), part = s.part_of(u), parts = s.parts_of(u), flags = s.flags_of(u);
+              const bool split = unit >= s.whole;
+              if (unit < 0 || unit >= units || part < 0 || part >= parts || parts != (split ? s.parts : 1) ||
+                  flags != (split ? 1 + 2 * (unit - s.whole) : -1) || flags + 2 > 1 + 2 * long(s.split_units) + 1) {
+                fail("split index out of range", batch, heads_kv, n_blocks, ctas);
+                break;
+              }
+              ++seen[long(unit) * BwdTileScheduler::kMaxParts + part];
+            }
+            for (int unit = 0; unit < units; ++unit) {
+              for (int part = 0; part < BwdTileScheduler::kMaxParts; ++part) {
+                const int want = part < (unit >= s.whole ? s.parts : 1) ? 1 : 0;
+                if (seen[long(unit) * BwdTileScheduler::kMaxParts + part] != want) {
+                  fail("a part not once", batch, heads_kv, n_blocks, ctas);
+                }
               }
             }
           }
@@ -194,7 +209,7 @@ long check_bwd_split(long* bad) {
       }
     }
   }
-  for (int total = 0; total <= 20; ++total) {
+  for (int total = 0; total <= 60; ++total) {
     for (int parts = 1; parts <= BwdTileScheduler::kMaxParts; ++parts) {
       ++cases;
       int next = 0;

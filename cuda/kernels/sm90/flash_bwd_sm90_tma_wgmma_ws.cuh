@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = threadIdx.x;
   // Deterministic dQ keeps one CTA per unit and the key-block-fastest order (tile_scheduler_bwd.cuh).
   constexpr bool kPersistent = !kDeterministic;
-  const BwdTileScheduler sched(p, kBN, kPersistent ? int(gridDim.x) : 0);
+  const BwdTileScheduler sched(p, kBM, kBN, kPersistent ? int(gridDim.x) : 0);
   constexpr int kConsumerThreads = Traits::kConsumerWarpgroups * kWarpgroupThreads;
 
   // Every ring's state counts its uses since the kernel began (pipeline.h): units, K/V loads, Q/dO tiles.

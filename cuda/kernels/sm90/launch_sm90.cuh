@@ -120,7 +120,7 @@ cudaError_t launch_bwd_sm90_main(const FlashParams& p, cudaStream_t stream) {
   }
   // dQ tiles are added into dq_accum as kBlockM x kD blocks (DqFragmentOrder).
   if (p.head_dim_rounded != kD || p.seqlen_q_rounded % Traits::kBlockM != 0) return cudaErrorInvalidValue;
-  const BwdTileScheduler sched(p, Traits::kBlockN);
+  const BwdTileScheduler sched(p, Traits::kBlockM, Traits::kBlockN);
   if (!sched.units_fit() || p.dq_semaphore == nullptr) return cudaErrorInvalidValue;
   if (sched.units == 0) return cudaSuccess;
   int grid = sched.units;

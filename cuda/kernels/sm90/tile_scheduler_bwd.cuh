@@ -26,8 +26,9 @@
 //
 // The last round: with units of equal work (no causal mask, window or segment ids) and r = units mod CTAs left for
 // it, the last r units are handed out as k parts each (each part an equal share of the unit's query tiles, k chosen
-// for the shortest round: ceil(r k / CTAs) / k of a unit instead of a whole one). Each part adds dQ as a unit does;
-// part 0 stores dK and dV and raises its flag, the others wait for it and add theirs (the kernel's epilogue).
+// for the shortest round: ceil(r k / CTAs) / k of a unit instead of a whole one; at most kMaxParts, and parts of at
+// least kMinPartIters query tiles). Each part adds dQ as a unit does; part 0 stores dK and dV and raises its flag,
+// the others wait for it and add theirs (the kernel's epilogue).
 #pragma once
 
 #include <climits>
@@ -59,7 +60,14 @@ struct BwdTileScheduler {
   static constexpr int kTailWaves = 3;  // units per running CTA that the tail's order spans
   static constexpr int kTailWavesGrouped = 1;  // the same with more than one query head per kv head
 
-  static constexpr int kMaxParts = 3;          // parts of a last-round unit (each part past the first adds in bf16)
+  // Parts of a last-round unit (each part past the first adds its dK and dV in the output dtype: one more rounding).
+  // 2048 units on 132 CTAs (every 16-head d128 row of the benchmarks) leave 68: k = 3 takes the round to 2/3 of a
+  // unit, k = 7 to 4/7.
+  static constexpr int kMaxParts = 7;
+  // A part's fewest iterations (query tiles x query heads): each part loads K and V and stores or adds dK and dV,
+  // which shorter shares would not repay (16 x 1024 x 16 x 128: 16 iterations a unit, 5-6 a part at k = 3: 0.995x
+  // in session 56's A/B).
+  static constexpr int kMinPartIters = 8;
   static constexpr int kMaxSplitUnits = (kBwdCounterInts - 1) / 2;  // their flags, 2 each, zeroed by the preprocess
 
   int n_blocks;  // key blocks per (batch, kv head)
@@ -73,9 +81,9 @@ struct BwdTileScheduler {
   int whole;           // units handed out whole, before the parts
   int units;           // indices handed out: whole + split_units * parts, what the kernel walks
 
-  // ctas: how many CTAs run at once (the persistent grid); 0 keeps the key-block-fastest order throughout and splits
-  // no unit.
-  JF_HD BwdTileScheduler(const FlashParams& p, int block_n, int ctas = 0)
+  // block_m x block_n: the kernel's tile (query rows x keys); ctas: how many CTAs run at once (the persistent grid);
+  // 0 keeps the key-block-fastest order throughout and splits no unit.
+  JF_HD BwdTileScheduler(const FlashParams& p, int block_m, int block_n, int ctas = 0)
       : n_blocks(int((p.seqlen_k + block_n - 1) / block_n)),
         heads_kv(p.heads_kv),
         units_wide(int64_t(n_blocks) * p.heads_kv * p.batch),
@@ -95,10 +103,16 @@ struct BwdTileScheduler {
     const int64_t left = ctas > 0 && units_wide > ctas ? units_wide % ctas : 0;
     const bool equal_units = !p.causal && p.window_left < 0 && p.window_right < 0 && p.q_segment_ids == nullptr;
     const int64_t flag_ints = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // dq_semaphore: the counter, then flags
+    // A unit's iterations: its query tiles times the query heads of its kv head (a batch element's shorter
+    // lengths only shorten its walk, and a part past a walk's end takes nothing).
+    const int64_t unit_iters = block_m > 0 && p.heads_kv > 0
+                                   ? (int64_t(p.seqlen_q) + block_m - 1) / block_m * (p.heads_q / p.heads_kv)
+                                   : 0;
+    const int64_t max_parts = unit_iters / kMinPartIters < kMaxParts ? unit_iters / kMinPartIters : kMaxParts;
     if (equal_units && left > 0 && left <= kMaxSplitUnits && 1 + 2 * left <= flag_ints) {
       int best = 1;
       int64_t best_rounds = 1;  // cost of k parts: ceil(left k / ctas) / k of a unit; 1 part: 1 / 1
-      for (int k = 2; k <= kMaxParts; ++k) {
+      for (int k = 2; k <= max_parts; ++k) {
         const int64_t rounds = (left * k + ctas - 1) / ctas;
         if (rounds * best < best_rounds * k) {
           best = k;
