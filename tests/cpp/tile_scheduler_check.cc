@@ -9,8 +9,9 @@
 // head)s (about kTailWaves units per CTA, at most all) come last with the key block slowest; each (batch, kv head)'s
 // key blocks in increasing order either way; units_fit() refuses counts the work counter could overflow. Its last
 // round: with units of equal work and running CTAs given, the last units mod CTAs units are handed out as 2 to
-// kMaxParts parts each (every index once: whole units one part, split units each part once, their flags in range),
-// and part_range splits a walk into ordered, disjoint shares that cover it. Prints "ok <cases>" or the first
+// kMaxParts parts each, the fewest that end the round soonest with shares of at least kMinPartIters iterations
+// (every index once: whole units one part, split units each part once, their flags in range), and part_range splits
+// a walk into ordered, disjoint shares that cover it. Prints "ok <cases>" or the first
 // failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
 #include <algorithm>
 #include <climits>

@@ -99,7 +99,7 @@ struct BwdTileScheduler {
         units(int(units_wide)) {
     // The last round: units of equal work (no causal mask, window or segment ids) split into parts when fewer are
     // left than CTAs run, so that the round ends sooner: k parts of r units take ceil(r k / ctas) / k of a unit's
-    // time instead of one (2048 units on 132 CTAs: r = 68, k = 3: 2/3; NOTES.md, session 55).
+    // time instead of one (2048 units on 132 CTAs: r = 68, k = 7: 4/7; NOTES.md, sessions 55-56).
     const int64_t left = ctas > 0 && units_wide > ctas ? units_wide % ctas : 0;
     const bool equal_units = !p.causal && p.window_left < 0 && p.window_right < 0 && p.q_segment_ids == nullptr;
     const int64_t flag_ints = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // dq_semaphore: the counter, then flags
