@@ -77,7 +77,6 @@ int main() {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const double peak = strstr(prop.name, "H200") ? 4800.0 : 3350.0;  // GB/s
   const int sms = prop.multiProcessorCount;
-  int tail_mode = 0;  // calls' second kernel: 0 none, 1 ordinary launch, 2 programmatic dependent launch
   const size_t l2 = size_t(prop.l2CacheSize);
   printf("%s, %d SMs, L2 %zu MB, HBM peak taken as %.0f GB/s\n", prop.name, sms, l2 >> 20, peak);
   const size_t pool = size_t(2) << 30;  // copies taken in turn: at least 4x L2 between two reads of one byte
@@ -101,25 +100,25 @@ int main() {
     const int copies = int(std::max<size_t>(1, std::min(pool / bytes, (4 * l2 + bytes - 1) / bytes + 1)));
     for (int bps : {1, 2, 4}) {
       for (int loads : {4, 8}) {
-        auto calls = [&] {
+        // The chained calls; tail: their second kernel (0 none, 1 ordinary launch, 2 programmatic dependent launch).
+        auto calls = [&](int tail) {
           for (int it = 0; it < kIters; ++it) {
             const uint4* p = reinterpret_cast<const uint4*>(buf + size_t(it % copies) * bytes);
             const int64_t n = int64_t(bytes / 16);
             if (loads == 4) {
-              call<4>(p, n, out, sms * bps, tail_mode, stream);
+              call<4>(p, n, out, sms * bps, tail, stream);
             } else {
-              call<8>(p, n, out, sms * bps, tail_mode, stream);
+              call<8>(p, n, out, sms * bps, tail, stream);
             }
           }
         };
         double best[6];
         for (int mode = 0; mode < 6; ++mode) {
-          tail_mode = mode % 3;
           cudaGraphExec_t exec = nullptr;
           if (mode >= 3) {
             cudaGraph_t graph;
             CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-            calls();
+            calls(mode % 3);
             CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
             CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
             CUDA_CHECK(cudaGraphDestroy(graph));
@@ -131,7 +130,7 @@ int main() {
             if (exec) {
               CUDA_CHECK(cudaGraphLaunch(exec, stream));
             } else {
-              calls();
+              calls(mode % 3);
             }
             CUDA_CHECK(cudaEventRecord(e1, stream));
             CUDA_CHECK(cudaEventSynchronize(e1));
