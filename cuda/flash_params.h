@@ -134,6 +134,7 @@ struct FlashParams {
   // preprocess zeroes kBwdCounterInts of them).
   bool deterministic;
   int32_t* dq_semaphore;
+  JF_HD int64_t dq_semaphore_ints() const { return int64_t(batch) * heads_q * seqlen_q; }  // its size (B, Hq, Sq)
 
   JF_HD int64_t q_row_stride() const { return int64_t(heads_q) * head_dim; }
   JF_HD int64_t kv_row_stride() const { return int64_t(heads_kv) * head_dim; }

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kPreprocessThreads, 2) flash_bwd_preprocess_ke
   const int t = threadIdx.x;
   const int sub = t % kLanes;
   if (!p.deterministic && p.dq_semaphore != nullptr && blockIdx.x == 0) {
-    const int64_t ints = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+    const int64_t ints = p.dq_semaphore_ints();
     for (int i = t; i < kBwdCounterInts && i < ints; i += kPreprocessThreads) p.dq_semaphore[i] = 0;
   }
   const bool lse_row = t < kPreprocessRows && m0 + t < p.seqlen_q;  // (loaded first: its latency hides below)

@@ -102,7 +102,7 @@ struct BwdTileScheduler {
     // time instead of one (2048 units on 132 CTAs: r = 68, k = 7: 4/7; NOTES.md, sessions 55-56).
     const int64_t left = ctas > 0 && units_wide > ctas ? units_wide % ctas : 0;
     const bool equal_units = !p.causal && p.window_left < 0 && p.window_right < 0 && p.q_segment_ids == nullptr;
-    const int64_t flag_ints = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // dq_semaphore: the counter, then flags
+    const int64_t flag_ints = p.dq_semaphore_ints();  // the counter, then the flags
     // A unit's iterations: its query tiles times the query heads of its kv head (a batch element's shorter
     // lengths only shorten its walk, and a part past a walk's end takes nothing).
     const int64_t unit_iters = block_m > 0 && p.heads_kv > 0
