@@ -116,6 +116,13 @@ DECODE_CASES = [
     # pages of 12 keys (the TMA kernel's gather looks each key up), and of 4 at a padded head dim
     (2, 16, 8, 1, 128, 300, 12, None, dict(local_window_size=(100, 0))),
     (2, 12, 8, 1, 80, 200, 4, None, dict()),
+    # one row tile over 2-16 splits: on an H100/H200 the split kernel's clusters merge the splits (distributed
+    # shared memory, no combine kernel): ragged (a one-key sequence: empty splits), paged d256 with a cap and sinks,
+    # 16 rows at d64 with a window, and 16 splits (clusters past the portable 8)
+    (3, 1, 8, 1, 128, 1000, None, 8, dict()),
+    (2, 2, 4, 2, 256, 512, 16, 5, dict(logits_soft_cap=20.0, sinks=True)),
+    (2, 4, 4, 1, 64, 700, None, 3, dict(local_window_size=(200, 0))),
+    (1, 1, 32, 8, 128, 4096, None, 16, dict()),
 ]
 
 
