@@ -116,9 +116,8 @@ DECODE_CASES = [
     # pages of 12 keys (the TMA kernel's gather looks each key up), and of 4 at a padded head dim
     (2, 16, 8, 1, 128, 300, 12, None, dict(local_window_size=(100, 0))),
     (2, 12, 8, 1, 80, 200, 4, None, dict()),
-    # one row tile over 2-16 splits: on an H100/H200 the split kernel's clusters merge the splits (distributed
-    # shared memory, no combine kernel): ragged (a one-key sequence: empty splits), paged d256 with a cap and sinks,
-    # 16 rows at d64 with a window, and 16 splits (clusters past the portable 8)
+    # one row tile over 3-16 splits and the combine's block kernel: ragged (short sequences: empty splits), paged
+    # d256 with a cap and sinks, 16 rows at d64 with a window, 16 splits of 4 rows
     (3, 1, 8, 1, 128, 1000, None, 8, dict()),
     (2, 2, 4, 2, 256, 512, 16, 5, dict(logits_soft_cap=20.0, sinks=True)),
     (2, 4, 4, 1, 64, 700, None, 3, dict(local_window_size=(200, 0))),
