@@ -364,11 +364,24 @@ def decode_split_plan(q_shape, heads_kv, capacity, paged=False):
     grid has twice the blocks, half of them without keys at equal lengths. On an H200 (NOTES.md, session 46: 8/1,
     32/8, 64/8 at Tq 1, 4, 16 over 2-64 sequences) it took 5-25 % off ragged batches where it is kept and cost 2-3 %
     at equal lengths; with many splits a sequence, or few short ones over few pairs (8/1 at 2-32 sequences), it cost
-    4-19 % even over ragged lengths."""
+    4-19 % even over ragged lengths.
+
+    Where only the pairs ask for it (short splits) at one query row, head dims up to 128 and a dense cache, the grid
+    keeps twice the splits but each sequence's equal share of them (no balancing): on an H200 (NOTES.md, session 57;
+    tools/decode_plan_sweep.py) that was 0-2 % faster at equal lengths and 0-16 % over ragged ones (32/8 x 128 at 16
+    sequences of 4160 keys, ragged: 34.3 against 39.7 µs; 8/1 at 64 x 8192: 44.7 against 46.7), where at Tq 4 and at
+    head dim 256 balancing stayed ahead (by 1-10 %)."""
     splits = decode_splits(q_shape, heads_kv, capacity, paged)
-    balance = (q_shape[0] >= 2 and 2 <= splits <= BALANCE_MAX_SPLITS
-               and (capacity >= BALANCE_MIN_SPLIT_KEYS * splits or q_shape[0] * heads_kv >= BALANCE_MIN_PAIRS))
-    return balanced_split_plan(splits) if balance else (splits, False)
+    batch, rows, _, head_dim = q_shape
+    if not (batch >= 2 and 2 <= splits <= BALANCE_MAX_SPLITS):
+        return splits, False
+    if capacity >= BALANCE_MIN_SPLIT_KEYS * splits:
+        return balanced_split_plan(splits)
+    if batch * heads_kv >= BALANCE_MIN_PAIRS:
+        if rows == 1 and head_dim <= 128 and not paged:
+            return min(2 * splits, MAX_DECODE_SPLITS), False
+        return balanced_split_plan(splits)
+    return splits, False
 
 
 def balanced_split_plan(splits):

@@ -592,7 +592,13 @@ def test_split_count_fills_one_wave(monkeypatch):
     # pairs, one sequence, or one split each stay as they are
     assert _ffi.decode_split_plan((4, 1, 32, 128), 8, 32768) == (16, True)
     assert _ffi.decode_split_plan((16, 1, 32, 128), 8, 32768) == (4, True)
-    assert _ffi.decode_split_plan((64, 1, 8, 128), 1, 8192) == (8, True)  # 2048 keys a split, 64 pairs
+    assert _ffi.decode_split_plan((64, 4, 8, 128), 1, 8192)[1]  # 2048 keys a split, 64 pairs, Tq 4
+    # ... but where only the pairs ask for it, at one query row, a head dim up to 128 and a dense cache, twice the
+    # splits without balancing (16 x 8 pairs of 4160 keys: LLaMA generation at batch 16)
+    assert _ffi.decode_split_plan((64, 1, 8, 128), 1, 8192) == (8, False)
+    assert _ffi.decode_split_plan((16, 1, 32, 128), 8, 4160) == (4, False)
+    assert _ffi.decode_split_plan((64, 1, 8, 128), 1, 8192, paged=True)[1]
+    assert _ffi.decode_split_plan((16, 1, 16, 256), 8, 4160)[1]
     assert _ffi.decode_split_plan((4, 1, 32, 128), 8, 16384) == (8, False)  # 2048 keys a split, 32 pairs
     assert _ffi.decode_split_plan((8, 1, 8, 128), 1, 32768) == (33, False)  # 33 splits a sequence
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072) == (16, False)
