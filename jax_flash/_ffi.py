@@ -368,8 +368,8 @@ def decode_split_plan(q_shape, heads_kv, capacity, paged=False):
 
     Where only the pairs ask for it (short splits) at one query row, head dims up to 128 and a dense cache, the grid
     keeps twice the splits but each sequence's equal share of them (no balancing): on an H200 (NOTES.md, session 57;
-    tools/decode_plan_sweep.py) that was 0-2 % faster at equal lengths and 0-16 % over ragged ones (32/8 x 128 at 16
-    sequences of 4160 keys, ragged: 34.3 against 39.7 µs; 8/1 at 64 x 8192: 44.7 against 46.7), where at Tq 4 and at
+    tools/decode_plan_sweep.py, four ragged draws a shape) that was 0-2.5 % faster at equal lengths and over ragged
+    ones level (8/1 at 64 x 8192) to 3-10 % faster (32/8 x 128 at 16 sequences of 4160 keys), where at Tq 4 and at
     head dim 256 balancing stayed ahead (by 1-10 %)."""
     splits = decode_splits(q_shape, heads_kv, capacity, paged)
     batch, rows, _, head_dim = q_shape

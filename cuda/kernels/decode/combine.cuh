@@ -121,9 +121,9 @@ __global__ void __launch_bounds__(kCombineWarpsPerBlock * kWarpSize) flash_decod
 // Up to kCombineWarpSplits splits, every warp computes the weights itself (warp_split_weights: shuffles, no
 // block-wide reduction), and without a balanced grid (whose empty splits leave their partials unwritten: reading them
 // would fetch bytes nobody wrote) a thread's partial loads, up to kCombinePrefetch, are issued before the weights are
-// known, so that their latency and the lse loads' overlap. (8/1 x 128 at 8 x 32768, 64 rows of 33 splits: 4.6 us a
-// call in the benchmark's graph against cuDNN's 3.0, with three block-wide reductions in a row before the partial
-// loads; NOTES.md, session 56.)
+// known, so that their latency and the lse loads' overlap. (8/1 x 128 at 8 x 32768, 64 rows of 33 splits, in the
+// benchmark's graph on an H200: 4.5 us a call with three block-wide reductions in a row before the partial loads,
+// 3.6 us this way; cuDNN's reduction 3.0; NOTES.md, sessions 56-57.)
 inline constexpr int kCombineThreads = 256;
 inline constexpr int kCombineSerialGroups = 16;
 inline constexpr int kCombinePrefetch = 8;
