@@ -63,7 +63,7 @@ def main():
         v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
         caches = bench._cache_copies(k, v, "device", a.calls)
         table = {}
-        kinds = [k for k in a.lengths.split(",") if k == "equal"]
+        kinds = [x for x in a.lengths.split(",") if x == "equal"]
         if "ragged" in a.lengths.split(","):
             kinds += ["ragged"] if a.seeds == 1 else [f"ragged{i}" for i in range(a.seeds)]
         for kind in kinds:
