@@ -40,6 +40,22 @@ __global__ void shape_kernel(int* out) {
   if (out != nullptr && threadIdx.x == 0) out[blockIdx.x] = smem[0];
 }
 
+// A launch of `grid` CTAs of 128 threads with `smem` bytes of dynamic shared memory in clusters of `size` along x
+// (the attribute lives in *attribute, which the config points to).
+cudaLaunchConfig_t cluster_launch(int grid, int smem, int size, cudaLaunchAttribute* attribute) {
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = unsigned(size);
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(128);
+  config.dynamicSmemBytes = smem;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
 int main() {
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -51,17 +67,8 @@ int main() {
     int* out = nullptr;
     CUDA_CHECK(cudaMalloc(&out, grid * sizeof(int)));
     CUDA_CHECK(cudaMemset(out, 0, grid * sizeof(int)));
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(grid);
-    config.blockDim = dim3(128);
-    config.dynamicSmemBytes = 1024;
     cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = unsigned(size);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    const cudaLaunchConfig_t config = cluster_launch(grid, 1024, size, &attribute);
     CUDA_CHECK(cudaLaunchKernelEx(&config, early_exit_kernel, out));
     const auto start = std::chrono::steady_clock::now();
     cudaError_t state;
@@ -93,17 +100,8 @@ int main() {
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, shape_kernel, 128, smem));
     std::printf("smem %d bytes: %d CTAs an SM; clusters placed at once by size:", smem, per_sm);
     for (int size = 2; size <= 16; ++size) {
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(size * 64);
-      config.blockDim = dim3(128);
-      config.dynamicSmemBytes = smem;
       cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = unsigned(size);
-      attribute.val.clusterDim.y = 1;
-      attribute.val.clusterDim.z = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
+      const cudaLaunchConfig_t config = cluster_launch(size * 64, smem, size, &attribute);
       int clusters = 0;
       CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, shape_kernel, &config));
       std::printf(" %d:%d (%d CTAs)", size, clusters, clusters * size);
