@@ -1085,6 +1085,30 @@ def multi(args):
 # generate: prefill, then greedy decode steps through the KV caches
 
 
+def prefill_fn(model):
+    """The jitted prefill of `model` with its attention as set now: (state, tokens [B, P], caches) -> (the next
+    token of each sequence, caches), the caches donated."""
+    graph, _ = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def prefill(state, tokens, caches):
+        logits, caches = nnx.merge(graph, state).prefill(tokens, caches)
+        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
+    return prefill
+
+
+def decode_step_fn(model):
+    """The jitted greedy decode step of `model` with its attention as set now: (state, token [B], caches) -> (the
+    next token of each sequence, caches), the caches donated so that they update in place."""
+    graph, _ = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def step(state, token, caches):
+        logits, caches = nnx.merge(graph, state).decode(token[:, None], caches)
+        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
+    return step
+
+
 def generate(args):
     """Prefills a random prompt of B x P tokens with the jax_flash kernels (the same for every choice: jax.nn's xla
     prefill would materialise B x H x P x P scores), then times N greedy decode steps (one token per sequence each,
@@ -1104,23 +1128,13 @@ def generate(args):
         f"{kv_bytes * max_len / 2**30:.2f} GiB")
     tokens = jax.random.randint(jax.random.key(args.seed + 1), (batch, prompt), 0, cfg.vocab, jnp.int32)
     set_attention(model, "jax_flash")
-    prefill_graph, state = nnx.split(model)
-
-    @functools.partial(jax.jit, donate_argnums=2)
-    def prefill(state, tokens, caches):
-        logits, caches = nnx.merge(prefill_graph, state).prefill(tokens, caches)
-        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
+    _, state = nnx.split(model)
+    prefill = prefill_fn(model)
 
     rows, generated = [], {}
     for attention in args.attention:
         set_attention(model, attention)
-        decode_graph, _ = nnx.split(model)
-
-        @functools.partial(jax.jit, donate_argnums=2)
-        def step(state, token, caches, decode_graph=decode_graph):
-            logits, caches = nnx.merge(decode_graph, state).decode(token[:, None], caches)
-            return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
-
+        step = decode_step_fn(model)
         caches = model.init_caches(batch, max_len)
         t0 = time.perf_counter()
         token, caches = prefill(state, tokens, caches)

@@ -8,7 +8,6 @@ first) and the step's span, so that two choices' steps can be compared kernel by
 
 import argparse
 import collections
-import functools
 import os
 import runpy
 import types
@@ -38,23 +37,13 @@ def main():
     model = llama.Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab, jnp.int32)
     llama.set_attention(model, "jax_flash")
-    prefill_graph, state = nnx.split(model)
-
-    @functools.partial(jax.jit, donate_argnums=2)
-    def prefill(state, tokens, caches):
-        logits, caches = nnx.merge(prefill_graph, state).prefill(tokens, caches)
-        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
+    _, state = nnx.split(model)
+    prefill = llama.prefill_fn(model)  # the example's own prefill and decode step
 
     per_step = {}
     for attention in a.attention:
         llama.set_attention(model, attention)
-        decode_graph, _ = nnx.split(model)
-
-        @functools.partial(jax.jit, donate_argnums=2)
-        def step(state, token, caches, decode_graph=decode_graph):
-            logits, caches = nnx.merge(decode_graph, state).decode(token[:, None], caches)
-            return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
-
+        step = llama.decode_step_fn(model)
         caches = model.init_caches(a.batch, a.seq + a.steps + 3)
         token, caches = prefill(state, tokens, caches)
         for _ in range(2):  # compile and warm up
