@@ -2,7 +2,9 @@
 # A/B of decode builds in one device call: for each round, each carried wheel dist/<name>/ in turn (the first
 # build changes each round) runs bench_decode.py with the given arguments (jax_flash only); results under
 # $OUT/<name>-r<round>/; each build runs with its own Python (WHEEL_PYTHON=1: builds of tools/build_pending.sh may
-# differ there; a build whose dist/<name>/env exists runs with its lines, NAME=value, in the environment). Summaries:
+# differ there; AB_WHEEL_PYTHON=0: the working tree's over each, but for the files a pending build's patches change,
+# tools/python_overlay.sh, so that an older dist/main runs main's Python; a build whose dist/<name>/env exists runs
+# with its lines, NAME=value, in the environment). Summaries:
 # python3 tools/decode_ab.py $OUT [--table].
 #   bash tools/decode_ab.sh "a b" ROUNDS [bench_decode.py arguments...]
 set -uo pipefail
@@ -17,7 +19,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
   for ((i = 0; i < ${#NAMES[@]}; i++)); do
     n=${NAMES[$(((i + r - 1) % ${#NAMES[@]}))]}
     envs=(); [ -f "dist/$n/env" ] && mapfile -t envs <"dist/$n/env"
-    env "${envs[@]}" WHEEL=$(ls dist/"$n"/*.whl) WHEEL_PYTHON=1 OUT="$BASE_OUT/$n-r$r" bash tools/decode_gpu_check.sh bench --impls jax_flash \
+    env "${envs[@]}" WHEEL=$(ls dist/"$n"/*.whl) WHEEL_PYTHON=${AB_WHEEL_PYTHON:-1} OUT="$BASE_OUT/$n-r$r" bash tools/decode_gpu_check.sh bench --impls jax_flash \
       --name "ab-$n-r$r" "$@" >"$BASE_OUT/$n-r$r.log" 2>&1 || echo "$n round $r failed"
   done
 done
