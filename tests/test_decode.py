@@ -369,6 +369,27 @@ def test_balanced_splits_match_reference(name, monkeypatch):
     _assert_matches(out, lse, ref_o, ref_lse)
 
 
+def test_chain_of_calls_in_one_program():
+    """Eight decode calls in one jitted program, each against the reference, the program run twice: on a GPU XLA
+    records such a run of custom calls into one command buffer (a CUDA graph) by stream capture, which breaks if a
+    handler does anything a capture forbids (a query of the stream did so in a patch whose tests ran each call
+    alone: NOTES.md, session 58). Split plans mixed: the default ones, forced counts, one split."""
+    rng = np.random.default_rng(13)
+    b, hq, hkv, d, cap = 4, 8, 2, 64, 512
+    cast = lambda x: jnp.asarray(x, DTYPE)  # noqa: E731
+    q = rng.standard_normal((8, b, 1, hq, d))
+    k, v = (rng.standard_normal((b, cap, hkv, d)) for _ in range(2))
+    lengths = np.asarray([[512] * 4, [500, 90, 512, 1]] * 4, np.int32)
+    splits = [None, None, 3, 8, None, 2, 64, 1]
+    chain = jax.jit(lambda q, k, v, n: [jax_flash.decode_attention(q[i], k, v, n[i], num_splits=splits[i])
+                                        for i in range(8)])
+    for _ in range(2):  # a recorded command buffer runs again
+        got = chain(cast(q), cast(k), cast(v), jnp.asarray(lengths))
+        for i in range(8):
+            ref, _ = _reference(*(np.asarray(cast(x), np.float64) for x in (q[i], k, v)), lengths[i])
+            np.testing.assert_allclose(np.asarray(got[i], np.float64), ref, atol=TOL, rtol=TOL, err_msg=f"call {i}")
+
+
 def test_paged_cache_size_limit():
     """A paged cache of 2**31 keys or more is refused at trace time (the kernels address pool rows in int32)."""
     q = jax.ShapeDtypeStruct((1, 1, 8, 8), jnp.bfloat16)
