@@ -16,9 +16,8 @@
 #   capab  A/B of main against TOP on bench_packed.py's modifiers table (plain, sinks, soft cap; jax_flash rows),
 #          $OUT/capab/packed_ab.txt;
 #   mufu   tools/mufu_bench.cu (the transcendental variants' throughput and error), $OUT/mufu.txt;
-#   sweep  tools/decode_plan_sweep.py with TOP's wheel and SWEEP_ARGS (its arguments), $OUT/sweep.log;
-#   generate  LLaMA generation (examples/llama_block.py --mode generate) with TOP's wheel beside cuDNN for each
-#          B:P:N of GEN_RUNS (batch, prompt, tokens; default "16:4096:64 64:2048:48"), tables in $OUT/generate/.
+#   sweep  tools/decode_plan_sweep.py with TOP's wheel and SWEEP_ARGS (its arguments), $OUT/sweep.log and its
+#          tables printed.
 # One device call per mode (tests: up to ~7 minutes under decode_gpu_check.sh's timeouts; ab / abr: ~5-8 minutes at
 # 2 rounds; suite + sanitize ~8; bwdab ~7); summary lines in $OUT/pending.txt.
 #   OUT=... bash tools/pending_gpu_check.sh "tests ab" [TOP]
@@ -97,26 +96,18 @@ for mode in "${MODES[@]}"; do
         /tmp/mufu_bench >"$OUT/mufu.txt" 2>&1
       rc=$?; [ $rc -eq 0 ] || status=1
       note "mufu: rc=$rc ($((SECONDS - start)) s)"; cat "$OUT/mufu.txt" ;;
-    sweep | generate)
+    sweep)
       (
-        WHEEL=$wheel OUT=$OUT/$mode CHECK_NAME=$mode CHECK_ARGS="${SWEEP_ARGS:-} ${GEN_RUNS:-}"
+        WHEEL=$wheel OUT=$OUT/sweep CHECK_NAME=sweep CHECK_ARGS="${SWEEP_ARGS:-}"
         source tools/gpu_site.sh >/dev/null
         repo=$PWD
         cd /tmp || exit 1
-        if [ "$mode" = sweep ]; then
-          # shellcheck disable=SC2086  # SWEEP_ARGS: the sweep's arguments, split on blanks
-          timeout 560 python3 "$repo/tools/decode_plan_sweep.py" ${SWEEP_ARGS:?SWEEP_ARGS unset}
-        else
-          for run in ${GEN_RUNS:-16:4096:64 64:2048:48}; do
-            IFS=: read -r b p n <<<"$run"
-            timeout 280 python3 "$repo/examples/llama_block.py" --mode generate --batch "$b" --seq "$p" --steps "$n" \
-              --attention jax_flash cudnn --out "$OUT/generate" --name "generate-b$b" || echo "generate $run failed"
-          done
-        fi
-      ) >"$OUT/$mode.log" 2>&1
+        # shellcheck disable=SC2086  # SWEEP_ARGS: the sweep's arguments, split on blanks
+        timeout 560 python3 "$repo/tools/decode_plan_sweep.py" ${SWEEP_ARGS:?SWEEP_ARGS unset}
+      ) >"$OUT/sweep.log" 2>&1
       rc=$?; [ $rc -eq 0 ] || status=1
-      note "$mode: rc=$rc ($((SECONDS - start)) s)"
-      if [ "$mode" = sweep ]; then grep "^|" "$OUT/sweep.log"; else cat "$OUT"/generate/*.md 2>/dev/null; fi ;;
+      note "sweep: rc=$rc ($((SECONDS - start)) s)"
+      grep "^|" "$OUT/sweep.log" ;;
     *) note "unknown mode $mode"; status=2 ;;
   esac
 done
