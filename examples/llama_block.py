@@ -1085,28 +1085,27 @@ def multi(args):
 # generate: prefill, then greedy decode steps through the KV caches
 
 
-def prefill_fn(model):
-    """The jitted prefill of `model` with its attention as set now: (state, tokens [B, P], caches) -> (the next
-    token of each sequence, caches), the caches donated."""
+def _greedy_fn(model, run):
+    """jit of (state, tokens, caches) -> (the greedy next token of each sequence, caches) for `model` with its
+    attention as set now, `run(model, tokens, caches)` giving (logits, caches); the caches donated so that they
+    update in place."""
     graph, _ = nnx.split(model)
 
     @functools.partial(jax.jit, donate_argnums=2)
-    def prefill(state, tokens, caches):
-        logits, caches = nnx.merge(graph, state).prefill(tokens, caches)
+    def greedy(state, tokens, caches):
+        logits, caches = run(nnx.merge(graph, state), tokens, caches)
         return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
-    return prefill
+    return greedy
+
+
+def prefill_fn(model):
+    """The jitted prefill: (state, tokens [B, P], caches) -> (the next token of each sequence, caches)."""
+    return _greedy_fn(model, lambda m, tokens, caches: m.prefill(tokens, caches))
 
 
 def decode_step_fn(model):
-    """The jitted greedy decode step of `model` with its attention as set now: (state, token [B], caches) -> (the
-    next token of each sequence, caches), the caches donated so that they update in place."""
-    graph, _ = nnx.split(model)
-
-    @functools.partial(jax.jit, donate_argnums=2)
-    def step(state, token, caches):
-        logits, caches = nnx.merge(graph, state).decode(token[:, None], caches)
-        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), caches
-    return step
+    """The jitted greedy decode step: (state, token [B], caches) -> (the next token of each sequence, caches)."""
+    return _greedy_fn(model, lambda m, token, caches: m.decode(token[:, None], caches))
 
 
 def generate(args):
