@@ -38,6 +38,8 @@ tiny CPU-sized run (the default without a GPU: not performance numbers).
 
 Implementations (those that apply to a row; a failure is recorded with its error):
   jax_flash     jax_flash.decode_attention (bottom-right causal), num_splits chosen by jax_flash
+  jax_flash_1len  the same with kv_lengths given as one scalar (equal-length rows only): what a caller whose
+                sequences are all equally long passes, for which jax_flash plans the splits of equal lengths
   jax_flash_sm80  the same with the sm_80-class (mma.sync) decode kernel forced (jax_flash.force_kernel): on an
                 H100/H200 the comparison with the sm_90a kernel jax_flash picks for many packed rows (not run
                 unless named in --impls)
@@ -74,9 +76,9 @@ from jax_flash import _ffi
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SMOKE_OUT = os.path.join(tempfile.gettempdir(), "jax_flash_bench")
-ALL_IMPLS = ("jax_flash", "jax_flash_sm80", "cudnn", "xla", "fa3_jax", "tokamax")
+ALL_IMPLS = ("jax_flash", "jax_flash_1len", "jax_flash_sm80", "cudnn", "xla", "fa3_jax", "tokamax")
 PEERS = ("cudnn", "xla", "fa3_jax", "tokamax")
-DEFAULT_IMPLS = ("jax_flash",) + PEERS
+DEFAULT_IMPLS = ("jax_flash", "jax_flash_1len") + PEERS
 HEADS = ((32, 8, 128), (64, 8, 128), (8, 1, 128), (16, 8, 256))
 #: HBM peak in GB/s by device kind (substring match).
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
@@ -235,13 +237,20 @@ def _tokamax():
         return None, f"{type(e).__name__}: {e}"
 
 
-def implementations(impl, tq, layout, num_splits, platform="gpu"):
+def implementations(impl, tq, layout, num_splits, platform="gpu", ragged=False):
     """The function (q, k_cache, v_cache, lengths, page_table) -> out of `impl` for this row, or (None, why)."""
     paged = layout != "dense"
     if impl in ("cudnn", "fa3_jax", "tokamax") and platform != "gpu":
         return None, "GPU only"
     if impl == "jax_flash":
         def f(q, k, v, n, table):
+            return jax_flash.decode_attention(q, k, v, n, page_table=table)
+        return f, None
+    if impl == "jax_flash_1len":
+        if ragged:
+            return None, "equal lengths only"
+
+        def f(q, k, v, n, table):  # n: the one length (rows_for_shape passes it)
             return jax_flash.decode_attention(q, k, v, n, page_table=table)
         return f, None
     if impl == "jax_flash_sm80":
@@ -316,7 +325,7 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
             # jax_flash's split count, for fa3_jax (GPU only)
             splits = _ffi.decode_splits(q.shape, hkv, s, page_size is not None) if meta["platform"] == "gpu" else None
             for impl in args.impls:
-                fn, why = implementations(impl, tq, layout, splits, meta["platform"])
+                fn, why = implementations(impl, tq, layout, splits, meta["platform"], lengths_kind == "ragged")
                 row = dict(impl=impl, B=b, Tq=tq, Sk=s, Hq=hq, Hkv=hkv, D=d, paged=page_size is not None,
                            page_size=page_size, ragged=lengths_kind == "ragged", kv_bytes=kv_bytes, us=None,
                            gbps=None, pct_peak=None, wall_us=None, device=meta["device"],
@@ -324,7 +333,8 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
                 if fn is None:
                     continue  # does not apply (not a row)
                 try:
-                    us, wall_us = _time_us(fn, q, caches, n, table, args.calls, args.reps, args.timing,
+                    lens = n[0] if impl == "jax_flash_1len" else n  # one scalar for every sequence
+                    us, wall_us = _time_us(fn, q, caches, lens, table, args.calls, args.reps, args.timing,
                                            args.warmup)
                     row.update(us=round(us, 2), gbps=round(kv_bytes / us / 1e3, 1), wall_us=round(wall_us, 2))
                     if meta["peak_gbps"]:
@@ -349,6 +359,18 @@ def _fmt(r):
     return f"{r['us']:.1f} µs ({rate}{pct})"
 
 
+def _target_misses(where, ours, group, kv_mb):
+    """Issue 19's targets on one row for one of jax_flash's rows (`ours`): >= 80 % of the HBM peak at >= 64 MB of
+    K and V, and at or above every peer that ran."""
+    misses = []
+    if kv_mb * 2**20 >= TARGET_MIN_BYTES and ours["pct_peak"] is not None and ours["pct_peak"] < 80:
+        misses.append(f"{where}: {ours['impl']} {ours['pct_peak']:.0f}% of peak (< 80%)")
+    for i, r in group.items():
+        if i in PEERS and r["error"] is None and r["us"] < ours["us"]:
+            misses.append(f"{where}: {i} faster than {ours['impl']} ({r['us']:.1f} vs {ours['us']:.1f} µs)")
+    return misses
+
+
 def markdown(rows, meta):
     impls = [i for i in ALL_IMPLS if any(r["impl"] == i for r in rows)]
     by = {}
@@ -369,25 +391,24 @@ def markdown(rows, meta):
              "mask); fa3_jax runs with jax_flash's split count.", "",
              "| Hq/Hkv, D | Tq | B | S | lengths | layout | KV MB | " + " | ".join(impls) + " |",
              "|---|---|---|---|---|---|---|" + "---|" * len(impls)]
-    misses = []
+    misses, misses_1len, equal_1len = [], [], 0
     for key, group in by.items():
         hq, hkv, d, tq, b, s, ragged, paged, ps = key
         kv_mb = next(iter(group.values()))["kv_bytes"] / 2**20
         lines.append(f"| {hq}/{hkv}, {d} | {tq} | {b} | {s} | {'ragged' if ragged else 'equal'} | "
                      f"{f'paged {ps}' if paged else 'dense'} | {kv_mb:.0f} | " +
                      " | ".join(_fmt(group.get(i)) for i in impls) + " |")
+        where = (f"Hq/Hkv {hq}/{hkv} D {d} Tq {tq} B {b} S {s} {'ragged' if ragged else 'equal'} "
+                 f"{f'paged {ps}' if paged else 'dense'}")
         ours = group.get("jax_flash")
         if ours is None or ours["error"]:
-            misses.append(f"{key}: jax_flash did not run")
-            continue
-        if kv_mb * 2**20 >= TARGET_MIN_BYTES and ours["pct_peak"] is not None and ours["pct_peak"] < 80:
-            misses.append(f"Hq/Hkv {hq}/{hkv} D {d} Tq {tq} B {b} S {s} {'ragged' if ragged else 'equal'} "
-                          f"{f'paged {ps}' if paged else 'dense'}: {ours['pct_peak']:.0f}% of peak (< 80%)")
-        for i, r in group.items():
-            if i in PEERS and r["error"] is None and r["us"] < ours["us"]:
-                misses.append(f"Hq/Hkv {hq}/{hkv} D {d} Tq {tq} B {b} S {s} {'ragged' if ragged else 'equal'} "
-                              f"{f'paged {ps}' if paged else 'dense'}: {i} faster ({r['us']:.1f} vs "
-                              f"{ours['us']:.1f} µs)")
+            misses.append(f"{where}: jax_flash did not run")
+        else:
+            misses += _target_misses(where, ours, group, kv_mb)
+        one = group.get("jax_flash_1len")
+        if one is not None and not one["error"]:
+            equal_1len += 1
+            misses_1len += _target_misses(where, one, group, kv_mb)
     errors = sorted({f"{r['impl']}: {r['error']}" for r in rows if r["error"]})
     if meta.get("not_installed"):
         lines += ["", "Not installed in this run (no rows): " +
@@ -396,6 +417,10 @@ def markdown(rows, meta):
         lines += ["", f"## Targets (>= 80% of peak at >= 64 MB of KV; at or above every peer): "
                       f"{'all met' if not misses else f'{len(misses)} misses'}", ""]
         lines += [f"- {m}" for m in misses]
+        if equal_1len:
+            lines += ["", f"### Equal-length rows with kv_lengths as one scalar (jax_flash_1len, {equal_1len} rows): "
+                          f"{'all met' if not misses_1len else f'{len(misses_1len)} misses'}", ""]
+            lines += [f"- {m}" for m in misses_1len]
     else:
         lines += ["", "Targets not checked (smoke run)."]
     if errors:

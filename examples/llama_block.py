@@ -36,8 +36,10 @@ Modes (default: ``bench`` when JAX's default device is a GPU, ``train`` otherwis
   (``--batch``, ``--seq``; default 16 x 4096 on a GPU) prefilled through ``jax_flash.flax.Attention.prefill``,
   then ``--steps`` (64) greedy decode steps of one token per sequence through the layers' KV caches
   (``Attention.decode``: ``jax_flash.decode_attention``, or jax.nn for cudnn / xla), the caches donated so that
-  ``dynamic_update_slice`` writes them in place. Reports decode tokens/s for each ``--attention`` in the same run
-  and writes ``<out>/generate-<device>-<date>.{json,md}``.
+  ``dynamic_update_slice`` writes them in place. The prompts are of one length, so the caches keep one length for
+  the batch (``init_cache(equal_lengths=True)``; ``--cache-lengths per-sequence`` keeps one per sequence).
+  Reports decode tokens/s for each ``--attention`` in the same run and writes
+  ``<out>/generate-<device>-<date>.{json,md}``.
 
 Model FLOPs of one train step (the basis of TFLOP/s and MFU, recomputation not counted):
 ``6 * P * B * S + 3 * F_attn``, where P is the number of weights in the block's matmuls (the q, k, v, o
@@ -201,9 +203,9 @@ class Decoder(nnx.Module):
             x = block(x, positions=positions, segment_ids=segment_ids)
         return self.lm_head(self.final_norm(x)).astype(jnp.float32)
 
-    def init_caches(self, batch, max_len):
-        """One empty jax_flash.flax.KVCache per layer."""
-        return [block.attn.init_cache(batch, max_len) for block in self.layers]
+    def init_caches(self, batch, max_len, equal_lengths=False):
+        """One empty jax_flash.flax.KVCache per layer (``equal_lengths``: every sequence equally long, one length)."""
+        return [block.attn.init_cache(batch, max_len, equal_lengths=equal_lengths) for block in self.layers]
 
     def _cached(self, method, tokens, caches, last_only=False):
         x, new = self.embed(tokens), []
@@ -1134,7 +1136,7 @@ def generate(args):
     for attention in args.attention:
         set_attention(model, attention)
         step = decode_step_fn(model)
-        caches = model.init_caches(batch, max_len)
+        caches = model.init_caches(batch, max_len, equal_lengths=args.cache_lengths == "equal")
         t0 = time.perf_counter()
         token, caches = prefill(state, tokens, caches)
         token.block_until_ready()
@@ -1160,14 +1162,17 @@ def generate(args):
             f"(prefill {prefill_s:.2f} s, the first includes compilation; tokens agreeing with {args.attention[0]}: {row['agree']:.1%})")
         del caches
     meta = dict(device=kind, jax_version=jax.__version__, date=datetime.date.today().isoformat(),
-                config=args.config, dtype=dtype.name, params=int(n_params), smoke=not on_gpu)
+                config=args.config, dtype=dtype.name, params=int(n_params), smoke=not on_gpu,
+                cache_lengths=args.cache_lengths)
     best = max(rows, key=lambda r: r["tokens_per_s"] or 0)
     lines = [f"# LLaMA generation: {kind}, jax {meta['jax_version']}, {meta['date']}", "",
              ("Smoke run without a GPU: the timings are not performance numbers. " if not on_gpu else "") +
              f"{args.config} ({cfg.num_layers} layers, {n_params / 1e6:,.1f}M params, {dtype.name}), batch {batch}, "
              f"prompt {prompt} tokens (prefilled with jax_flash), {steps} tokens generated per sequence greedily "
              f"(the prefill's, then {steps - 1} decode steps of one token); the attention choice applies to the "
-             f"decode steps; tokens/s over the {steps - 2} steps after the first (which compiles).",
+             f"decode steps; tokens/s over the {steps - 2} steps after the first (which compiles); KV caches with "
+             f"{'one length for the batch' if args.cache_lengths == 'equal' else 'a length per sequence'} "
+             f"(--cache-lengths {args.cache_lengths}).",
              "", "| attention | ms / step | tokens/s | vs best | tokens agreeing with " + args.attention[0] + " |",
              "|---|---|---|---|---|"]
     for r in rows:
@@ -1211,6 +1216,10 @@ def parse_args(argv):
     parser.add_argument("--packed", type=int, default=1,
                         help="train: documents packed into each row (segment ids keep attention within each; "
                              "positions restart per document); 1 = one sequence per row")
+    parser.add_argument("--cache-lengths", choices=("equal", "per-sequence"), default="equal",
+                        help="generate: the KV caches' lengths: one for the batch (its prompts are of one length: "
+                             "init_cache(equal_lengths=True)) or one per sequence, as a batch of padded prompts "
+                             "keeps them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=3, help="bench: untimed steps after compilation")
     parser.add_argument("--rounds", type=int, default=None,

@@ -355,8 +355,29 @@ BALANCE_MIN_SPLIT_KEYS = 4096
 BALANCE_MIN_PAIRS = 64
 
 
-def decode_split_plan(q_shape, heads_kv, capacity, paged=False):
-    """(num_splits, balance_splits) of a decode call that leaves the split count to jax_flash: decode_splits' equal
+#: decode_split_plan for a batch whose sequences are known to be equally long: the fewest splits a sequence that give
+#: at least this fraction of the SMs a block (one block an SM, no combine where one split does).
+UNIFORM_MIN_SM_FILL = 0.9
+
+
+def uniform_splits(q_shape, heads_kv, capacity, paged=False):
+    """Splits a sequence for a batch of two or more sequences that are all equally long (kv_lengths given as one
+    scalar, or jax.nn-style calls without lengths): the fewest that give UNIFORM_MIN_SM_FILL of the SMs one block,
+    never more than decode_splits' count. At equal lengths every block then streams as many keys, so one block an SM
+    suffices, and one split a sequence needs no combine kernel: on an H200 (NOTES.md, session 57's plan sweep, dense,
+    equal lengths) 32/8 x 128 at 16 x 4160 took 64.6 us with one split against 70.6-72.2 with the ragged plans' 4,
+    and two splits over 64 (sequence, kv head) pairs beat four or eight: 8/1 x 128 at 64 x 8192 68.1 against 71.5,
+    32/8 at 8 x 32768 238.2 against 244.1, at Tq 4 as well (8/1 at 64 x 8192: 69.8 against 77.1)."""
+    batch = q_shape[0]
+    pairs = max(1, batch * heads_kv)
+    want = max(1, math.ceil(UNIFORM_MIN_SM_FILL * _sm_count() / pairs))
+    return min(want, decode_splits(q_shape, heads_kv, capacity, paged))
+
+
+def decode_split_plan(q_shape, heads_kv, capacity, paged=False, uniform=False):
+    """(num_splits, balance_splits) of a decode call that leaves the split count to jax_flash. With ``uniform`` (every
+    sequence of a batch of two or more equally long, which the caller states: the lengths are device values),
+    uniform_splits' count, unbalanced. Otherwise decode_splits' equal
     share of each sequence's keys, or for a batch whose sequences get few splits (at most BALANCE_MAX_SPLITS) that are
     long (BALANCE_MIN_SPLIT_KEYS keys of the cache) or over many (sequence, kv head) pairs (BALANCE_MIN_PAIRS),
     twice that many splits of one size across the batch (the kernel gives each sequence as many as its length needs,
@@ -371,8 +392,10 @@ def decode_split_plan(q_shape, heads_kv, capacity, paged=False):
     tools/decode_plan_sweep.py, four ragged draws a shape) that was 0-2.5 % faster at equal lengths and over ragged
     ones level (8/1 at 64 x 8192) to 3-10 % faster (32/8 x 128 at 16 sequences of 4160 keys), where at Tq 4 and at
     head dim 256 balancing stayed ahead (by 1-10 %)."""
-    splits = decode_splits(q_shape, heads_kv, capacity, paged)
     batch, rows, _, head_dim = q_shape
+    if uniform and batch >= 2:
+        return uniform_splits(q_shape, heads_kv, capacity, paged), False
+    splits = decode_splits(q_shape, heads_kv, capacity, paged)
     if not (batch >= 2 and 2 <= splits <= BALANCE_MAX_SPLITS):
         return splits, False
     if capacity >= BALANCE_MIN_SPLIT_KEYS * splits:

@@ -52,6 +52,8 @@ class _Config:
     # The forward may run the decode kernels on CUDA (few query rows, every row valid, no position-dependent mask:
     # jax.nn-style decode calls), set by dot_product_attention.
     decode: bool = False
+    # ... and every sequence has all Sk keys (no key_value_seq_lengths): the decode split plan for equal lengths.
+    decode_uniform: bool = False
 
     def attrs(self):
         window = self.kernel_window if self.kernel_window is not None else self.window
@@ -175,7 +177,7 @@ def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks
         return _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets)
 
     def decode_kernel(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets):
-        splits, balance = _ffi.decode_split_plan(q.shape, k.shape[2], k.shape[1])
+        splits, balance = _ffi.decode_split_plan(q.shape, k.shape[2], k.shape[1], uniform=cfg.decode_uniform)
         return _ffi.flash_decode(q, k, v, kv_lens, None, sinks, num_splits=splits, balance_splits=balance,
                                  **cfg.attrs())
 
@@ -620,7 +622,8 @@ def dot_product_attention(
                   (kernel_window is None or kernel_window == (-1, -1)) and q_seg is None)
         cfg = _Config(scale=scale, is_causal=bool(is_causal), window=window,
                       kernel_platforms=_kernel_platforms(q.dtype), deterministic=bool(deterministic),
-                      kernel_window=kernel_window, softcap=soft_cap, has_sinks=sinks is not None, decode=decode)
+                      kernel_window=kernel_window, softcap=soft_cap, has_sinks=sinks is not None, decode=decode,
+                      decode_uniform=decode and key_value_seq_lengths is None)
         out, lse = _flash_attention(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)
         if return_residual:
             # The kernels store +inf for rows that see no key (and have no sink); the log of their mass is -inf.

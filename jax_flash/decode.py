@@ -49,7 +49,7 @@ def _check_num_splits(num_splits):
 
 
 def _validate(q, k_cache, v_cache, kv_lengths, page_table):
-    """Shapes, dtypes and (where concrete) values; returns (kv_lengths, page_table, capacity)."""
+    """Shapes, dtypes and (where concrete) values; returns (kv_lengths [batch], page_table, capacity)."""
     if q.ndim != 4:
         raise ValueError(f"query must have shape (batch, query_rows, heads, head_dim), got {q.shape}")
     batch, rows, heads_q, head_dim = q.shape
@@ -84,9 +84,10 @@ def _validate(q, k_cache, v_cache, kv_lengths, page_table):
                              f"{k_cache.shape}")
     dtype = _attention._dtype_of(kv_lengths)
     kv_lengths = jnp.asarray(kv_lengths)
-    if dtype != jnp.int32 or kv_lengths.shape != (batch,):
-        raise ValueError(f"kv_lengths must be int32 of shape (batch,) = ({batch},), got shape {kv_lengths.shape} and "
-                         f"dtype {dtype}")
+    if dtype != jnp.int32 or kv_lengths.shape not in ((batch,), ()):
+        raise ValueError(f"kv_lengths must be int32 of shape (batch,) = ({batch},), or () for one length of every "
+                         f"sequence, got shape {kv_lengths.shape} and dtype {dtype}")
+    kv_lengths = jnp.broadcast_to(kv_lengths, (batch,))
     lengths = _concrete(kv_lengths)
     if lengths is not None and ((lengths < 0).any() or (lengths > capacity).any()):
         raise ValueError(f"kv_lengths must lie in [0, {capacity}] (the cache's capacity), got {lengths.tolist()}")
@@ -110,22 +111,25 @@ def _gather_pages(cache, page_table):
     return gathered.reshape(gathered.shape[0], -1, *cache.shape[2:])
 
 
-def _local_decode(cfg, num_splits, q, k_cache, v_cache, lengths, page_table, sinks):
+def _local_decode(cfg, num_splits, uniform, q, k_cache, v_cache, lengths, page_table, sinks):
     """(o, lse [..., Hq, Tq]) of one device's block: the decode kernels on CUDA, elsewhere the attention kernel (or
-    jax.nn's xla path) with the rows at the end of each sequence. Leading dims beyond the batch (a vmapped axis kept
-    by jax_flash.sharding; dense caches only) are folded into it."""
+    jax.nn's xla path) with the rows at the end of each sequence. ``uniform``: every sequence equally long (the
+    split plan's hint). Leading dims beyond the batch (a vmapped axis kept by jax_flash.sharding; dense caches only)
+    are folded into it."""
     lead = q.shape[:-3]
     if len(lead) != 1:
         fold = lambda x, n: None if x is None else x.reshape(-1, *x.shape[x.ndim - n:])  # noqa: E731
-        out, lse = _local_decode(cfg, num_splits, fold(q, 3), fold(k_cache, 3), fold(v_cache, 3), fold(lengths, 0),
-                                 None, fold(sinks, 1))
+        # the folded batch's lengths may differ between its vmapped lanes: no uniform plan
+        out, lse = _local_decode(cfg, num_splits, False, fold(q, 3), fold(k_cache, 3), fold(v_cache, 3),
+                                 fold(lengths, 0), None, fold(sinks, 1))
         return out.reshape(q.shape), lse.reshape(*lead, *lse.shape[1:])
     rows = q.shape[1]
 
     def kernel(q, k_cache, v_cache, lengths, page_table, sinks):
         capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
         splits, balance = ((num_splits, False) if num_splits
-                           else _ffi.decode_split_plan(q.shape, k_cache.shape[2], capacity, page_table is not None))
+                           else _ffi.decode_split_plan(q.shape, k_cache.shape[2], capacity, page_table is not None,
+                                                       uniform=uniform))
         return _ffi.flash_decode(q, k_cache, v_cache, lengths, page_table, sinks, num_splits=splits,
                                  balance_splits=balance, **cfg.attrs())
 
@@ -147,13 +151,13 @@ def _local_decode(cfg, num_splits, q, k_cache, v_cache, lengths, page_table, sin
 
 
 @functools.cache
-def _sharded_block(num_splits, rows):
+def _sharded_block(num_splits, uniform, rows):
     """jax_flash.sharding's one-device function for a decode call over dense caches: the decode kernels on blocks
     that hold every query row (batch or head shards), the attention kernel with offsets on sequence shards."""
 
     def block(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks=None, q_offsets=None):
         if q.shape[-3] == rows:
-            return _local_decode(cfg, num_splits, q, k, v, kv_lens, None, sinks)
+            return _local_decode(cfg, num_splits, uniform, q, k, v, kv_lens, None, sinks)
         return _attention._local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets)
 
     return block
@@ -182,7 +186,9 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
       key_cache, value_cache: dense (B, S, Hkv, D), or paged (num_pages, page_size, Hkv, D) with ``page_table``;
         Hq a multiple of Hkv (GQA, MQA).
       kv_lengths: int32 (B,): the valid keys of each sequence, this step's included (at most the capacity: S, or
-        max_pages * page_size).
+        max_pages * page_size); or int32 () when every sequence is equally long (a batch of prompts of one
+        length): the kernels then split the keys for equal lengths (fewer splits: no combine where the batch
+        fills the GPU), which the lengths' values, on the device, cannot tell them.
       page_table: int32 (B, max_pages): page j of sequence b is ``key_cache[page_table[b, j]]``.
       scale: logit scale (default 1 / sqrt(D)).
       is_causal: query t sees keys up to its position ``kv_lengths[b] - Tq + t`` (bottom-right aligned).
@@ -202,6 +208,7 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
       differentiation (decode is forward-only).
     """
     q, k_cache, v_cache = (jnp.asarray(x) for x in (query, key_cache, value_cache))
+    uniform = jnp.ndim(kv_lengths) == 0
     kv_lengths, page_table, capacity = _validate(q, k_cache, v_cache, kv_lengths, page_table)
     num_splits = _check_num_splits(num_splits)
     if not isinstance(is_causal, (bool, np.bool_)):
@@ -228,7 +235,7 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
                              has_sinks=sinks is not None)
     sinks_bn = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (q.shape[0], q.shape[2]))
     if _attention.sharding._path(q, k_cache, v_cache)[0] == "local":
-        out, lse = _local_decode(cfg, num_splits, q, k_cache, v_cache, kv_lengths, page_table, sinks_bn)
+        out, lse = _local_decode(cfg, num_splits, uniform, q, k_cache, v_cache, kv_lengths, page_table, sinks_bn)
     else:  # partitioned as dot_product_attention: by batch and heads (sequence shards of Tq: offsets)
         if page_table is not None:
             if "cuda" in cfg.kernel_platforms:
@@ -238,7 +245,8 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
             k_cache, v_cache = (_gather_pages(c, page_table) for c in (k_cache, v_cache))
         # Rows are valid up to the sequence's end: q_lens (global) = kv_lengths; row 0 sits at kv_lengths - Tq.
         lengths = jnp.clip(kv_lengths, 0, capacity)
-        out, lse = _attention.sharding.forward(cfg, _sharded_block(num_splits, rows), q, k_cache, v_cache, lengths,
+        out, lse = _attention.sharding.forward(cfg, _sharded_block(num_splits, uniform, rows), q, k_cache, v_cache,
+                                               lengths,
                                                lengths, None, None, sinks_bn, lengths - rows)
     if not return_residual:
         return out

@@ -25,7 +25,9 @@ def test_smoke_run_writes_rows_and_table(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "No GPU: a smoke run" in result.stdout
     rows = json.loads((tmp_path / "run.json").read_text())["rows"]
-    assert {r["impl"] for r in rows} == {"jax_flash", "xla"}  # GPU-only peers do not apply
+    assert {r["impl"] for r in rows} == {"jax_flash", "jax_flash_1len", "xla"}  # GPU-only peers do not apply
+    assert all(not r["ragged"] for r in rows if r["impl"] == "jax_flash_1len")  # one length: equal rows only
+    assert len([r for r in rows if r["impl"] == "jax_flash_1len"]) == 4  # Tq 1 and 4, dense and paged
     for r in rows:
         assert FIELDS <= set(r) and r["error"] is None and r["us"] > 0 and r["gbps"] > 0
     # every (Tq, lengths, layout) of the smoke preset has a jax_flash row; xla only dense
@@ -40,6 +42,29 @@ def test_smoke_run_writes_rows_and_table(tmp_path):
     assert meta["timing"] == "program" and meta["shapes_done"] == meta["shapes"] == 2  # Tq 1 and 4
     assert "xla_flags" in meta
     assert "Medians of chained calls in one program" in md
+
+
+def test_targets_check_each_way_of_passing_lengths():
+    """The targets' check (>= 80 % of the peak at >= 64 MB, at or above every peer) covers jax_flash's rows and, in
+    a section of its own, the equal-length rows with one length (jax_flash_1len), naming which missed."""
+    bench = _bench()
+    meta = dict(device="NVIDIA H200", platform="gpu", jax_version="0", date="today", peak_gbps=4800.0,
+                timing="device")
+    kv_bytes = 128 << 20
+
+    def row(impl, us, ragged=False):
+        gbps = kv_bytes / us / 1e3
+        return dict(impl=impl, B=8, Tq=1, Sk=32768, Hq=8, Hkv=1, D=128, paged=False, page_size=None, ragged=ragged,
+                    kv_bytes=kv_bytes, us=us, gbps=gbps, pct_peak=100 * gbps / 4800, wall_us=us, error=None)
+
+    rows = [row("jax_flash", 39.0), row("jax_flash_1len", 36.0), row("cudnn", 37.8),
+            row("jax_flash", 24.0, True), row("cudnn", 25.0, True)]
+    md = bench.markdown(rows, meta)
+    main, one = md.split("### Equal-length rows with kv_lengths as one scalar")
+    assert "2 misses" in main and "cudnn faster than jax_flash (37.8 vs 39.0 µs)" in main
+    assert "jax_flash 72% of peak (< 80%)" in main
+    assert one.startswith(" (jax_flash_1len, 1 rows): 1 misses")  # 36 us: 78 % of the peak, ahead of cudnn
+    assert "jax_flash_1len 78% of peak (< 80%)" in one and "faster than jax_flash_1len" not in one
 
 
 def _bench():

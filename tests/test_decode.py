@@ -85,6 +85,18 @@ CASES = {
                                     is_causal=False, softcap=5.0, sinks=True),
     "paged_d256_sinks": dict(batch=1, rows=5, hq=2, hkv=1, d=256, capacity=64, lengths=(33,), page_size=16,
                              sinks=True),
+    # kv_lengths as one scalar (every sequence equally long: the split plan for equal lengths): split over few
+    # (sequence, kv head) pairs, one split each over many, Tq > 1 with a window, soft cap and sinks, a paged cache of
+    # 128 packed rows, nothing to see (length 0)
+    "one_length_b16": dict(batch=16, rows=1, hq=8, hkv=2, d=64, capacity=600, lengths=(577,) * 16, one_length=True),
+    "one_length_b70_one_split": dict(batch=70, rows=1, hq=4, hkv=2, d=64, capacity=300, lengths=(300,) * 70,
+                                     one_length=True),
+    "one_length_t4_window_softcap_sinks": dict(batch=3, rows=4, hq=8, hkv=2, d=128, capacity=700,
+                                               lengths=(650,) * 3, window=(200, 0), softcap=8.0, sinks=True,
+                                               one_length=True),
+    "one_length_paged16_rows128": dict(batch=4, rows=16, hq=8, hkv=1, d=128, capacity=256, lengths=(200,) * 4,
+                                       page_size=16, one_length=True),
+    "one_length_zero": dict(batch=2, rows=1, hq=4, hkv=2, d=32, capacity=64, lengths=(0, 0), one_length=True),
 }
 
 
@@ -99,16 +111,17 @@ def _run(case, num_splits=None, seed=0):
     k, v, pk, pv, table = _cache(rng, b, cap, hkv, d, case.get("page_size"))
     sinks = rng.standard_normal(hq).astype(np.float32) if case.get("sinks") else None
     lengths = np.asarray(case["lengths"], np.int32)
+    given = jnp.asarray(lengths[0] if case.get("one_length") else lengths)  # one length: () for the whole batch
     kw = dict(is_causal=case.get("is_causal", True), local_window_size=case.get("window"),
               logits_soft_cap=case.get("softcap"), sinks=None if sinks is None else jnp.asarray(sinks),
               num_splits=num_splits, return_residual=True)
     cast = lambda x: jnp.asarray(x, DTYPE)  # noqa: E731
     if table is None:
         out, lse = jax.jit(lambda q, k, v, n: jax_flash.decode_attention(q, k, v, n, **kw))(
-            cast(q), cast(k), cast(v), jnp.asarray(lengths))
+            cast(q), cast(k), cast(v), given)
     else:
         out, lse = jax.jit(lambda q, k, v, n, t: jax_flash.decode_attention(q, k, v, n, page_table=t, **kw))(
-            cast(q), cast(pk), cast(pv), jnp.asarray(lengths), jnp.asarray(table))
+            cast(q), cast(pk), cast(pv), given, jnp.asarray(table))
     q16, k16, v16 = (np.asarray(cast(x), np.float64) for x in (q, k, v))
     ref = _reference(q16, k16, v16, lengths, is_causal=kw["is_causal"], window=case.get("window"), sinks=sinks,
                      softcap=case.get("softcap"))
@@ -363,7 +376,7 @@ def test_balanced_splits_match_reference(name, monkeypatch):
     if not ON_GPU:
         pytest.skip("the decode kernels' split plan")
     from jax_flash import _ffi
-    monkeypatch.setattr(_ffi, "decode_split_plan", lambda q_shape, heads_kv, capacity, paged=False:
+    monkeypatch.setattr(_ffi, "decode_split_plan", lambda q_shape, heads_kv, capacity, paged=False, uniform=False:
                         _ffi.balanced_split_plan(max(_ffi.decode_splits(q_shape, heads_kv, capacity, paged), 2)))
     out, lse, (ref_o, ref_lse) = _run(_case(name))
     _assert_matches(out, lse, ref_o, ref_lse)
@@ -530,6 +543,10 @@ BAD = {
     "lengths_range": (dict(lengths=[5, 99]), ValueError, r"kv_lengths must lie in \[0, 32\]"),
     "lengths_negative": (dict(lengths=[-1, 3]), ValueError, "kv_lengths must lie in"),
     "lengths_dtype": (dict(lengths=np.array([3, 3], np.int64)), ValueError, "kv_lengths must be int32"),
+    "lengths_shape": (dict(lengths=[3, 3, 3]), ValueError,
+                      r"kv_lengths must be int32 of shape \(batch,\) = \(2,\), or \(\) .* got shape \(3,\)"),
+    "one_length_range": (dict(lengths=np.int32(33)), ValueError, r"kv_lengths must lie in \[0, 32\]"),
+    "one_length_dtype": (dict(lengths=np.int64(3)), ValueError, "kv_lengths must be int32"),
     "page_ids": (dict(paged=True, table=[[0, 9], [1, 2]]), ValueError, r"page_table\[0\] holds page ids outside"),
     "page_table_shape": (dict(paged=True, table=[[0, 1]]), ValueError, "page_table must be int32 of shape"),
     "heads": (dict(hq=3), ValueError, "multiple of the caches' key/value heads"),
@@ -544,7 +561,7 @@ def test_bad_arguments(name):
     hq = bad.get("hq", 4)
     q = jnp.zeros((2, bad.get("rows", 1), hq, 32), DTYPE)
     lengths = bad.get("lengths", [3, 3])
-    lengths = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths, np.int32)
+    lengths = lengths if isinstance(lengths, (np.ndarray, np.generic)) else np.asarray(lengths, np.int32)
     if bad.get("paged"):
         k = jnp.zeros((4, 16, 2, 32), DTYPE)
         table = np.asarray(bad["table"], np.int32)
@@ -625,3 +642,43 @@ def test_split_count_fills_one_wave(monkeypatch):
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072) == (16, False)
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072, paged=True) == (33, False)
     assert _ffi.decode_split_plan((64, 1, 32, 128), 8, 8192) == (1, False)
+    # every sequence equally long (stated by the caller): the fewest splits that give 90 % of the SMs a block, no
+    # balancing, never more than decode_splits' count; one sequence keeps its plan
+    assert _ffi.decode_split_plan((16, 1, 32, 128), 8, 4160, uniform=True) == (1, False)  # 128 pairs
+    assert _ffi.decode_split_plan((64, 1, 8, 128), 1, 8192, uniform=True) == (2, False)  # 64 pairs
+    assert _ffi.decode_split_plan((8, 1, 32, 128), 8, 32768, uniform=True) == (2, False)
+    assert _ffi.decode_split_plan((16, 1, 16, 256), 8, 4160, uniform=True) == (1, False)
+    assert _ffi.decode_split_plan((64, 4, 8, 128), 1, 8192, paged=True, uniform=True) == (2, False)
+    assert _ffi.decode_split_plan((8, 1, 8, 128), 1, 32768, uniform=True) == (15, False)  # 8 pairs: 120 blocks
+    assert _ffi.decode_split_plan((4, 1, 32, 128), 8, 512, uniform=True) == (4, False)  # decode_splits' 4 (tiles)
+    assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072, uniform=True) == (16, False)
+
+
+def test_one_length_reaches_the_split_plan(monkeypatch):
+    """kv_lengths given as one scalar (and jax.nn-style calls without key_value_seq_lengths) plan the CUDA decode
+    call's splits for equal lengths: lowered for CUDA (also without a GPU), 16 sequences x 8 kv heads of 4160 keys
+    take one split (no combine workspace rows beyond one), against 4 with a length per sequence."""
+    from jax_flash import _ffi
+
+    class FakeCudaModule:
+        @staticmethod
+        def decode_launch_shape(head_dim, packed_rows, kernel):
+            return (102 * 1024, 128)
+
+    monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
+    monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)
+    q = jax.ShapeDtypeStruct((16, 1, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((16, 4160, 8, 128), jnp.bfloat16)
+
+    def workspace_splits(f, *args):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        call = next(line for line in text.splitlines() if "jax_flash_decode" in line)
+        return int(re.search(r"tensor<(\d+)x16x1x32x128xf32>", call).group(1))
+
+    per_sequence = jax.ShapeDtypeStruct((16,), jnp.int32)
+    one = jax.ShapeDtypeStruct((), jnp.int32)
+    assert workspace_splits(lambda q, k, n: jax_flash.decode_attention(q, k, k, n), q, k, per_sequence) == 4
+    assert workspace_splits(lambda q, k, n: jax_flash.decode_attention(q, k, k, n), q, k, one) == 1
+    assert workspace_splits(lambda q, k: jax_flash.dot_product_attention(q, k, k), q, k) == 1
+    assert workspace_splits(lambda q, k, n: jax_flash.dot_product_attention(q, k, k, key_value_seq_lengths=n),
+                            q, k, per_sequence) == 4

@@ -660,6 +660,32 @@ def test_decode_kernel_and_jax_nn_agree_on_ragged_caches():
         np.testing.assert_allclose(np.asarray(outs[0][b]), np.asarray(layer(seq)[0, n:]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_equal_lengths_cache_matches_per_sequence_lengths(implementation):
+    """A cache of equal_lengths keeps one length for the batch (lengths int32 []): prefill and decode steps of 1 and
+    3 tokens give what a cache of per-sequence lengths gives, with the kernel (decode_attention's one length) and
+    with jax.nn; prefill then takes no per-sequence lengths."""
+    layer = _cache_layer(implementation)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 12, 64)), jnp.float32)
+    got = {}
+    for equal in (False, True):
+        cache = layer.init_cache(3, 20, equal_lengths=equal)
+        assert cache.lengths.shape == (() if equal else (3,))
+        y0, cache = layer.prefill(x[:, :8], cache)
+        step = jax.jit(lambda x, c: layer.decode(x, c), donate_argnums=1)
+        y1, cache = step(x[:, 8:9], cache)
+        y2, cache = step(x[:, 9:12], cache)
+        assert cache.lengths.shape == (() if equal else (3,)) and (np.asarray(cache.lengths) == 12).all()
+        got[equal] = (jnp.concatenate([y0, y1, y2], axis=1), cache.k, cache.v)
+    for a, b in zip(got[False], got[True]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[True][0]), np.asarray(layer(x)), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="prefill without `lengths`"):
+        layer.prefill(x[:, :8], layer.init_cache(3, 20, equal_lengths=True), lengths=jnp.full((3,), 8, jnp.int32))
+    with pytest.raises(TypeError, match="equal_lengths must be a bool"):
+        layer.init_cache(3, 20, equal_lengths=1)
+
+
 def test_decode_rejects_bad_arguments():
     layer = _cache_layer()
     cache = layer.init_cache(2, 8)

@@ -4,8 +4,9 @@ decode_split_plan picks, at decode shapes of one's choice, equal and ragged leng
 
     python3 tools/decode_plan_sweep.py --shapes 32/8/128:16:4160 8/1/128:64:8192 --plans 1 2 4b auto [--tq 1]
 
-A shape is Hq/Hkv/D:B:S (dense caches of S keys); a plan is a split count, with `b` for a balanced one, or `auto`
-(decode_split_plan's choice, shown beside it). Prints one line per (shape, lengths, plan) and a table per shape.
+A shape is Hq/Hkv/D:B:S (dense caches of S keys); a plan is a split count, with `b` for a balanced one, `auto`
+(decode_split_plan's choice, shown beside it), or `1len` (equal lengths only: kv_lengths passed as one scalar, the
+plan for equal lengths, shown beside it). Prints one line per (shape, lengths, plan) and a table per shape.
 """
 
 import argparse
@@ -35,9 +36,9 @@ def parse_shape(text):
 
 def parse_plan(text, q_shape, hkv, capacity):
     """(label, (num_splits, balance))."""
-    if text == "auto":
-        plan = _ffi.decode_split_plan(q_shape, hkv, capacity)
-        return f"auto={plan[0]}{'b' if plan[1] else ''}", plan
+    if text in ("auto", "1len"):
+        plan = _ffi.decode_split_plan(q_shape, hkv, capacity, uniform=text == "1len")
+        return f"{text}={plan[0]}{'b' if plan[1] else ''}", plan
     balance = text.endswith("b")
     return text, (int(text.rstrip("b")), balance)
 
@@ -72,12 +73,15 @@ def main():
                  else jax.random.randint(draw, (b,), max(a.tq, 1), s + 1, jnp.int32))
             kv_bytes = int(np.asarray(n, np.int64).sum()) * hkv * d * 2 * 2
             for text in a.plans:
+                if text == "1len" and kind != "equal":
+                    continue
                 label, plan = parse_plan(text, q.shape, hkv, s)
                 original = _ffi.decode_split_plan
                 _ffi.decode_split_plan = lambda *args, plan=plan, **kw: plan
                 try:
                     fn = lambda q, kc, vc, n, t: jax_flash.decode_attention(q, kc, vc, n)  # noqa: E731
-                    us, _ = bench._time_us(fn, q, caches, n, None, a.calls, a.reps, "device")
+                    lens = n[0] if text == "1len" else n  # 1len: one scalar for every sequence
+                    us, _ = bench._time_us(fn, q, caches, lens, None, a.calls, a.reps, "device")
                 finally:
                     _ffi.decode_split_plan = original
                 pct = 100 * kv_bytes / us / 1e3 / peak if peak else float("nan")
@@ -86,7 +90,7 @@ def main():
         print(f"\n| {shape} Tq {a.tq} | " + " | ".join(kinds) + " |")
         print("|---|" + "---|" * len(kinds))
         for label, by_kind in table.items():
-            cells = [f"{by_kind[k][0]:.1f} us ({by_kind[k][1]:.0f} %)" for k in kinds]
+            cells = [f"{by_kind[k][0]:.1f} us ({by_kind[k][1]:.0f} %)" if k in by_kind else "-" for k in kinds]
             print(f"| {label} | " + " | ".join(cells) + " |")
         print(flush=True)
         del k, v, caches
