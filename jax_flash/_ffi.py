@@ -323,6 +323,13 @@ def _sm_count():
 _SMEM_PER_SM = 228 * 1024
 
 
+def _decode_blocks_per_sm(head_dim, packed_rows):
+    """Blocks of the decode split kernel a call of `packed_rows` runs that one SM holds (from its shared memory and
+    threads, cuda/kernels/decode/decode_traits.h; the runtime keeps 1 KB of shared memory per block)."""
+    smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed_rows, int(_kernel_choice()))
+    return max(1, min(_SMEM_PER_SM // (smem + 1024), 2048 // max(threads, 1)))
+
+
 def decode_splits(q_shape, heads_kv, capacity, paged=False):
     """Parts of the key range for the decode kernel of q [B, Tq, Hq, D] over caches of `capacity` keys per sequence: as
     many blocks (batch x kv heads x splits) as the GPU holds at once (from the shared memory and threads of the split
@@ -342,8 +349,7 @@ def decode_splits(q_shape, heads_kv, capacity, paged=False):
     if batch == 1 and rows == 1 and heads_kv <= 8 and not paged:
         per_sm = 1
     else:
-        smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed, int(_kernel_choice()))
-        per_sm = max(1, min(_SMEM_PER_SM // (smem + 1024), 2048 // max(threads, 1)))
+        per_sm = _decode_blocks_per_sm(head_dim, packed)
     want = max(1, per_sm * _sm_count() // base)
     return max(1, min(want, capacity // 128, capacity // (8 * packed), 256))
 
@@ -356,21 +362,27 @@ BALANCE_MIN_PAIRS = 64
 
 
 #: decode_split_plan for a batch whose sequences are known to be equally long: the fewest splits a sequence that give
-#: at least this fraction of the SMs a block (one block an SM, no combine where one split does).
-UNIFORM_MIN_SM_FILL = 0.9
+#: at least this fraction of the GPU's block slots a block (no combine where one split does) ...
+UNIFORM_MIN_FILL = 0.9
+#: ... counting one slot an SM up to this many packed rows (the mma.sync kernel's one or two row tiles), else the
+#: blocks an SM the kernel holds.
+UNIFORM_ONE_BLOCK_ROWS = 32
 
 
 def uniform_splits(q_shape, heads_kv, capacity, paged=False):
     """Splits a sequence for a batch of two or more sequences that are all equally long (kv_lengths given as one
-    scalar, or jax.nn-style calls without lengths): the fewest that give UNIFORM_MIN_SM_FILL of the SMs one block,
-    never more than decode_splits' count. At equal lengths every block then streams as many keys, so one block an SM
-    suffices, and one split a sequence needs no combine kernel: on an H200 (NOTES.md, session 57's plan sweep, dense,
-    equal lengths) 32/8 x 128 at 16 x 4160 took 64.6 us with one split against 70.6-72.2 with the ragged plans' 4,
-    and two splits over 64 (sequence, kv head) pairs beat four or eight: 8/1 x 128 at 64 x 8192 68.1 against 71.5,
-    32/8 at 8 x 32768 238.2 against 244.1, at Tq 4 as well (8/1 at 64 x 8192: 69.8 against 77.1)."""
-    batch = q_shape[0]
-    pairs = max(1, batch * heads_kv)
-    want = max(1, math.ceil(UNIFORM_MIN_SM_FILL * _sm_count() / pairs))
+    scalar, or jax.nn-style calls without lengths): the fewest that give UNIFORM_MIN_FILL of the block slots a block,
+    never more than decode_splits' count. At equal lengths every block streams as many keys, and one split a sequence
+    needs no combine kernel. On an H200 (NOTES.md, sessions 57 and 59: forced plans, dense caches, equal lengths),
+    for up to 32 packed rows one block an SM streams as fast as two: 32/8 x 128 at 16 x 4160 took 65.8 us with one
+    split against 71.7 with the ragged plan's 4, 8/1 at 64 x 8192 69.5 with two against 72.3 with 8, 32/8 at
+    8 x 32768 242.5 with two against 249.4 (Tq 1; Tq 4 and 8 alike); 33-64 packed rows (sm_90a's wgmma kernel)
+    want two blocks an SM: 32/8 at Tq 16, 16 x 4160 76.3 us with 2 splits against 78.7 with one, at 8 x 32768 249.1
+    with 4 against 288.6 with 2."""
+    batch, rows, heads_q, head_dim = q_shape
+    packed = heads_q // heads_kv * rows
+    per_sm = 1 if packed <= UNIFORM_ONE_BLOCK_ROWS else _decode_blocks_per_sm(head_dim, packed)
+    want = max(1, math.ceil(UNIFORM_MIN_FILL * per_sm * _sm_count() / max(1, batch * heads_kv)))
     return min(want, decode_splits(q_shape, heads_kv, capacity, paged))
 
 
