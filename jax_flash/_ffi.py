@@ -365,8 +365,9 @@ BALANCE_MIN_PAIRS = 64
 #: at least this fraction of the GPU's block slots a block (no combine where one split does) ...
 UNIFORM_MIN_FILL = 0.9
 #: ... counting one slot an SM up to this many packed rows (the mma.sync kernel's one or two row tiles), else the
-#: blocks an SM the kernel holds.
+#: blocks an SM the kernel holds; past UNIFORM_MAX_ROWS (sm_90a's TMA kernel) the ordinary plan.
 UNIFORM_ONE_BLOCK_ROWS = 32
+UNIFORM_MAX_ROWS = 64
 
 
 def uniform_splits(q_shape, heads_kv, capacity, paged=False):
@@ -378,7 +379,9 @@ def uniform_splits(q_shape, heads_kv, capacity, paged=False):
     split against 71.7 with the ragged plan's 4, 8/1 at 64 x 8192 69.5 with two against 72.3 with 8, 32/8 at
     8 x 32768 242.5 with two against 249.4 (Tq 1; Tq 4 and 8 alike); 33-64 packed rows (sm_90a's wgmma kernel)
     want two blocks an SM: 32/8 at Tq 16, 16 x 4160 76.3 us with 2 splits against 78.7 with one, at 8 x 32768 249.1
-    with 4 against 288.6 with 2."""
+    with 4 against 288.6 with 2. Past 64 packed rows (the TMA kernel, one block an SM) the ordinary plan stays: the
+    equal-lengths count measured +2.6 % at 8/1 x 128, Tq 16, 64 x 8192 and -2.1 % at 64/8 8 x 32768, inside that
+    kernel's spread; decode_split_plan does not call this there."""
     batch, rows, heads_q, head_dim = q_shape
     packed = heads_q // heads_kv * rows
     per_sm = 1 if packed <= UNIFORM_ONE_BLOCK_ROWS else _decode_blocks_per_sm(head_dim, packed)
@@ -388,8 +391,8 @@ def uniform_splits(q_shape, heads_kv, capacity, paged=False):
 
 def decode_split_plan(q_shape, heads_kv, capacity, paged=False, uniform=False):
     """(num_splits, balance_splits) of a decode call that leaves the split count to jax_flash. With ``uniform`` (every
-    sequence of a batch of two or more equally long, which the caller states: the lengths are device values),
-    uniform_splits' count, unbalanced. Otherwise decode_splits' equal
+    sequence of a batch of two or more equally long, which the caller states: the lengths are device values) and up
+    to UNIFORM_MAX_ROWS packed rows, uniform_splits' count, unbalanced. Otherwise decode_splits' equal
     share of each sequence's keys, or for a batch whose sequences get few splits (at most BALANCE_MAX_SPLITS) that are
     long (BALANCE_MIN_SPLIT_KEYS keys of the cache) or over many (sequence, kv head) pairs (BALANCE_MIN_PAIRS),
     twice that many splits of one size across the batch (the kernel gives each sequence as many as its length needs,
@@ -404,8 +407,8 @@ def decode_split_plan(q_shape, heads_kv, capacity, paged=False, uniform=False):
     tools/decode_plan_sweep.py, four ragged draws a shape) that was 0-2.5 % faster at equal lengths and over ragged
     ones level (8/1 at 64 x 8192) to 3-10 % faster (32/8 x 128 at 16 sequences of 4160 keys), where at Tq 4 and at
     head dim 256 balancing stayed ahead (by 1-10 %)."""
-    batch, rows, _, head_dim = q_shape
-    if uniform and batch >= 2:
+    batch, rows, heads_q, head_dim = q_shape
+    if uniform and batch >= 2 and heads_q // heads_kv * rows <= UNIFORM_MAX_ROWS:
         return uniform_splits(q_shape, heads_kv, capacity, paged), False
     splits = decode_splits(q_shape, heads_kv, capacity, paged)
     if not (batch >= 2 and 2 <= splits <= BALANCE_MAX_SPLITS):

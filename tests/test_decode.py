@@ -643,8 +643,8 @@ def test_split_count_fills_one_wave(monkeypatch):
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072, paged=True) == (33, False)
     assert _ffi.decode_split_plan((64, 1, 32, 128), 8, 8192) == (1, False)
     # every sequence equally long (stated by the caller): the fewest splits that give 90 % of the block slots a block
-    # (one an SM up to 32 packed rows, else the kernel's blocks an SM), no balancing, never more than decode_splits'
-    # count; one sequence keeps its plan
+    # (one an SM up to 32 packed rows, else the kernel's blocks an SM; up to 64 packed rows), no balancing, never more
+    # than decode_splits' count; one sequence keeps its plan
     assert _ffi.decode_split_plan((16, 1, 32, 128), 8, 4160, uniform=True) == (1, False)  # 128 pairs
     assert _ffi.decode_split_plan((64, 1, 8, 128), 1, 8192, uniform=True) == (2, False)  # 64 pairs
     assert _ffi.decode_split_plan((8, 1, 32, 128), 8, 32768, uniform=True) == (2, False)
@@ -655,7 +655,9 @@ def test_split_count_fills_one_wave(monkeypatch):
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072, uniform=True) == (16, False)
     assert _ffi.decode_split_plan((16, 16, 32, 128), 8, 4160, uniform=True) == (2, False)  # 64 rows: 2 an SM
     assert _ffi.decode_split_plan((8, 16, 32, 128), 8, 32768, uniform=True) == (4, False)
-    assert _ffi.decode_split_plan((64, 16, 8, 128), 1, 8192, uniform=True) == (2, False)  # 128 rows: 1 an SM
+    # past 64 packed rows (the TMA kernel) the ordinary plan
+    assert (_ffi.decode_split_plan((64, 16, 8, 128), 1, 8192, uniform=True)
+            == _ffi.decode_split_plan((64, 16, 8, 128), 1, 8192) == (4, True))
 
 
 def test_one_length_reaches_the_split_plan(monkeypatch):
