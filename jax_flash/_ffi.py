@@ -365,12 +365,13 @@ BALANCE_MIN_PAIRS = 64
 #: at least this fraction of the GPU's block slots a block (no combine where one split does) ...
 UNIFORM_MIN_FILL = 0.9
 #: ... counting one slot an SM up to this many packed rows (the mma.sync kernel's one or two row tiles), else the
-#: blocks an SM the kernel holds; past UNIFORM_MAX_ROWS (sm_90a's TMA kernel) the ordinary plan.
+#: blocks an SM the kernel holds; past UNIFORM_MAX_ROWS (sm_90a's TMA kernel) and for paged caches the ordinary
+#: plan.
 UNIFORM_ONE_BLOCK_ROWS = 32
 UNIFORM_MAX_ROWS = 64
 
 
-def uniform_splits(q_shape, heads_kv, capacity, paged=False):
+def uniform_splits(q_shape, heads_kv, capacity):
     """Splits a sequence for a batch of two or more sequences that are all equally long (kv_lengths given as one
     scalar, or jax.nn-style calls without lengths): the fewest that give UNIFORM_MIN_FILL of the block slots a block,
     never more than decode_splits' count. At equal lengths every block streams as many keys, and one split a sequence
@@ -381,18 +382,20 @@ def uniform_splits(q_shape, heads_kv, capacity, paged=False):
     want two blocks an SM: 32/8 at Tq 16, 16 x 4160 76.3 us with 2 splits against 78.7 with one, at 8 x 32768 249.1
     with 4 against 288.6 with 2. Past 64 packed rows (the TMA kernel, one block an SM) the ordinary plan stays: the
     equal-lengths count measured +2.6 % at 8/1 x 128, Tq 16, 64 x 8192 and -2.1 % at 64/8 8 x 32768, inside that
-    kernel's spread; decode_split_plan does not call this there."""
+    kernel's spread; decode_split_plan does not call this there. Nor for paged caches, where one block an SM reads
+    pages slower than two (32/8 at 8 x 32768, pages of 16, Tq 1: 374 us with two splits against 257 with the
+    ordinary plan's balanced 8)."""
     batch, rows, heads_q, head_dim = q_shape
     packed = heads_q // heads_kv * rows
     per_sm = 1 if packed <= UNIFORM_ONE_BLOCK_ROWS else _decode_blocks_per_sm(head_dim, packed)
     want = max(1, math.ceil(UNIFORM_MIN_FILL * per_sm * _sm_count() / max(1, batch * heads_kv)))
-    return min(want, decode_splits(q_shape, heads_kv, capacity, paged))
+    return min(want, decode_splits(q_shape, heads_kv, capacity))
 
 
 def decode_split_plan(q_shape, heads_kv, capacity, paged=False, uniform=False):
     """(num_splits, balance_splits) of a decode call that leaves the split count to jax_flash. With ``uniform`` (every
-    sequence of a batch of two or more equally long, which the caller states: the lengths are device values) and up
-    to UNIFORM_MAX_ROWS packed rows, uniform_splits' count, unbalanced. Otherwise decode_splits' equal
+    sequence of a batch of two or more equally long, which the caller states: the lengths are device values), a
+    dense cache and up to UNIFORM_MAX_ROWS packed rows, uniform_splits' count, unbalanced. Otherwise decode_splits' equal
     share of each sequence's keys, or for a batch whose sequences get few splits (at most BALANCE_MAX_SPLITS) that are
     long (BALANCE_MIN_SPLIT_KEYS keys of the cache) or over many (sequence, kv head) pairs (BALANCE_MIN_PAIRS),
     twice that many splits of one size across the batch (the kernel gives each sequence as many as its length needs,
@@ -408,8 +411,8 @@ def decode_split_plan(q_shape, heads_kv, capacity, paged=False, uniform=False):
     ones level (8/1 at 64 x 8192) to 3-10 % faster (32/8 x 128 at 16 sequences of 4160 keys), where at Tq 4 and at
     head dim 256 balancing stayed ahead (by 1-10 %)."""
     batch, rows, heads_q, head_dim = q_shape
-    if uniform and batch >= 2 and heads_q // heads_kv * rows <= UNIFORM_MAX_ROWS:
-        return uniform_splits(q_shape, heads_kv, capacity, paged), False
+    if uniform and batch >= 2 and not paged and heads_q // heads_kv * rows <= UNIFORM_MAX_ROWS:
+        return uniform_splits(q_shape, heads_kv, capacity), False
     splits = decode_splits(q_shape, heads_kv, capacity, paged)
     if not (batch >= 2 and 2 <= splits <= BALANCE_MAX_SPLITS):
         return splits, False

@@ -187,8 +187,9 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
         Hq a multiple of Hkv (GQA, MQA).
       kv_lengths: int32 (B,): the valid keys of each sequence, this step's included (at most the capacity: S, or
         max_pages * page_size); or int32 () when every sequence is equally long (a batch of prompts of one
-        length): the kernels then split the keys for equal lengths (fewer splits: no combine where the batch
-        fills the GPU), which the lengths' values, on the device, cannot tell them.
+        length): on a dense cache of up to 64 packed rows (query heads per kv head x Tq) the kernels then split
+        the keys for equal lengths (fewer splits: one kernel, no combine, where the batch fills the GPU), which
+        the lengths' values, on the device, cannot tell them; otherwise as the lengths broadcast to (B,).
       page_table: int32 (B, max_pages): page j of sequence b is ``key_cache[page_table[b, j]]``.
       scale: logit scale (default 1 / sqrt(D)).
       is_causal: query t sees keys up to its position ``kv_lengths[b] - Tq + t`` (bottom-right aligned).

@@ -643,13 +643,16 @@ def test_split_count_fills_one_wave(monkeypatch):
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072, paged=True) == (33, False)
     assert _ffi.decode_split_plan((64, 1, 32, 128), 8, 8192) == (1, False)
     # every sequence equally long (stated by the caller): the fewest splits that give 90 % of the block slots a block
-    # (one an SM up to 32 packed rows, else the kernel's blocks an SM; up to 64 packed rows), no balancing, never more
-    # than decode_splits' count; one sequence keeps its plan
+    # (one an SM up to 32 packed rows, else the kernel's blocks an SM; up to 64 packed rows, dense caches), no
+    # balancing, never more than decode_splits' count; one sequence keeps its plan
     assert _ffi.decode_split_plan((16, 1, 32, 128), 8, 4160, uniform=True) == (1, False)  # 128 pairs
     assert _ffi.decode_split_plan((64, 1, 8, 128), 1, 8192, uniform=True) == (2, False)  # 64 pairs
     assert _ffi.decode_split_plan((8, 1, 32, 128), 8, 32768, uniform=True) == (2, False)
     assert _ffi.decode_split_plan((16, 1, 16, 256), 8, 4160, uniform=True) == (1, False)
-    assert _ffi.decode_split_plan((64, 4, 8, 128), 1, 8192, paged=True, uniform=True) == (2, False)
+    assert _ffi.decode_split_plan((64, 4, 8, 128), 1, 8192, uniform=True) == (2, False)
+    # paged caches keep the ordinary plan (one block an SM reads pages slower)
+    assert (_ffi.decode_split_plan((8, 1, 32, 128), 8, 32768, paged=True, uniform=True)
+            == _ffi.decode_split_plan((8, 1, 32, 128), 8, 32768, paged=True) == (8, True))
     assert _ffi.decode_split_plan((8, 1, 8, 128), 1, 32768, uniform=True) == (15, False)  # 8 pairs: 120 blocks
     assert _ffi.decode_split_plan((4, 1, 32, 128), 8, 512, uniform=True) == (4, False)  # decode_splits' 4 (tiles)
     assert _ffi.decode_split_plan((1, 1, 32, 128), 8, 131072, uniform=True) == (16, False)
