@@ -250,8 +250,8 @@ def implementations(impl, tq, layout, num_splits, platform="gpu", ragged=False):
         if ragged:
             return None, "equal lengths only"
 
-        def f(q, k, v, n, table):  # n: the one length (rows_for_shape passes it)
-            return jax_flash.decode_attention(q, k, v, n, page_table=table)
+        def f(q, k, v, n, table):  # n: the one length (rows_for_shape passes it), or the equal lengths (B,)
+            return jax_flash.decode_attention(q, k, v, n if n.ndim == 0 else n[0], page_table=table)
         return f, None
     if impl == "jax_flash_sm80":
         if platform != "gpu":

@@ -53,7 +53,8 @@ def decode_inputs(a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impl", default="jax_flash", help="jax_flash, jax_flash_sm80, cudnn, xla, fa3_jax or tokamax")
+    ap.add_argument("--impl", default="jax_flash", help="jax_flash, jax_flash_1len (one length; equal lengths only), "
+                    "jax_flash_sm80, cudnn, xla, fa3_jax or tokamax")
     add_shape_args(ap)
     ap.add_argument("--runs", type=int, default=2, help="runs after the compile")
     a = ap.parse_args()
@@ -62,7 +63,7 @@ def main():
     layout = "dense" if a.page_size is None else f"paged{a.page_size}"
     # fa3_jax runs with jax_flash's split count, as in bench_decode (its own default is one split)
     splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen, table is not None) if a.impl == "fa3_jax" else None
-    fn, why = bench.implementations(a.impl, a.tq, layout, splits)
+    fn, why = bench.implementations(a.impl, a.tq, layout, splits, ragged=a.ragged)
     if fn is None:
         raise SystemExit(f"{a.impl} does not run this call: {why}")
     f = jax.jit(fn)

@@ -72,7 +72,7 @@ def main():
              f"{' ragged' if a.ragged else ''}")
     results = []
     for impl in a.impls.split(","):
-        fn, why = bench.implementations(impl, a.tq, "dense", splits)
+        fn, why = bench.implementations(impl, a.tq, "dense", splits, ragged=a.ragged)
         if fn is None:
             print(f"## {impl} {shape}: does not run ({why})")
             continue
