@@ -1,9 +1,15 @@
 """jax_flash.decode_attention and combine against a float64 reference: dense and paged caches, ragged lengths
 (1 and the full cache included), GQA and MQA, Tq > 1 with the bottom-right causal mask, windows, soft cap and sinks,
-num_splits, combine over parts of a cache; validation; forward only. float32 on the CPU and, where a GPU is
-visible, bfloat16 on it (the CUDA decode kernels)."""
+num_splits, one length for a batch (kv_lengths of shape ()) and its split plan, combine over parts of a cache;
+validation; forward only; batch- and head-sharded calls (8 fake CPU devices in a subprocess). float32 on the CPU and,
+where a GPU is visible, bfloat16 on it (the CUDA decode kernels)."""
 
+import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -691,3 +697,25 @@ def test_one_length_reaches_the_split_plan(monkeypatch):
     assert workspace_splits(lambda q, k: jax_flash.dot_product_attention(q, k, k), q, k) == 1
     assert workspace_splits(lambda q, k, n: jax_flash.dot_product_attention(q, k, k, key_value_seq_lengths=n),
                             q, k, per_sequence) == 4
+
+
+def test_sharded_calls_partition_as_dot_product_attention():
+    """Batch- and head-sharded decode calls under jit (a ("dp", "tp") mesh of 8 fake CPU devices, in a subprocess:
+    tests/decode_sharding_check.py) give the unsharded call's output and lse with no collective and keep q's
+    sharding: per-sequence lengths and one length, dense caches and (dp, tp) paged ones."""
+    if ON_GPU:
+        pytest.skip("a CPU subprocess (runs once, on the CPU pass)")
+    cases = ["dp:per-sequence:dense", "dp:one:dense", "tp:one:dense", "tp:per-sequence:dense",
+             "dp_tp:per-sequence:dense", "dp_tp:one:dense", "dp:one:paged16", "tp:per-sequence:paged16"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-P", str(pathlib.Path(__file__).with_name("decode_sharding_check.py")),
+                           *cases], env=env, capture_output=True, text=True, timeout=600, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    results = {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    assert list(results) == cases, proc.stderr[-5000:]
+    specs = {"dp": "P('dp',)", "tp": "P(None, None, 'tp')", "dp_tp": "P('dp', None, 'tp')"}
+    for case, r in results.items():
+        assert r["ok"], (case, r.get("trace"))
+        assert r["out_err"] <= 1e-5 and r["lse_err"] <= 1e-5, (case, r)
+        assert r["collectives"] == [], (case, r)
+        assert r["out_spec"] == specs[case.split(":")[0]], (case, r)
