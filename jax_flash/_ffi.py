@@ -394,16 +394,16 @@ def uniform_splits(q_shape, heads_kv, capacity):
 
 def decode_split_plan(q_shape, heads_kv, capacity, paged=False, uniform=False):
     """(num_splits, balance_splits) of a decode call that leaves the split count to jax_flash. With ``uniform`` (every
-    sequence of a batch of two or more equally long, which the caller states: the lengths are device values), a
-    dense cache and up to UNIFORM_MAX_ROWS packed rows, uniform_splits' count, unbalanced. Otherwise decode_splits' equal
+    sequence of a batch of two or more equally long, which the caller states: the lengths are device values), a dense
+    cache and up to UNIFORM_MAX_ROWS packed rows, uniform_splits' count, unbalanced. Otherwise decode_splits' equal
     share of each sequence's keys, or for a batch whose sequences get few splits (at most BALANCE_MAX_SPLITS) that are
-    long (BALANCE_MIN_SPLIT_KEYS keys of the cache) or over many (sequence, kv head) pairs (BALANCE_MIN_PAIRS),
-    twice that many splits of one size across the batch (the kernel gives each sequence as many as its length needs,
+    long (BALANCE_MIN_SPLIT_KEYS keys of the cache) or over many (sequence, kv head) pairs (BALANCE_MIN_PAIRS), twice
+    that many splits of one size across the batch (the kernel gives each sequence as many as its length needs,
     FlashParams::balance_splits), so that ragged lengths keep every block streaming about as many keys. The balanced
-    grid has twice the blocks, half of them without keys at equal lengths. On an H200 (NOTES.md, session 46: 8/1,
-    32/8, 64/8 at Tq 1, 4, 16 over 2-64 sequences) it took 5-25 % off ragged batches where it is kept and cost 2-3 %
-    at equal lengths; with many splits a sequence, or few short ones over few pairs (8/1 at 2-32 sequences), it cost
-    4-19 % even over ragged lengths.
+    grid has twice the blocks, half of them without keys at equal lengths. On an H200 (NOTES.md, session 46: 8/1, 32/8,
+    64/8 at Tq 1, 4, 16 over 2-64 sequences) it took 5-25 % off ragged batches where it is kept and cost 2-3 % at equal
+    lengths; with many splits a sequence, or few short ones over few pairs (8/1 at 2-32 sequences), it cost 4-19 % even
+    over ragged lengths.
 
     Where only the pairs ask for it (short splits) at one query row, head dims up to 128 and a dense cache, the grid
     keeps twice the splits but each sequence's equal share of them (no balancing): on an H200 (NOTES.md, session 57;

@@ -247,8 +247,7 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
         # Rows are valid up to the sequence's end: q_lens (global) = kv_lengths; row 0 sits at kv_lengths - Tq.
         lengths = jnp.clip(kv_lengths, 0, capacity)
         out, lse = _attention.sharding.forward(cfg, _sharded_block(num_splits, uniform, rows), q, k_cache, v_cache,
-                                               lengths,
-                                               lengths, None, None, sinks_bn, lengths - rows)
+                                               lengths, lengths, None, None, sinks_bn, lengths - rows)
     if not return_residual:
         return out
     dead = -jnp.inf if sinks is None else sinks.astype(jnp.float32)[:, None]

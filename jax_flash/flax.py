@@ -28,7 +28,7 @@ mode: ``init_cache`` makes a :class:`KVCache`, ``prefill`` runs the prompt and f
 few new tokens against it (:func:`jax_flash.decode_attention`); both return the new cache, which the caller
 threads through its step function (donate it under ``jax.jit`` so the update is in place)::
 
-    cache = layer.init_cache(batch, max_len)            # equal_lengths=True: prompts of one length, no padding
+    cache = layer.init_cache(batch, max_len)            # or equal_lengths=True: prompts of one length, unpadded
     y, cache = layer.prefill(prompt_x, cache)           # [B, P, d_model]
     step = jax.jit(lambda x, cache: layer.decode(x, cache), donate_argnums=1)
     y, cache = step(next_x, cache)                      # [B, 1, d_model]
