@@ -682,6 +682,7 @@ def test_one_length_reaches_the_split_plan(monkeypatch):
 
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
     monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)
+    monkeypatch.setattr(_ffi, "CUDA_REGISTERED", True)  # a CPU-only build lowers the CUDA branch too
     q = jax.ShapeDtypeStruct((16, 1, 32, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((16, 4160, 8, 128), jnp.bfloat16)
 
