@@ -6,7 +6,12 @@ unsharded call, *_ref_err of the sharded call and base_*_ref_err of the unsharde
 (relative to the reference's largest magnitude, the worst of dq, dk, dv for the gradients).
 
 Environment: JAX_FLASH_CHECK_MESH (default "2x4") is the ("dp", "tp") mesh shape over the first devices,
-JAX_FLASH_CHECK_DTYPE (default "float32") the inputs' dtype (bfloat16 on GPUs)."""
+JAX_FLASH_CHECK_DTYPE (default "float32") the inputs' dtype (bfloat16 on GPUs).
+
+Cases "decode:spec:lengths:layout" (run by tests/test_decode.py) shard a decode_attention call over the batch, the
+kv heads or both (spec dp, tp, dp_tp; Auto axes), with per-sequence lengths or one length (kv_lengths of shape ()),
+dense or paged16 caches: {"case", "ok", "out_err", "lse_err" (against the unsharded call), "collectives",
+"out_spec"}."""
 
 import contextlib
 import json
@@ -14,6 +19,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -143,15 +149,50 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
     )
 
 
+def run_decode_case(spec_name, lengths, layout):
+    """One decode_attention call sharded by `spec_name` against the same call unsharded (B 4, Tq 2, Hq 8, Hkv 4)."""
+    mesh = jax.make_mesh(MESH, ("dp", "tp"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:MESH[0] * MESH[1]])
+    b, tq, hq, hkv, cap, page = 4, 2, 8, 4, 96, 16
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((b, tq, hq, D), np.float32), DTYPE)
+    k, v = (jnp.asarray(rng.standard_normal((b, cap, hkv, D), np.float32), DTYPE) for _ in range(2))
+    n = np.array([96, 5, 50, 2], np.int32) if lengths == "per-sequence" else np.int32(50)
+    table = None
+    if layout == "paged16":  # each sequence's pages in reversed order, in one pool
+        per = cap // page
+        table = np.arange(b * per, dtype=np.int32).reshape(b, per)[:, ::-1].copy()
+        k, v = (x.reshape(b, per, page, hkv, D)[:, ::-1].reshape(b * per, page, hkv, D) for x in (k, v))
+    call = jax.jit(lambda q, k, v, n, t: jax_flash.decode_attention(q, k, v, n, page_table=t, return_residual=True))
+    want_o, want_lse = call(q, k, v, n, table)
+    spec = SPECS[spec_name]
+    kv_spec = spec if table is None else P(None, None, *spec[2:])  # a page pool is not split by batch
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # paged caches on several devices: gathered into dense ones, with a warning
+        args = (jax.device_put(q, NamedSharding(mesh, spec)),
+                *(jax.device_put(x, NamedSharding(mesh, kv_spec)) for x in (k, v)),
+                jax.device_put(n, NamedSharding(mesh, P(spec[0]) if n.ndim else P())),
+                None if table is None else jax.device_put(table, NamedSharding(mesh, P(spec[0]))))
+        o, lse = call(*args)
+        hlo = call.lower(*args).compile().as_text()
+    err = lambda x, r: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(r, np.float64))))  # noqa: E731
+    return dict(out_err=err(o, want_o), lse_err=err(lse, want_lse), collectives=collectives(hlo),
+                out_spec=str(o.sharding.spec))
+
+
 def main(cases):
     assert jax.device_count() >= MESH[0] * MESH[1], (MESH, jax.devices())
     for case in cases:
-        axis_type, spec_name, hq, hkv, mask_name, *flags = case.split(":")
-        args = (getattr(AxisType, axis_type), spec_name, int(hq), int(hkv), mask_name)
+        kind, *fields = case.split(":")
         try:
-            result = dict(case=case, ok=True, **run_case(*args, vmap="vmap" in flags, remat="remat" in flags,
-                                                             in_shard_map="shardmap" in flags,
-                                                             set_mesh="nomesh" not in flags))
+            if kind == "decode":
+                result = dict(case=case, ok=True, **run_decode_case(*fields))
+            else:
+                spec_name, hq, hkv, mask_name, *flags = fields
+                args = (getattr(AxisType, kind), spec_name, int(hq), int(hkv), mask_name)
+                result = dict(case=case, ok=True, **run_case(*args, vmap="vmap" in flags, remat="remat" in flags,
+                                                                 in_shard_map="shardmap" in flags,
+                                                                 set_mesh="nomesh" not in flags))
         except Exception as e:  # noqa: BLE001 - reported to the test
             result = dict(case=case, ok=False, error=f"{type(e).__name__}: {e}"[-2000:],  # the cause ends the message
                           trace=traceback.format_exc()[-3000:])

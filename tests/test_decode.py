@@ -702,15 +702,16 @@ def test_one_length_reaches_the_split_plan(monkeypatch):
 
 def test_sharded_calls_partition_as_dot_product_attention():
     """Batch- and head-sharded decode calls under jit (a ("dp", "tp") mesh of 8 fake CPU devices, in a subprocess:
-    tests/decode_sharding_check.py) give the unsharded call's output and lse with no collective and keep q's
+    tests/sharding_check.py's decode cases) give the unsharded call's output and lse with no collective and keep q's
     sharding: per-sequence lengths and one length, dense caches and (dp, tp) paged ones."""
     if ON_GPU:
         pytest.skip("a CPU subprocess (runs once, on the CPU pass)")
-    cases = ["dp:per-sequence:dense", "dp:one:dense", "tp:one:dense", "tp:per-sequence:dense",
-             "dp_tp:per-sequence:dense", "dp_tp:one:dense", "dp:one:paged16", "tp:per-sequence:paged16"]
+    cases = [f"decode:{c}" for c in ("dp:per-sequence:dense", "dp:one:dense", "tp:one:dense", "tp:per-sequence:dense",
+                                     "dp_tp:per-sequence:dense", "dp_tp:one:dense", "dp:one:paged16",
+                                     "tp:per-sequence:paged16")]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-P", str(pathlib.Path(__file__).with_name("decode_sharding_check.py")),
-                           *cases], env=env, capture_output=True, text=True, timeout=600, cwd="/")
+    proc = subprocess.run([sys.executable, "-P", str(pathlib.Path(__file__).with_name("sharding_check.py")), *cases],
+                          env=env, capture_output=True, text=True, timeout=600, cwd="/")
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
     assert list(results) == cases, proc.stderr[-5000:]
@@ -718,5 +719,5 @@ def test_sharded_calls_partition_as_dot_product_attention():
     for case, r in results.items():
         assert r["ok"], (case, r.get("trace"))
         assert r["out_err"] <= 1e-5 and r["lse_err"] <= 1e-5, (case, r)
-        assert r["collectives"] == [], (case, r)
-        assert r["out_spec"] == specs[case.split(":")[0]], (case, r)
+        assert r["collectives"] == {}, (case, r)
+        assert r["out_spec"] == specs[case.split(":")[1]], (case, r)
