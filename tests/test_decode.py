@@ -601,21 +601,27 @@ def test_forward_only():
         jax.grad(lambda k: jnp.sum(jax_flash.decode_attention(q, k, k, n).astype(jnp.float32)))(k)
 
 
-def test_split_count_fills_one_wave(monkeypatch):
-    """decode_splits sizes the grid to the blocks the GPU holds at once (from the kernel's shared memory and
-    threads; one block per SM for one sequence at one query row over at most 8 kv heads), with at least two key
-    tiles per split and bounded partial-result traffic."""
+def _fake_h100_launch_shapes(monkeypatch):
+    """The split plan's view of an H100/H200 without one: 132 SMs, and the CUDA module's launch shapes at d128
+    (~100 KB and 128 threads up to 64 packed rows, ~226 KB and 256 threads, one block an SM, past that)."""
     from jax_flash import _ffi
 
     class FakeCudaModule:
-        # the CUDA module's answer at d128: ~100 KB and 128 threads up to 64 packed rows, ~226 KB and 256 threads
-        # (one block an SM) past that
         @staticmethod
         def decode_launch_shape(head_dim, packed_rows, kernel):
             return (226 * 1024, 256) if packed_rows > 64 else (102 * 1024, 128)
 
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
     monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)
+
+
+def test_split_count_fills_one_wave(monkeypatch):
+    """decode_splits sizes the grid to the blocks the GPU holds at once (from the kernel's shared memory and
+    threads; one block per SM for one sequence at one query row over at most 8 kv heads), with at least two key
+    tiles per split and bounded partial-result traffic."""
+    from jax_flash import _ffi
+
+    _fake_h100_launch_shapes(monkeypatch)
     # two blocks per SM: 264 resident; one sequence at Tq 1 over 8 kv heads: one block per SM, 16 splits; 8 sequences
     # x 1 kv head -> 33; 16 x 8 = 128 (sequence, kv head) pairs -> 2; 64 x 8 = 512 >= 264 -> 1; one sequence at Tq 2: 33
     assert _ffi.decode_splits((1, 1, 32, 128), 8, 131072) == 16
@@ -675,13 +681,7 @@ def test_one_length_reaches_the_split_plan(monkeypatch):
     take one split (no combine workspace rows beyond one), against 4 with a length per sequence."""
     from jax_flash import _ffi
 
-    class FakeCudaModule:
-        @staticmethod
-        def decode_launch_shape(head_dim, packed_rows, kernel):
-            return (102 * 1024, 128)
-
-    monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
-    monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)
+    _fake_h100_launch_shapes(monkeypatch)
     monkeypatch.setattr(_ffi, "CUDA_REGISTERED", True)  # a CPU-only build lowers the CUDA branch too
     q = jax.ShapeDtypeStruct((16, 1, 32, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((16, 4160, 8, 128), jnp.bfloat16)
