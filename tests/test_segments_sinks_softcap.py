@@ -86,6 +86,12 @@ CASES = {
     # and amplified ones (amp: q's scale) whose capped logits reach +-30 and beyond c/2, with weights that underflow;
     # head dims 64 (the three-warpgroup forward without a mask), 128 and 256.
     "softcap_long_noncausal_d128": dict(batch=2, t=300, s=530, n=4, k=2, h=128, softcap=3.0),
+    # The capped d128 forward without a mask runs three warpgroups over 192-row tiles and 64-key tiles (sm_90a):
+    # with both segment-id policies (runs and ids grids), sinks, Sq != Sk and a last row tile of one warpgroup.
+    "softcap_mixed_runs_and_ids_noncausal_d128": dict(batch=2, t=450, s=450, n=4, k=2, h=128, segments="mixed",
+                                                      sinks=True, softcap=20.0),
+    "softcap_packed_sq_ne_sk_d128": dict(batch=2, t=200, s=450, n=4, k=2, h=128, segments="packed_kv_longer",
+                                         softcap=30.0),
     "softcap_long_saturated_d128": dict(batch=1, t=200, s=700, n=2, k=1, h=128, softcap=50.0, amp=12.0),
     "softcap_long_causal_d64": dict(batch=1, t=700, s=700, n=2, k=2, h=64, is_causal=True, softcap=20.0, amp=3.0),
     "softcap_long_d256": dict(batch=1, t=300, s=300, n=2, k=1, h=256, softcap=10.0, amp=2.0),

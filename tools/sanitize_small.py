@@ -32,6 +32,9 @@ CASES = [
     # one in masked tiles)
     (2, 200, 330, 4, 2, 128, dict(is_causal=True, logits_soft_cap=20.0)),
     (1, 150, 150, 2, 1, 64, dict(logits_soft_cap=5.0)),
+    # the capped d128 forward without a mask (three warpgroups, 192-row tiles: a ragged last tile), with segment ids
+    (2, 250, 330, 4, 2, 128, dict(logits_soft_cap=20.0)),
+    (2, 300, 300, 4, 2, 128, dict(segments="packed", sinks=True, logits_soft_cap=20.0)),
 ]
 
 
