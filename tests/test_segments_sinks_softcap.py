@@ -87,7 +87,8 @@ CASES = {
     # head dims 64 (the three-warpgroup forward without a mask), 128 and 256.
     "softcap_long_noncausal_d128": dict(batch=2, t=300, s=530, n=4, k=2, h=128, softcap=3.0),
     # The capped d128 forward without a mask runs three warpgroups over 192-row tiles and 64-key tiles (sm_90a):
-    # with both segment-id policies (runs and ids grids), sinks, Sq != Sk and a last row tile of one warpgroup.
+    # with both segment-id policies (runs and ids grids), sinks, Sq != Sk, and last row tiles of 66 and 8 rows
+    # (warpgroups without rows).
     "softcap_mixed_runs_and_ids_noncausal_d128": dict(batch=2, t=450, s=450, n=4, k=2, h=128, segments="mixed",
                                                       sinks=True, softcap=20.0),
     "softcap_packed_sq_ne_sk_d128": dict(batch=2, t=200, s=450, n=4, k=2, h=128, segments="packed_kv_longer",

@@ -93,7 +93,8 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
 // 6-7 % faster without a mask; causal slower (4096 rows 4 %, 1024 rows 12 %; a 192-row diagonal takes three masked
 // 64-key steps a tile), and 1 % slower at 8192 causal rows with 16 heads. The plain forward on these tiles: 7-12 %
 // slower (its MUFU stream is half the tensor time, and S = Q K^T as m64n64k16 reads both operands at the shared
-// memory's full rate). A fourth stage and the softmax under P V (kSoftmaxUnderPv) gained nothing here.
+// memory's full rate). A fourth stage, the softmax under P V (kSoftmaxUnderPv), 80-key tiles and issuing without
+// ping-pong turns each measured level with these tiles.
 template <int kHeadDim_>
 struct FwdCapTraitsSm90 {
   static constexpr bool kAvailable = false;
