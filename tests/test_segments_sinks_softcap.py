@@ -84,7 +84,7 @@ CASES = {
                                             segments="kv_run_late"),
     # Soft cap over key tiles that every row sees (the kernels' unmasked steps): logits of standard deviation ~1,
     # and amplified ones (amp: q's scale) whose capped logits reach +-30 and beyond c/2, with weights that underflow;
-    # head dims 64 (the three-warpgroup forward without a mask), 128 and 256.
+    # head dims 64 and 128 (three-warpgroup forwards without a mask) and 256.
     "softcap_long_noncausal_d128": dict(batch=2, t=300, s=530, n=4, k=2, h=128, softcap=3.0),
     # The capped d128 forward without a mask runs three warpgroups over 192-row tiles and 64-key tiles (sm_90a):
     # with both segment-id policies (runs and ids grids), sinks, Sq != Sk, and last row tiles of 66 and 8 rows
