@@ -290,6 +290,13 @@ struct AttentionMask {
     }
   }
 
+  // One past the last key that the causal, window and length masks let some row of [row_begin, row_end) see (0 if
+  // no row is valid): an end of key_range's keys that reads no memory (segment ids and runs only take keys away).
+  JF_HD int interval_key_end(int row_begin, int row_end) const {
+    const int last = imin(row_end, length.q_len) - 1;
+    return last < row_begin ? 0 : imin(imin(causal.hi(last), window.hi(last)), length.hi(last));
+  }
+
   // Rows that can see some key of [key_begin, key_end): [*row_begin, *row_end) (kLanes as for key_range).
   template <bool kLanes = false>
   JF_HD void row_range(int key_begin, int key_end, int* row_begin, int* row_end) const {

@@ -41,6 +41,18 @@ int main() {
         }
       }
     }
+    // interval_key_end bounds the keys any row of a range sees (the forward's per-warpgroup key tiles).
+    for (int row_begin = 0; row_begin < kRows; ++row_begin) {
+      for (int row_end = row_begin; row_end <= kRows; ++row_end) {
+        const int key_end = mask.interval_key_end(row_begin, row_end);
+        for (int i = row_begin; i < row_end; ++i) {
+          for (int j = 0; j < kKeys; ++j) {
+            ++cases;
+            if (mask.visible(i, j) && j >= key_end) fail("interval_key_end", causal, left, right, q_len, kv_len, i, j);
+          }
+        }
+      }
+    }
     for (int j = 0; j < kKeys; ++j) {
       int row_begin, row_end;
       mask.row_range(j, j + 1, &row_begin, &row_end);

@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       named_barrier_sync(kDecodeTailBarrier, kConsumerThreads);
     }
   };
-  mainloop.mma(mask, 0, n_begin, n_tiles, cw, warp, lane, pingpong, kv, q, acc, landed, zero_outside);
+  mainloop.mma(mask, 0, n_begin, n_tiles, n_tiles, cw, warp, lane, pingpong, kv, q, acc, landed, zero_outside);
   float row_sum[2] = {quad_sum(acc.row_sum[0]), quad_sum(acc.row_sum[1])};
   decode::store_split_rows<T, Traits::kHeadDim / 8>(p, unit.split, unit.b, unit.hk, rows,
                                                     cw * kWgmmaM + warp * kWarpRows, lane / 4, lane % 4, acc.o,

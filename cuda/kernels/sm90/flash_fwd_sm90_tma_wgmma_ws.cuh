@@ -129,7 +129,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       epilogue.store_unattended(tile, m0, rows_valid, tid - kWarpgroupThreads);
       return;
     }
-    mainloop.mma(mask, m0, n_begin, n_tiles, cw, warp, lane, pingpong, kv, q, acc, [] {}, [](int, int) {});
+    // With Traits::kWarpgroupKeyRange each warpgroup computes only the key tiles up to the last one its own 64 rows
+    // may see (by the interval masks: a causal diagonal's later tiles go, all of them for rows past seqlen_q), taking
+    // an empty turn for the others.
+    int n_mine = n_tiles;
+    if constexpr (Traits::kWarpgroupKeyRange) {
+      const int wm0 = m0 + cw * kWgmmaM;
+      const int key_end = imin(mask.interval_key_end(wm0, imin(wm0 + kWgmmaM, p.seqlen_q)), p.seqlen_k);
+      n_mine = warp_uniform(imin(imax((key_end + Traits::kBlockN - 1) / Traits::kBlockN - n_begin, 0), n_tiles));
+    }
+    mainloop.mma(mask, m0, n_begin, n_tiles, n_mine, cw, warp, lane, pingpong, kv, q, acc, [] {}, [](int, int) {});
     epilogue.store(tile, mask, m0, rows_valid, acc, cw, warp, lane, wg_tid);
   });
   epilogue.finish(wg_tid);

@@ -44,6 +44,10 @@ struct FwdTraitsSm90<64> {
   static constexpr bool kLazyRescale = false;
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
   static constexpr bool kPersistent = true;  // faster on short sequences than a CTA per tile, equal on long ones
+  // Each consumer warpgroup computes only the key tiles its own 64 rows see and takes empty ping-pong turns for
+  // the rest of the block's (FwdMainloop::mma's n_mine): with 128-row blocks and 128-key tiles no causal diagonal
+  // tile is unseen by a warpgroup, so only the capped tiles take it.
+  static constexpr bool kWarpgroupKeyRange = false;
 };
 
 template <>
@@ -57,6 +61,7 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kLazyRescale = false;      // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
+  static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
 };
 
 // A second tile choice for attention without a causal or window mask (every key tile but the last unmasked), used
@@ -85,19 +90,21 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
   static constexpr int kCausalMinRows = 8192;
 };
 
-// A third tile choice, for soft-capped attention without a causal or window mask (kAvailable says which head dims
-// have one). A capped score costs two MUFU operations (tanh and exp2, 16 a clock an SM each), which at head dim 128
-// take as long as the score's share of its two products on the tensor pipe (4096 FLOP a clock an SM): with two
-// warpgroups taking turns, one pipe waits whenever a turn ends early. Three consumer warpgroups keep a third softmax
-// or product queued; in their 160 registers S is 64 keys wide. Measured (H200, NOTES session 60): capped forward
-// 6-7 % faster without a mask; causal slower (4096 rows 4 %, 1024 rows 12 %; a 192-row diagonal takes three masked
-// 64-key steps a tile), and 1 % slower at 8192 causal rows with 16 heads. The plain forward on these tiles: 7-12 %
-// slower (its MUFU stream is half the tensor time, and S = Q K^T as m64n64k16 reads both operands at the shared
-// memory's full rate). A fourth stage, the softmax under P V (kSoftmaxUnderPv), 80-key tiles and issuing without
+// A third tile choice, for soft-capped attention without a window mask, unmasked or causal over at least kCausalMinRows
+// query rows (kAvailable says which head dims have one). A capped score costs two MUFU operations (tanh and exp2, 16 a
+// clock an SM each), which at head dim 128 take as long as the score's share of its two products on the tensor pipe
+// (4096 FLOP a clock an SM): with two warpgroups taking turns, one pipe waits whenever a turn ends early. Three
+// consumer warpgroups keep a third softmax or product queued; in their 160 registers S is 64 keys wide. Measured (H200,
+// NOTES session 60): capped forward 6-7 % faster without a mask; causal slower (4096 rows 4 %, 1024 rows 12 %; a
+// 192-row diagonal takes three masked 64-key steps a tile), and 1 % slower at 8192 causal rows with 16 heads, until
+// each warpgroup computed only the key tiles its own rows see (kWarpgroupKeyRange, below). The plain forward on these
+// tiles: 7-12 % slower (its MUFU stream is half the tensor time, and S = Q K^T as m64n64k16 reads both operands at the
+// shared memory's full rate). A fourth stage, the softmax under P V (kSoftmaxUnderPv), 80-key tiles and issuing without
 // ping-pong turns each measured level with these tiles.
 template <int kHeadDim_>
 struct FwdCapTraitsSm90 {
   static constexpr bool kAvailable = false;
+  static constexpr int kCausalMinRows = INT_MAX;
 };
 
 template <>
@@ -107,6 +114,12 @@ struct FwdCapTraitsSm90<128> : FwdTraitsSm90<128> {
   static constexpr int kBlockN = 64;  // S 32 + P 16 + O 64 accumulator registers of 160
   static constexpr int kStages = 3;   // Q 48 + 3 x (K 16 + V 16) + O 48 KB = 192 KB
   static constexpr bool kStoreOSmem = true;
+  // A causal 192-row block's last three 64-key tiles are seen by one, two and three of its warpgroups: each
+  // computes only its own (and a warpgroup whose rows all lie past seqlen_q computes none).
+  static constexpr bool kWarpgroupKeyRange = true;
+  // Causal: with kWarpgroupKeyRange faster than two warpgroups from 8192 rows (H200, NOTES session 61: +1 % at 8192
+  // rows with 16 heads and 16384, +7 % at 8192 with GQA 32/8), level at 4096, 5 % slower at 1024.
+  static constexpr int kCausalMinRows = 8192;
 };
 
 template <>
@@ -121,6 +134,7 @@ struct FwdTraitsSm90<256> {
   static constexpr bool kStoreOSmem = false;  // 192 KB in use; another 64 KB for O does not fit: stores from registers
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;
+  static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
 };
 
 // The TMA decode kernel (flash_decode_tma_sm90.cuh) of head-dim class kD: the forward's tiles (128 packed rows in

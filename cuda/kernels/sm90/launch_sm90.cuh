@@ -52,20 +52,26 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The forward of head-dim class kD: a soft-capped call without a causal or window mask takes the capped tiles
-// (FwdCapTraitsSm90) where the head dim has them; otherwise the wide-tile variant (FwdWideTraitsSm90) where one
-// exists for attention without a window mask, either unmasked or causal over at least kCausalMinRows query rows;
-// else the default tiles. Segment-id tests and the soft cap are compiled in only for calls that have them.
+// Whether a call takes the three-warpgroup tiles of traits Tiles (FwdCapTraitsSm90, FwdWideTraitsSm90): no window
+// mask, and unmasked or causal over at least Tiles::kCausalMinRows query rows (on a shorter causal diagonal the taller
+// tiles lose more than they gain).
+template <typename Tiles>
+bool takes_three_warpgroup_tiles(const FlashParams& p) {
+  return p.window_left < 0 && p.window_right < 0 && (!p.causal || p.seqlen_q >= Tiles::kCausalMinRows);
+}
+
+// The forward of head-dim class kD: a soft-capped call takes the capped tiles (FwdCapTraitsSm90) where the head dim
+// has them and the call their shape; otherwise the wide-tile variant (FwdWideTraitsSm90) likewise; else the default
+// tiles. Segment-id tests and the soft cap are compiled in only for calls that have them.
 template <typename T, int kD, SegmentMode kSegments, bool kSoftCap, bool kFixedReference>
 cudaError_t launch_fwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
   if constexpr (kSoftCap && FwdCapTraitsSm90<kD>::kAvailable) {
-    if (!p.causal && p.window_left < 0 && p.window_right < 0) {
+    if (takes_three_warpgroup_tiles<FwdCapTraitsSm90<kD>>(p)) {
       return launch_fwd_sm90_tiles<T, FwdCapTraitsSm90<kD>, kSegments, kSoftCap, kFixedReference>(p, stream);
     }
   }
   if constexpr (FwdWideTraitsSm90<kD>::kAvailable) {
-    const bool long_causal = p.causal && p.seqlen_q >= FwdWideTraitsSm90<kD>::kCausalMinRows;
-    if ((!p.causal || long_causal) && p.window_left < 0 && p.window_right < 0) {
+    if (takes_three_warpgroup_tiles<FwdWideTraitsSm90<kD>>(p)) {
       return launch_fwd_sm90_tiles<T, FwdWideTraitsSm90<kD>, kSegments, kSoftCap, kFixedReference>(p, stream);
     }
   }

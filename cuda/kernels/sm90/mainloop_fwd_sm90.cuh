@@ -31,8 +31,9 @@
 namespace jax_flash::cuda::sm90 {
 
 // Ping-pong between kGroups consumer warpgroups: warpgroup cw waits on barrier kPingPongBarrier + cw before issuing
-// its wgmma products, then releases the next one (cyclically). Every warpgroup takes the same issue steps for every
-// tile (S_0, then (S_i, PV_{i-1}), then PV_{n-1}), so the turns go round across tiles; open() lets warpgroup 0 go
+// its wgmma products, then releases the next one (cyclically). Every warpgroup takes the same number of turns for
+// every tile (S_0, then (S_i, PV_{i-1}), then PV_{n-1}; a turn without products for a key tile none of its rows
+// sees), so the turns go round across tiles; open() lets warpgroup 0 go
 // first (the last warpgroup's arrival) and close() has warpgroup 0 take that arrival back after its last tile, so
 // every barrier ends balanced. Without kEnabled every call is a no-op.
 template <int kGroups, bool kEnabled>
@@ -169,7 +170,10 @@ struct FwdMainloop {
 
   // ---- consumer role: the key-tile loop of one tile ----------------------------------------------------------
   // Consumer warpgroup cw, warp `warp` of it, lane `lane`; rows [m0, m0 + kBM) see key tiles [n_begin, n_begin +
-  // n_tiles) (n_tiles > 0). kv and q are this CTA's ring positions; both move on past the tile.
+  // n_tiles) (n_tiles > 0), and this warpgroup's own 64 rows the first n_mine of them (0 <= n_mine <= n_tiles;
+  // n_tiles unless Traits::kWarpgroupKeyRange): it computes those and takes an empty ping-pong turn for each of the
+  // rest (the turns go round as if it had computed them), releasing their ring slots once they have landed. kv and
+  // q are this CTA's ring positions; both move on past the tile.
   // Mask: AttentionMask (the forward) or PackedRowsMask (the TMA decode kernel), asked with p.seqlen_q as the row
   // limit (the rows the call stores; rows at or past it never force masking). Two hooks, called by every consumer
   // thread (the forward's do nothing): landed() after each wait for K or V tiles and before the products that read
@@ -177,9 +181,11 @@ struct FwdMainloop {
   // to wgmma's async proxy); before_pv(i, slot) once key tile i's V has landed in ring slot `slot` and before this
   // warpgroup issues its P V product (both warpgroups reach it at the same tile before either issues that product).
   template <typename Mask, typename Landed, typename BeforePv>
-  __device__ __forceinline__ void mma(const Mask& mask, int m0, int n_begin, int n_tiles, int cw, int warp, int lane,
-                                      const PingPongT& pingpong, KVState& kv, QState& q, Accumulators& acc,
+  __device__ __forceinline__ void mma(const Mask& mask, int m0, int n_begin, int n_tiles, int n_mine, int cw, int warp,
+                                      int lane, const PingPongT& pingpong, KVState& kv, QState& q, Accumulators& acc,
                                       Landed&& landed, BeforePv&& before_pv) const {
+    if constexpr (!Traits::kWarpgroupKeyRange) n_mine = n_tiles;
+    const bool any_mine = !Traits::kWarpgroupKeyRange || n_mine > 0;  // (n_tiles > 0)
     const bool lane0 = lane == 0;
     const int g = lane / 4;
     const int t = lane % 4;
@@ -350,27 +356,36 @@ struct FwdMainloop {
     }
     smem.q_ring.consumer_wait(q);
 
-    // Key tile 0: S_0 alone. Key tile i sits at ring position kv + i.
     float correction[2];
-    smem.k_ring.consumer_wait(kv);
-    landed();
-    pingpong.begin_issue();
-    wgmma_fence();
-    issue_s(kv.slot());
-    pingpong.end_issue();
-    const TileMasking how0 = masking(std::true_type{}, row0, n_begin * kBN);
-    wgmma_wait<0>();
-    fence_regs(acc_s);
-    if (lane0) smem.k_ring.consumer_release(kv);
-    softmax(std::true_type{}, how0, row0, n_begin * kBN, correction);
-    convert_p();
+    if (any_mine) {
+      // Key tile 0: S_0 alone. Key tile i sits at ring position kv + i.
+      smem.k_ring.consumer_wait(kv);
+      landed();
+      pingpong.begin_issue();
+      wgmma_fence();
+      issue_s(kv.slot());
+      pingpong.end_issue();
+      const TileMasking how0 = masking(std::true_type{}, row0, n_begin * kBN);
+      wgmma_wait<0>();
+      fence_regs(acc_s);
+      if (lane0) smem.k_ring.consumer_release(kv);
+      softmax(std::true_type{}, how0, row0, n_begin * kBN, correction);
+      convert_p();
+    } else {  // S_0's turn, empty
+      pingpong.begin_issue();
+      pingpong.end_issue();
+    }
 
     // Key tiles [full_begin, full_end) (from n_begin; the first one, already done, excluded) are visible to every
-    // row of the block: their steps carry no mask code.
+    // row of the block: their steps carry no mask code. This warpgroup's steps end at n_mine.
     int full_begin, full_end;
     mask.unmasked_blocks(m0, m0 + kBM, p.seqlen_q, kBN, n_begin, n_begin + n_tiles, &full_begin, &full_end);
     full_begin = imax(full_begin - n_begin, 1);
     full_end = imax(full_end - n_begin, full_begin);
+    if constexpr (Traits::kWarpgroupKeyRange) {
+      full_begin = imin(full_begin, n_mine);
+      full_end = imin(full_end, n_mine);
+    }
     auto step = [&](int i, auto masked) {
       const KVState ki = kv.ahead(i);        // S_i's K
       const KVState kp = kv.ahead(i - 1);    // PV_{i-1}'s V
@@ -409,24 +424,40 @@ struct FwdMainloop {
     };
     for (int i = 1; i < full_begin; ++i) step(i, std::true_type{});
     for (int i = full_begin; i < full_end; ++i) step(i, std::false_type{});
-    for (int i = full_end; i < n_tiles; ++i) step(i, std::true_type{});
+    for (int i = full_end; i < n_mine; ++i) step(i, std::true_type{});
     if (lane0) smem.q_ring.consumer_release(q);  // every S of the tile is done: the producer may load the next Q
     q.advance();
 
-    // Last PV.
+    // Last PV (of this warpgroup's last key tile).
+    if (any_mine) {
+      const KVState last = kv.ahead(n_mine - 1);
+      smem.v_ring.consumer_wait(last);
+      landed();
+      before_pv(n_mine - 1, last.slot());
+      pingpong.begin_issue();
+      wgmma_fence();
+      issue_pv(last.slot());
+      pingpong.end_issue();
+      wgmma_wait<0>();
+      fence_regs(acc.o);
+      fence_regs(a_p);
+      if (lane0) smem.v_ring.consumer_release(last);
+    }
+    // The key tiles none of this warpgroup's rows sees: an empty turn each, then their K and V slots released once
+    // loaded (an arrival before the load's would count toward the slot's previous use, which the other warpgroups
+    // may still be reading).
+    if constexpr (Traits::kWarpgroupKeyRange) {
+      for (int i = n_mine; i < n_tiles; ++i) {
+        pingpong.begin_issue();
+        pingpong.end_issue();
+        const KVState ki = kv.ahead(i);
+        smem.k_ring.consumer_wait(ki);
+        if (lane0) smem.k_ring.consumer_release(ki);
+        smem.v_ring.consumer_wait(ki);
+        if (lane0) smem.v_ring.consumer_release(ki);
+      }
+    }
     kv.advance(n_tiles);
-    const KVState last = kv.ahead(-1);
-    smem.v_ring.consumer_wait(last);
-    landed();
-    before_pv(n_tiles - 1, last.slot());
-    pingpong.begin_issue();
-    wgmma_fence();
-    issue_pv(last.slot());
-    pingpong.end_issue();
-    wgmma_wait<0>();
-    fence_regs(acc.o);
-    fence_regs(a_p);
-    if (lane0) smem.v_ring.consumer_release(last);
     if constexpr (kFixedReference) {  // the sums are relative to 2^reference: reference / scale_log2 in raw logits
       acc.row_max[0] = acc.row_max[1] = reference / p.scale_log2;
     } else if constexpr (kSoftCap) {  // the running max back in raw logits (-inf and nan stay)
