@@ -107,6 +107,9 @@ CASES = {
                                          amp=4.0),
     "softcap_causal_long_mixed_runs_and_ids_d128": dict(batch=2, t=8195, s=8195, n=2, k=1, h=128, is_causal=True,
                                                         segments="mixed", sinks=True, softcap=20.0, gpu_only=True),
+    # Without segment ids the grid walks single blocks in a snake (FwdTileScheduler::snake): GQA, sinks.
+    "softcap_causal_long_gqa_d128": dict(batch=1, t=8195, s=8195, n=4, k=2, h=128, is_causal=True, sinks=True,
+                                         softcap=30.0, gpu_only=True),
     "softcap_long_saturated_d128": dict(batch=1, t=200, s=700, n=2, k=1, h=128, softcap=50.0, amp=12.0),
     "softcap_long_causal_d64": dict(batch=1, t=700, s=700, n=2, k=2, h=64, is_causal=True, softcap=20.0, amp=3.0),
     "softcap_long_d256": dict(batch=1, t=300, s=300, n=2, k=1, h=256, softcap=10.0, amp=2.0),

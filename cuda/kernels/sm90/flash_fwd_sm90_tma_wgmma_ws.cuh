@@ -40,7 +40,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using Storage = typename Traits::SharedStorage;
 
   Storage& smem = shared_storage<Storage>();
-  const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent);
+  const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent,
+                               Traits::kSpreadCausal && kSegments == SegmentMode::kNone);
   const Mainloop mainloop{p, smem};
   const int tid = threadIdx.x;
 
@@ -51,6 +52,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // 4 x 8192 x 16 x 128 on an H200).
   auto for_each_tile = [&](auto&& fn) {
     if constexpr (Traits::kPersistent) {
+      if constexpr (Traits::kSpreadCausal && kSegments == SegmentMode::kNone) {  // the snake where the call has one
+        for (int r = 0; int64_t(r) * gridDim.x < sched.units; ++r) {
+          const int64_t u = sched.unit_of(blockIdx.x, r, gridDim.x);
+          if (u >= sched.units) break;  // (the last round's)
+          for (int k = 0; k < sched.tiles(int(u)); ++k) fn(sched.tile(int(u), k));
+        }
+        return;
+      }
       [[maybe_unused]] int asked_b = -1;
       [[maybe_unused]] bool takes = true;
       for (int u = blockIdx.x; u < sched.units; u += gridDim.x) {

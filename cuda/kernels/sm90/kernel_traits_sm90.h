@@ -48,6 +48,9 @@ struct FwdTraitsSm90<64> {
   // the rest of the block's (FwdMainloop::mma's n_mine): with 128-row blocks and 128-key tiles no causal diagonal
   // tile is unseen by a warpgroup, so only the capped tiles take it.
   static constexpr bool kWarpgroupKeyRange = false;
+  // Causal calls without segment ids: single blocks in one heavy-first order, walked in a snake
+  // (FwdTileScheduler::snake) instead of heavy-light pairs round-robin.
+  static constexpr bool kSpreadCausal = false;
 };
 
 template <>
@@ -62,6 +65,7 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
+  static constexpr bool kSpreadCausal = false;       // (FwdTraitsSm90<64>)
 };
 
 // A second tile choice for attention without a causal or window mask (every key tile but the last unmasked), used
@@ -118,8 +122,13 @@ struct FwdCapTraitsSm90<128> : FwdTraitsSm90<128> {
   // computes only its own (and a warpgroup whose rows all lie past seqlen_q computes none).
   static constexpr bool kWarpgroupKeyRange = true;
   // Causal: with kWarpgroupKeyRange faster than two warpgroups from 8192 rows (H200, NOTES session 61: +1 % at 8192
-  // rows with 16 heads and 16384, +7 % at 8192 with GQA 32/8), level at 4096, 5 % slower at 1024.
+  // rows with 16 heads and 16384, +7 % at 8192 with GQA 32/8, before the snake below), level at 4096, 5 % slower at
+  // 1024.
   static constexpr int kCausalMinRows = 8192;
+  // Their causal grids (>= 8192 rows) walk single blocks in a snake: pairs of 192-row blocks left 4-13 % of the CTAs'
+  // rounds idle there (704 units on 132 CTAs at 2 x 8192 x 16: 6 rounds for 5.33); measured 1.5-5.6 % faster (H200,
+  // NOTES session 61), while at 1024-4096 rows the snake was 4-8 % slower than pairs.
+  static constexpr bool kSpreadCausal = true;
 };
 
 template <>
@@ -135,6 +144,7 @@ struct FwdTraitsSm90<256> {
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
+  static constexpr bool kSpreadCausal = false;       // (FwdTraitsSm90<64>)
 };
 
 // The TMA decode kernel (flash_decode_tma_sm90.cuh) of head-dim class kD: the forward's tiles (128 packed rows in

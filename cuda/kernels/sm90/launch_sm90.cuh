@@ -36,7 +36,8 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
     }
   }
   // Persistent: as many CTAs as fit on the device at once (one per SM), or one per work unit if fewer.
-  const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent);
+  const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent,
+                               Traits::kSpreadCausal && kSegments == SegmentMode::kNone);
   if (!sched.units_fit()) return cudaErrorInvalidConfiguration;
   const int units = sched.units;
   if (units == 0) return cudaSuccess;
