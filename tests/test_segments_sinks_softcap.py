@@ -96,8 +96,8 @@ CASES = {
     # Causal capped d128: below 8192 query rows on two warpgroups (mixed runs and ids with sinks, query and key
     # lengths, Sq > Sk, Sq < Sk); from 8192 on the three above (gpu_only: the float64 reference of 2 x 2 x 8195^2
     # scores would take the CPU pass minutes), each warpgroup computing only the key tiles up to its own rows' last
-    # (a 192-row diagonal's three 64-key tiles are seen by one, two and three of them; a last block of 131 rows
-    # leaves one warpgroup none).
+    # (a 192-row diagonal's three 64-key tiles are seen by one, two and three of them; a last block of 131 rows, its
+    # third warpgroup's 3). Warpgroups without rows: the non-causal cases above (last blocks of 66 and 8 rows).
     "softcap_causal_mixed_runs_and_ids_d128": dict(batch=2, t=450, s=450, n=4, k=2, h=128, is_causal=True,
                                                    segments="mixed", sinks=True, softcap=20.0),
     "softcap_causal_lengths_d128": dict(batch=3, t=400, s=400, n=4, k=2, h=128, is_causal=True, softcap=30.0,

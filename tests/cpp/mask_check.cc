@@ -48,7 +48,9 @@ int main() {
         for (int i = row_begin; i < row_end; ++i) {
           for (int j = 0; j < kKeys; ++j) {
             ++cases;
-            if (mask.visible(i, j) && j >= key_end) fail("interval_key_end", causal, left, right, q_len, kv_len, i, j);
+            if (mask.visible(i, j) && j >= key_end) {
+              fail("interval_key_end", causal, left, right, q_len, kv_len, i, j);
+            }
           }
         }
       }

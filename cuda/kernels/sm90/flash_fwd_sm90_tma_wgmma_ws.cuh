@@ -3,10 +3,11 @@
 // warpgroups that each compute 64 query rows of a tile (FwdMainloop::mma: wgmma and the online softmax) and store
 // them (FwdEpilogue::store).
 //
-// Tiles come from FwdTileScheduler (tile_scheduler_fwd.cuh). Persistent (Traits::kPersistent): at most one CTA per
-// SM, CTA c works through the units c, c + gridDim.x, ...; otherwise a CTA per unit. The K/V rings and their
-// mbarrier phases run on across a CTA's tiles, and the next tile's Q loads once every S of the current tile is done,
-// so the next tile's loads overlap the last PV product and the epilogue.
+// Tiles come from FwdTileScheduler (tile_scheduler_fwd.cuh). Persistent (Traits::kPersistent): at most one CTA per SM,
+// CTA c works through the units c, c + gridDim.x, ... (or, in round r, unit_of(c, r): FwdTileScheduler::snake);
+// otherwise a CTA per unit. The K/V rings and their mbarrier phases run on across a CTA's tiles, and the next tile's Q
+// loads once every S of the current tile is done, so the next tile's loads overlap the last PV product and the
+// epilogue.
 //
 // TMA tensor maps view q and o as (head_dim, seqlen_q, heads_q, batch) in boxes of kColBlock columns x tile rows, and
 // k, v likewise with heads_kv; out-of-range rows and columns load as zeros (and are masked) and are not stored, so

@@ -45,8 +45,9 @@ struct FwdTraitsSm90<64> {
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
   static constexpr bool kPersistent = true;  // faster on short sequences than a CTA per tile, equal on long ones
   // Each consumer warpgroup computes only the key tiles its own 64 rows see and takes empty ping-pong turns for
-  // the rest of the block's (FwdMainloop::mma's n_mine): with 128-row blocks and 128-key tiles no causal diagonal
-  // tile is unseen by a warpgroup, so only the capped tiles take it.
+  // the rest of the block's (FwdMainloop::mma's n_mine): with 128-row blocks and 128-key tiles every warpgroup sees
+  // every diagonal tile, so the two-warpgroup tiles leave it off; the capped tiles take it (the d64 wide kernel's
+  // causal grids have not been measured with it).
   static constexpr bool kWarpgroupKeyRange = false;
   // Causal calls without segment ids: single blocks in one heavy-first order, walked in a snake
   // (FwdTileScheduler::snake) instead of heavy-light pairs round-robin.

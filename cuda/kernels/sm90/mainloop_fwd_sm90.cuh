@@ -179,7 +179,8 @@ struct FwdMainloop {
   // thread (the forward's do nothing): landed() after each wait for K or V tiles and before the products that read
   // them are issued (the TMA decode kernel's paged caches, gathered with cp.async in the generic proxy, fence there
   // to wgmma's async proxy); before_pv(i, slot) once key tile i's V has landed in ring slot `slot` and before this
-  // warpgroup issues its P V product (both warpgroups reach it at the same tile before either issues that product).
+  // warpgroup issues its P V product (both warpgroups reach it at the same tile before either issues that product;
+  // the hooks' one user, the TMA decode kernel, passes n_mine = n_tiles).
   template <typename Mask, typename Landed, typename BeforePv>
   __device__ __forceinline__ void mma(const Mask& mask, int m0, int n_begin, int n_tiles, int n_mine, int cw, int warp,
                                       int lane, const PingPongT& pingpong, KVState& kv, QState& q, Accumulators& acc,
