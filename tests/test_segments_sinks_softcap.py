@@ -93,11 +93,12 @@ CASES = {
                                                       sinks=True, softcap=20.0),
     "softcap_packed_sq_ne_sk_d128": dict(batch=2, t=200, s=450, n=4, k=2, h=128, segments="packed_kv_longer",
                                          softcap=30.0),
-    # Causal capped d128: below 8192 query rows on two warpgroups (mixed runs and ids with sinks, query and key
-    # lengths, Sq > Sk, Sq < Sk); from 8192 on the three above (gpu_only: the float64 reference of 2 x 2 x 8195^2
-    # scores would take the CPU pass minutes), each warpgroup computing only the key tiles up to its own rows' last
-    # (a 192-row diagonal's three 64-key tiles are seen by one, two and three of them; a last block of 131 rows, its
-    # third warpgroup's 3). Warpgroups without rows: the non-causal cases above (last blocks of 66 and 8 rows).
+    # Causal capped d128: below 4096 query rows on two warpgroups (mixed runs and ids with sinks, query and key
+    # lengths, Sq > Sk, Sq < Sk); from 4096 on the three above as a CTA per block (gpu_only: the float64 reference
+    # of 2 x 2 x 8195^2 scores would take the CPU pass minutes), each warpgroup computing only the key tiles up to its
+    # own rows' last (a 192-row diagonal's three 64-key tiles are seen by one, two and three of them; a last block of
+    # 131 rows, its third warpgroup's 3; rows past a query length, none): mixed runs and ids with sinks, and GQA with
+    # sinks and query/key lengths.
     "softcap_causal_mixed_runs_and_ids_d128": dict(batch=2, t=450, s=450, n=4, k=2, h=128, is_causal=True,
                                                    segments="mixed", sinks=True, softcap=20.0),
     "softcap_causal_lengths_d128": dict(batch=3, t=400, s=400, n=4, k=2, h=128, is_causal=True, softcap=30.0,
@@ -107,9 +108,9 @@ CASES = {
                                          amp=4.0),
     "softcap_causal_long_mixed_runs_and_ids_d128": dict(batch=2, t=8195, s=8195, n=2, k=1, h=128, is_causal=True,
                                                         segments="mixed", sinks=True, softcap=20.0, gpu_only=True),
-    # Without segment ids the grid walks single blocks in a snake (FwdTileScheduler::snake): GQA, sinks.
-    "softcap_causal_long_gqa_d128": dict(batch=1, t=8195, s=8195, n=4, k=2, h=128, is_causal=True, sinks=True,
-                                         softcap=30.0, gpu_only=True),
+    "softcap_causal_long_gqa_lengths_d128": dict(batch=2, t=4300, s=4300, n=4, k=2, h=128, is_causal=True,
+                                                 sinks=True, softcap=30.0, q_lens=(4300, 1000), kv_lens=(4300, 999),
+                                                 gpu_only=True),
     "softcap_long_saturated_d128": dict(batch=1, t=200, s=700, n=2, k=1, h=128, softcap=50.0, amp=12.0),
     "softcap_long_causal_d64": dict(batch=1, t=700, s=700, n=2, k=2, h=64, is_causal=True, softcap=20.0, amp=3.0),
     "softcap_long_d256": dict(batch=1, t=300, s=300, n=2, k=1, h=256, softcap=10.0, amp=2.0),

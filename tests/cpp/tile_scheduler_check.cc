@@ -245,39 +245,14 @@ int main() {
         for (int block_m = 1; block_m <= 3; ++block_m) {
           for (int persistent = 0; persistent < 2; ++persistent) {
             for (int causal = 0; causal < 2; ++causal) {
-              for (int variant = 0; variant < 32; ++variant) {
+              for (int variant = 0; variant < 16; ++variant) {
                 const int group_units = kGroupUnits[variant % 4];
                 const int min_blocks = variant / 4 % 2 ? 3 : 1;
-                const int window_left = variant / 8 % 2 ? 1 : -1;
-                const bool spread = variant / 16;
+                const int window_left = variant / 8 ? 1 : -1;
                 FlashParams p{};
                 p.batch = batch, p.seqlen_q = seqlen_q, p.heads_q = heads, p.causal = causal;
                 p.window_left = window_left, p.window_right = -1;
-                const FwdTileScheduler s(p, block_m, persistent, spread, group_units, min_blocks);
-                // The snake: persistent, causal without a window, and asked for; single blocks in one heavy-first
-                // order over every (batch, head); its walk gives each unit to one CTA of one round.
-                const bool snake = persistent && causal && window_left < 0 && spread;
-                if (s.snake != snake || (snake && s.paired)) fail("snake mode", batch, heads, seqlen_q, block_m,
-                                                                  persistent, causal);
-                for (int ctas = 1; snake && ctas <= 5; ++ctas) {
-                  std::vector<int> taken(size_t(s.units), 0);
-                  for (int k = 0; int64_t(k) * ctas < s.units; ++k) {
-                    for (int c = 0; c < ctas; ++c) {
-                      const int64_t u = s.unit_of(c, k, ctas);
-                      if (u < int64_t(k) * ctas || u >= int64_t(k + 1) * ctas) fail("snake unit outside its round",
-                                                                                    batch, heads, seqlen_q, block_m,
-                                                                                    persistent, causal);
-                      else if (u < s.units) ++taken[size_t(u)];
-                    }
-                  }
-                  for (int n : taken) {
-                    if (n != 1) {
-                      fail("snake walk: a unit not taken exactly once", batch, heads, seqlen_q, block_m, persistent,
-                           causal);
-                      break;
-                    }
-                  }
-                }
+                const FwdTileScheduler s(p, block_m, persistent, group_units, min_blocks);
                 ++cases;
                 const int m_blocks = (seqlen_q + block_m - 1) / block_m;
                 if (!s.units_fit() || s.units != s.units_wide) fail("unit count", batch, heads, seqlen_q, block_m,
@@ -295,14 +270,11 @@ int main() {
                   if (s.tiles(u) == 2 && s.tile(u, 0).m_block <= s.tile(u, 1).m_block) {
                     fail("pair not heaviest first", batch, heads, seqlen_q, block_m, persistent, causal);
                   }
-                  if (!persistent || snake) {
-                    // Grouped across heads only under a causal mask without a window, min_blocks blocks or more; the
-                    // snake in one group of every head.
-                    const bool grouped = causal && window_left < 0 && (snake || m_blocks >= min_blocks);
+                  if (!persistent) {
+                    // Grouped across heads only under a causal mask without a window, min_blocks blocks or more.
+                    const bool grouped = causal && window_left < 0 && m_blocks >= min_blocks;
                     int rank = u % m_blocks, hb = u / m_blocks;  // otherwise heads one after another
-                    if (grouped) {
-                      HeavyFirstOrder::make(m_blocks, heads * batch, snake ? s.units : group_units).at(u, &rank, &hb);
-                    }
+                    if (grouped) HeavyFirstOrder::make(m_blocks, heads * batch, group_units).at(u, &rank, &hb);
                     const FwdTile t = s.tile(u, 0);
                     if (t.m_block != m_blocks - 1 - rank || t.h != hb % heads || t.b != hb / heads) {
                       fail("not the heavy-first order", batch, heads, seqlen_q, block_m, persistent, causal);

@@ -3,11 +3,10 @@
 // warpgroups that each compute 64 query rows of a tile (FwdMainloop::mma: wgmma and the online softmax) and store
 // them (FwdEpilogue::store).
 //
-// Tiles come from FwdTileScheduler (tile_scheduler_fwd.cuh). Persistent (Traits::kPersistent): at most one CTA per SM,
-// CTA c works through the units c, c + gridDim.x, ... (or, in round r, unit_of(c, r): FwdTileScheduler::snake);
-// otherwise a CTA per unit. The K/V rings and their mbarrier phases run on across a CTA's tiles, and the next tile's Q
-// loads once every S of the current tile is done, so the next tile's loads overlap the last PV product and the
-// epilogue.
+// Tiles come from FwdTileScheduler (tile_scheduler_fwd.cuh). Persistent (Traits::kPersistent): at most one CTA per
+// SM, CTA c works through the units c, c + gridDim.x, ...; otherwise a CTA per unit. The K/V rings and their
+// mbarrier phases run on across a CTA's tiles, and the next tile's Q loads once every S of the current tile is done,
+// so the next tile's loads overlap the last PV product and the epilogue.
 //
 // TMA tensor maps view q and o as (head_dim, seqlen_q, heads_q, batch) in boxes of kColBlock columns x tile rows, and
 // k, v likewise with heads_kv; out-of-range rows and columns load as zeros (and are masked) and are not stored, so
@@ -41,8 +40,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using Storage = typename Traits::SharedStorage;
 
   Storage& smem = shared_storage<Storage>();
-  const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent,
-                               Traits::kSpreadCausal && kSegments == SegmentMode::kNone);
+  const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent);
   const Mainloop mainloop{p, smem};
   const int tid = threadIdx.x;
 
@@ -53,14 +51,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // 4 x 8192 x 16 x 128 on an H200).
   auto for_each_tile = [&](auto&& fn) {
     if constexpr (Traits::kPersistent) {
-      if constexpr (Traits::kSpreadCausal && kSegments == SegmentMode::kNone) {  // the snake where the call has one
-        for (int r = 0; int64_t(r) * gridDim.x < sched.units; ++r) {
-          const int64_t u = sched.unit_of(blockIdx.x, r, gridDim.x);
-          if (u >= sched.units) break;  // (the last round's)
-          for (int k = 0; k < sched.tiles(int(u)); ++k) fn(sched.tile(int(u), k));
-        }
-        return;
-      }
       [[maybe_unused]] int asked_b = -1;
       [[maybe_unused]] bool takes = true;
       for (int u = blockIdx.x; u < sched.units; u += gridDim.x) {

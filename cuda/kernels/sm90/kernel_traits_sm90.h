@@ -49,9 +49,6 @@ struct FwdTraitsSm90<64> {
   // every diagonal tile, so the two-warpgroup tiles leave it off; the capped tiles take it (the d64 wide kernel's
   // causal grids have not been measured with it).
   static constexpr bool kWarpgroupKeyRange = false;
-  // Causal calls without segment ids: single blocks in one heavy-first order, walked in a snake
-  // (FwdTileScheduler::snake) instead of heavy-light pairs round-robin.
-  static constexpr bool kSpreadCausal = false;
 };
 
 template <>
@@ -66,7 +63,6 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
-  static constexpr bool kSpreadCausal = false;       // (FwdTraitsSm90<64>)
 };
 
 // A second tile choice for attention without a causal or window mask (every key tile but the last unmasked), used
@@ -95,17 +91,16 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
   static constexpr int kCausalMinRows = 8192;
 };
 
-// A third tile choice, for soft-capped attention without a window mask, unmasked or causal over at least kCausalMinRows
-// query rows (kAvailable says which head dims have one). A capped score costs two MUFU operations (tanh and exp2, 16 a
-// clock an SM each), which at head dim 128 take as long as the score's share of its two products on the tensor pipe
-// (4096 FLOP a clock an SM): with two warpgroups taking turns, one pipe waits whenever a turn ends early. Three
-// consumer warpgroups keep a third softmax or product queued; in their 160 registers S is 64 keys wide. Measured (H200,
-// NOTES session 60): capped forward 6-7 % faster without a mask; causal slower (4096 rows 4 %, 1024 rows 12 %; a
-// 192-row diagonal takes three masked 64-key steps a tile), and 1 % slower at 8192 causal rows with 16 heads, until
-// each warpgroup computed only the key tiles its own rows see (kWarpgroupKeyRange, below). The plain forward on these
-// tiles: 7-12 % slower (its MUFU stream is half the tensor time, and S = Q K^T as m64n64k16 reads both operands at the
-// shared memory's full rate). A fourth stage, the softmax under P V (kSoftmaxUnderPv), 80-key tiles and issuing without
-// ping-pong turns each measured level with these tiles.
+// A third tile choice, for soft-capped attention without a window mask (kAvailable says which head dims have one):
+// FwdCapTraitsSm90 for calls without a causal mask, FwdCapCausalTraitsSm90 for causal calls of at least its
+// kCausalMinRows query rows. A capped score costs two MUFU operations (tanh and exp2, 16 a clock an SM each), which at
+// head dim 128 take as long as the score's share of its two products on the tensor pipe (4096 FLOP a clock an SM):
+// with two warpgroups taking turns, one pipe waits whenever a turn ends early. Three consumer warpgroups keep a third
+// softmax or product queued; in their 160 registers S is 64 keys wide. Measured (H200, NOTES session 60): capped
+// forward 6-7 % faster without a mask. The plain forward on these tiles: 7-12 % slower (its MUFU stream is half the
+// tensor time, and S = Q K^T as m64n64k16 reads both operands at the shared memory's full rate). A fourth stage, the
+// softmax under P V (kSoftmaxUnderPv), 80-key tiles and issuing without ping-pong turns each measured level with these
+// tiles.
 template <int kHeadDim_>
 struct FwdCapTraitsSm90 {
   static constexpr bool kAvailable = false;
@@ -122,14 +117,28 @@ struct FwdCapTraitsSm90<128> : FwdTraitsSm90<128> {
   // A causal 192-row block's last three 64-key tiles are seen by one, two and three of its warpgroups: each
   // computes only its own (and a warpgroup whose rows all lie past seqlen_q computes none).
   static constexpr bool kWarpgroupKeyRange = true;
-  // Causal: with kWarpgroupKeyRange faster than two warpgroups from 8192 rows (H200, NOTES session 61: +1 % at 8192
-  // rows with 16 heads and 16384, +7 % at 8192 with GQA 32/8, before the snake below), level at 4096, 5 % slower at
-  // 1024.
-  static constexpr int kCausalMinRows = 8192;
-  // Their causal grids (>= 8192 rows) walk single blocks in a snake: pairs of 192-row blocks left 4-13 % of the CTAs'
-  // rounds idle there (704 units on 132 CTAs at 2 x 8192 x 16: 6 rounds for 5.33); measured 1.5-5.6 % faster (H200,
-  // NOTES session 61), while at 1024-4096 rows the snake was 4-8 % slower than pairs.
-  static constexpr bool kSpreadCausal = true;
+  static constexpr int kCausalMinRows = INT_MAX;  // causal calls: FwdCapCausalTraitsSm90
+};
+
+// The capped tiles for causal calls, as a CTA per 192-row block: the hardware starts CTAs in the scheduler's
+// heavy-first order (HeavyFirstOrder: groups of a few heads) on whichever SM frees up first, a dynamic balance
+// without a work counter. The persistent grid's heavy-light pairs leave rounds part-idle (4 x 4096 x 16: 704 pairs on
+// 132 CTAs, 6 rounds for 5.33), and single blocks walked in a snake across every head lost on K/V locality below
+// 8192 rows (NOTES session 61). The cost, each CTA's prologue (barriers, Q and the first K/V tiles) no longer under
+// the previous tile's epilogue, outweighs the balance on shorter heads. Capped causal forward (H200, NOTES session
+// 62), against two warpgroups: 4096 rows x1.018 (16 heads) and x1.065 (GQA 32/8), 2048 rows x0.989, 1024 rows
+// x0.944; against the snake on the persistent grid: 2 x 8192 x 16 x1.036, 1 x 16384 x1.023, GQA 2 x 8192 x1.005.
+// Without a mask the persistent grid stays ahead (4 x 4096 x 16: a CTA per block x0.984).
+template <int kHeadDim_>
+struct FwdCapCausalTraitsSm90 {
+  static constexpr bool kAvailable = false;
+  static constexpr int kCausalMinRows = INT_MAX;
+};
+
+template <>
+struct FwdCapCausalTraitsSm90<128> : FwdCapTraitsSm90<128> {
+  static constexpr int kCausalMinRows = 4096;
+  static constexpr bool kPersistent = false;
 };
 
 template <>
@@ -145,7 +154,6 @@ struct FwdTraitsSm90<256> {
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
-  static constexpr bool kSpreadCausal = false;       // (FwdTraitsSm90<64>)
 };
 
 // The TMA decode kernel (flash_decode_tma_sm90.cuh) of head-dim class kD: the forward's tiles (128 packed rows in

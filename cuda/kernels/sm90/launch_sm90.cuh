@@ -36,8 +36,7 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
     }
   }
   // Persistent: as many CTAs as fit on the device at once (one per SM), or one per work unit if fewer.
-  const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent,
-                               Traits::kSpreadCausal && kSegments == SegmentMode::kNone);
+  const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent);
   if (!sched.units_fit()) return cudaErrorInvalidConfiguration;
   const int units = sched.units;
   if (units == 0) return cudaSuccess;
@@ -61,14 +60,19 @@ bool takes_three_warpgroup_tiles(const FlashParams& p) {
   return p.window_left < 0 && p.window_right < 0 && (!p.causal || p.seqlen_q >= Tiles::kCausalMinRows);
 }
 
-// The forward of head-dim class kD: a soft-capped call takes the capped tiles (FwdCapTraitsSm90) where the head dim
-// has them and the call their shape; otherwise the wide-tile variant (FwdWideTraitsSm90) likewise; else the default
-// tiles. Segment-id tests and the soft cap are compiled in only for calls that have them.
+// The forward of head-dim class kD: a soft-capped call takes the capped tiles where the head dim has them and the
+// call their shape (FwdCapTraitsSm90 without a causal mask, FwdCapCausalTraitsSm90 with one); otherwise the wide-tile
+// variant (FwdWideTraitsSm90) likewise; else the default tiles. Segment-id tests and the soft cap are compiled in only for calls that have them.
 template <typename T, int kD, SegmentMode kSegments, bool kSoftCap, bool kFixedReference>
 cudaError_t launch_fwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
   if constexpr (kSoftCap && FwdCapTraitsSm90<kD>::kAvailable) {
     if (takes_three_warpgroup_tiles<FwdCapTraitsSm90<kD>>(p)) {
       return launch_fwd_sm90_tiles<T, FwdCapTraitsSm90<kD>, kSegments, kSoftCap, kFixedReference>(p, stream);
+    }
+    if constexpr (FwdCapCausalTraitsSm90<kD>::kAvailable) {
+      if (takes_three_warpgroup_tiles<FwdCapCausalTraitsSm90<kD>>(p)) {
+        return launch_fwd_sm90_tiles<T, FwdCapCausalTraitsSm90<kD>, kSegments, kSoftCap, kFixedReference>(p, stream);
+      }
     }
   }
   if constexpr (FwdWideTraitsSm90<kD>::kAvailable) {

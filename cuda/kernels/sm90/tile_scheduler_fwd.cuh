@@ -7,15 +7,6 @@
 // pairs the heaviest and the lightest block of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the
 // heavier first). Otherwise a unit is one block. A grid of one CTA per unit under a causal mask (no window) with
 // enough query blocks per head takes its units in heaviest-first order across heads (HeavyFirstOrder below).
-//
-// Pairs balance the rounds but not their count: with U pair units on G CTAs the grid takes ceil(U / G) rounds (the
-// capped d128 forward's 192-row blocks at 2 x 8192 x 16 heads: 704 units, 5.33 rounds of 132, so 6: 87 % of the
-// time busy). A persistent grid that opts in (`spread`: a causal mask without a window) takes single blocks instead,
-// in one heavy-first order over every (batch, head), walked in a snake: in round k CTA c takes unit k G + c, or
-// k G + G - 1 - c for odd k. A round's units are of similar work and alternate rounds pair the heavier end with the
-// lighter, so every CTA's rounds sum to about the mean, and the last round holds the lightest blocks (99 % busy at
-// that shape, modelled). The cost: the CTAs of a round read K and V of every head, not a few; measured (H200, NOTES
-// session 61) 1.5-5.6 % faster than pairs on the capped tiles from 8192 rows, 4-8 % slower at 1024-4096 rows.
 #pragma once
 
 #include <climits>
@@ -88,36 +79,24 @@ struct FwdTileScheduler {
   int64_t units_wide;  // units_per_head * heads_q * batch; launches refuse counts above INT_MAX (units_fit)
   int units;           // the same as an int, what the kernel walks
   bool paired;
-  bool snake;        // a persistent grid's single blocks in one heavy-first order, walked in a snake (above)
-  int group_units;   // a CTA per unit: heavy_first_group_units() (0: heads one after another); snake: every unit;
-                     // else 0
+  int group_units;   // a CTA per unit: heavy_first_group_units() (0: heads one after another); persistent: 0
   bool heavy_first;  // group_units > 0: units in HeavyFirstOrder over every (batch, head)
 
-  // spread: a persistent grid takes the snake walk where the call is causal without a window. The last two
-  // parameters are for the CPU check (tests/cpp/tile_scheduler_check.cc).
-  JF_HD FwdTileScheduler(const FlashParams& p, int block_m, bool persistent, bool spread = false,
+  // The last two parameters are for the CPU check (tests/cpp/tile_scheduler_check.cc).
+  JF_HD FwdTileScheduler(const FlashParams& p, int block_m, bool persistent,
                          int group_units_ = kHeavyFirstGroupUnits, int min_blocks = kHeavyFirstMinBlocks)
       : m_blocks(int((p.seqlen_q + block_m - 1) / block_m)),
-        units_per_head(persistent && p.causal && !(spread && p.window_left < 0) ? (m_blocks + 1) / 2 : m_blocks),
+        units_per_head(persistent && p.causal ? (m_blocks + 1) / 2 : m_blocks),
         heads_q(p.heads_q),
         units_wide(int64_t(units_per_head) * p.heads_q * p.batch),
         units(int(units_wide)),
-        paired(persistent && p.causal && !(spread && p.window_left < 0)),
-        snake(persistent && p.causal && spread && p.window_left < 0),
-        group_units(snake        ? units
-                    : persistent ? 0
-                                 : heavy_first_group_units(m_blocks, p.causal && p.window_left < 0, group_units_,
-                                                           min_blocks)),
+        paired(persistent && p.causal),
+        group_units(persistent ? 0
+                               : heavy_first_group_units(m_blocks, p.causal && p.window_left < 0, group_units_,
+                                                         min_blocks)),
         heavy_first(group_units > 0) {}
 
   JF_HD bool units_fit() const { return units_wide <= INT_MAX; }
-
-  // The unit a persistent CTA `cta` of `ctas` takes in its round `round` (units past the last are none of its): the
-  // snake's, or the round-robin's.
-  JF_HD int64_t unit_of(int cta, int round, int ctas) const {
-    const int64_t base = int64_t(round) * ctas;
-    return base + (snake && round % 2 == 1 ? ctas - 1 - cta : cta);
-  }
 
   // Without the heavy-first order (every persistent grid) units run batch-major: batch element b holds units
   // [b * units_per_batch(), (b + 1) * units_per_batch()).
