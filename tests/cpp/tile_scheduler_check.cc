@@ -3,8 +3,8 @@
 // block rank) than a later one. FwdTileScheduler: walking every unit visits each (query block, head, batch) tile
 // exactly once, a paired unit holds its (batch, head)'s heaviest remaining block first, a grid of one CTA per unit
 // under a causal mask without a window and with min_blocks query blocks or more takes its units in HeavyFirstOrder
-// while any other grid of one CTA per unit takes the heads one after another, and units_fit() refuses unit counts above
-// INT_MAX. BwdTileScheduler (tile_scheduler_bwd.cuh): its units are every (key block, kv head, batch) exactly once,
+// (in groups cut to the query heads whose K and V fit kHeavyFirstGroupKvBytes) while any other grid of one CTA per
+// unit takes the heads one after another, and units_fit() refuses unit counts above INT_MAX. BwdTileScheduler (tile_scheduler_bwd.cuh): its units are every (key block, kv head, batch) exactly once,
 // the key block fastest, except under a causal mask with running CTAs given: then the last tail_groups (batch, kv
 // head)s (about kTailWaves units per CTA, at most all) come last with the key block slowest; each (batch, kv head)'s
 // key blocks in increasing order either way; units_fit() refuses counts the work counter could overflow. Its last
@@ -308,6 +308,28 @@ int main() {
   ++cases;
   if (!FwdTileScheduler(big, 64, false).units_fit()) fail("units below INT_MAX refused", big.batch, big.heads_q,
                                                           big.seqlen_q, 64, 0, 0);
+  // Heavy-first groups cut to the query heads whose K and V fit kHeavyFirstGroupKvBytes (16 MiB), a kv head's query
+  // heads together: (seqlen, head dim, heads_q, heads_kv, block_m) -> group units of a causal grid of a CTA per unit.
+  struct KvCase {
+    int seqlen, head_dim, heads_q, heads_kv, block_m, units;
+  };
+  for (const KvCase& c : {KvCase{4096, 128, 16, 16, 192, 8 * 22},  // 2 MiB a kv head: 8 heads of 22 blocks
+                          KvCase{4096, 128, 32, 8, 192, 512},      // 8 kv heads = 32 query heads: the 512 cap
+                          KvCase{4096, 256, 8, 8, 128, 4 * 32},    // 4 MiB a kv head: 4 heads of 32 blocks
+                          KvCase{16384, 128, 16, 16, 192, 2 * 86},
+                          KvCase{1 << 20, 128, 8, 2, 64 * 1024, 4 * 16},  // past the budget: one kv head's 4 heads
+                          KvCase{4096, 128, 16, 16, 1024, 0}}) {          // 4 blocks a head: not grouped
+    FlashParams p{};
+    p.batch = 2, p.seqlen_q = c.seqlen, p.seqlen_k = c.seqlen, p.heads_q = c.heads_q, p.heads_kv = c.heads_kv;
+    p.head_dim = c.head_dim, p.causal = true, p.window_left = -1, p.window_right = -1;
+    ++cases;
+    const FwdTileScheduler s(p, c.block_m, false);
+    if (s.group_units != c.units) {
+      std::printf("kv-budget group: seqlen %d d %d heads %d/%d block_m %d: %d units, expected %d\n", c.seqlen,
+                  c.head_dim, c.heads_q, c.heads_kv, c.block_m, s.group_units, c.units);
+      ++bad;
+    }
+  }
   if (bad) {
     std::printf("%ld of %ld cases failed\n", bad, cases);
     return 1;

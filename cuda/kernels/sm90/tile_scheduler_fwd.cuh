@@ -23,7 +23,11 @@ namespace jax_flash::cuda {
 // heads' heavy blocks before any light one. One group spanning every head would be the ideal order, but the CTAs
 // running together would then each read a different head's K/V and fewer of those reads would hit in L2; groups of
 // about kHeavyFirstGroupUnits units keep a few heads per wave, and the first group takes the remainder so the last
-// is whole and fills the final waves heaviest first (tools/schedule_model.py models the tail).
+// is whole and fills the final waves heaviest first (tools/schedule_model.py models the tail). A group is cut further
+// to the query heads whose K and V fit in kHeavyFirstGroupKvBytes (heavy_first_kv_units): 512 units of the capped d128
+// tiles at 4096 rows are 24 query heads, 48 MB of K and V without GQA, about the whole L2 (H200, NOTES session 62: groups of 8
+// heads, 16 MB, x1.029 on the capped causal d128 forward at 4 x 4096 x 16 and x1.037 on the d256 causal forward at
+// 4 x 4096 x 8; with GQA 32/8, whose 24 heads read 12 MB, the smaller group was 1 % slower).
 //
 // Grouping only pays where a head has many blocks of falling work; heavy_first_group_units() gives one head per
 // group (the heads one after another, each heaviest block first) otherwise: with few blocks per head a group spans
@@ -31,6 +35,18 @@ namespace jax_flash::cuda {
 // their plain order: this one measured no gain there. (Measurements: NOTES.md, "Scheduling".)
 inline constexpr int kHeavyFirstGroupUnits = 512;  // about four waves of 132 SMs
 inline constexpr int kHeavyFirstMinBlocks = 16;    // blocks per head below which heads are not grouped (above)
+inline constexpr int64_t kHeavyFirstGroupKvBytes = int64_t(16) << 20;  // K and V a group reads: a third of the L2
+
+// group_units cut to the units of the query heads whose K and V (2-byte elements) fit kHeavyFirstGroupKvBytes, all
+// the query heads of a kv head together, one kv head's at the least; group_units as it is where p gives no key shape
+// (the CPU check's calls).
+JF_HD int heavy_first_kv_units(const FlashParams& p, int blocks, int group_units) {
+  const int64_t kv_head_bytes = int64_t(p.seqlen_k) * p.head_dim * 2 * 2;
+  if (kv_head_bytes <= 0 || p.heads_kv <= 0 || p.heads_q < p.heads_kv) return group_units;
+  const int64_t kv_heads = kHeavyFirstGroupKvBytes / kv_head_bytes;
+  const int64_t units = (kv_heads > 1 ? kv_heads : 1) * (p.heads_q / p.heads_kv) * blocks;
+  return units < group_units ? int(units) : group_units;
+}
 
 // HeavyFirstOrder's group size in units for heads of `blocks` blocks: group_units where the work falls with the
 // block rank (a causal mask without a window) and a head has at least min_blocks blocks, else 0 (one head per
@@ -92,7 +108,8 @@ struct FwdTileScheduler {
         units(int(units_wide)),
         paired(persistent && p.causal),
         group_units(persistent ? 0
-                               : heavy_first_group_units(m_blocks, p.causal && p.window_left < 0, group_units_,
+                               : heavy_first_group_units(m_blocks, p.causal && p.window_left < 0,
+                                                         heavy_first_kv_units(p, m_blocks, group_units_),
                                                          min_blocks)),
         heavy_first(group_units > 0) {}
 
