@@ -1,18 +1,18 @@
-// Check of cuda/kernels/sm90/tile_scheduler_fwd.cuh on the CPU, for small shapes and group sizes. HeavyFirstOrder: every
-// (block, head) exactly once; heads in contiguous groups, the last one whole; inside a group no unit is lighter (higher
-// block rank) than a later one. FwdTileScheduler: walking every unit visits each (query block, head, batch) tile
-// exactly once, a paired unit holds its (batch, head)'s heaviest remaining block first, a grid of one CTA per unit
-// under a causal mask without a window and with min_blocks query blocks or more takes its units in HeavyFirstOrder
-// (in groups cut to the query heads whose K and V fit kHeavyFirstGroupKvBytes) while any other grid of one CTA per
-// unit takes the heads one after another, and units_fit() refuses unit counts above INT_MAX. BwdTileScheduler (tile_scheduler_bwd.cuh): its units are every (key block, kv head, batch) exactly once,
-// the key block fastest, except under a causal mask with running CTAs given: then the last tail_groups (batch, kv
-// head)s (about kTailWaves units per CTA, at most all) come last with the key block slowest; each (batch, kv head)'s
-// key blocks in increasing order either way; units_fit() refuses counts the work counter could overflow. Its last
-// round: with units of equal work and running CTAs given, the last units mod CTAs units are handed out as 2 to
-// kMaxParts parts each, the fewest that end the round soonest with shares of at least kMinPartIters iterations
-// (every index once: whole units one part, split units each part once, their flags in range), and part_range splits
-// a walk into ordered, disjoint shares that cover it. Prints "ok <cases>" or the first
-// failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
+// Check of cuda/kernels/sm90/tile_scheduler_fwd.cuh on the CPU, for small shapes and group sizes. HeavyFirstOrder:
+// every (block, head) exactly once; heads in contiguous groups, the last one whole; inside a group no unit is lighter
+// (higher block rank) than a later one. FwdTileScheduler: walking every unit visits each (query block, head, batch)
+// tile exactly once, a paired unit holds its (batch, head)'s heaviest remaining block first, a grid of one CTA per unit
+// under a causal mask without a window and with min_blocks query blocks or more takes its units in HeavyFirstOrder (in
+// groups cut to the query heads whose K and V fit kHeavyFirstGroupKvBytes) while any other grid of one CTA per unit
+// takes the heads one after another, and units_fit() refuses unit counts above INT_MAX. BwdTileScheduler
+// (tile_scheduler_bwd.cuh): its units are every (key block, kv head, batch) exactly once, the key block fastest, except
+// under a causal mask with running CTAs given: then the last tail_groups (batch, kv head)s (about kTailWaves units per
+// CTA, at most all) come last with the key block slowest; each (batch, kv head)'s key blocks in increasing order either
+// way; units_fit() refuses counts the work counter could overflow. Its last round: with units of equal work and running
+// CTAs given, the last units mod CTAs units are handed out as 2 to kMaxParts parts each, the fewest that end the round
+// soonest with shares of at least kMinPartIters iterations (every index once: whole units one part, split units each
+// part once, their flags in range), and part_range splits a walk into ordered, disjoint shares that cover it. Prints
+// "ok <cases>" or the first failures; exit 1 on any. Built and run by tests/test_tile_scheduler.py.
 #include <algorithm>
 #include <climits>
 #include <cstdio>

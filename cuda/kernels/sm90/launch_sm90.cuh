@@ -62,7 +62,8 @@ bool takes_three_warpgroup_tiles(const FlashParams& p) {
 
 // The forward of head-dim class kD: a soft-capped call takes the capped tiles where the head dim has them and the
 // call their shape (FwdCapTraitsSm90 without a causal mask, FwdCapCausalTraitsSm90 with one); otherwise the wide-tile
-// variant (FwdWideTraitsSm90) likewise; else the default tiles. Segment-id tests and the soft cap are compiled in only for calls that have them.
+// variant (FwdWideTraitsSm90) likewise; else the default tiles. Segment-id tests and the soft cap are compiled in only
+// for calls that have them.
 template <typename T, int kD, SegmentMode kSegments, bool kSoftCap, bool kFixedReference>
 cudaError_t launch_fwd_sm90_variant(const FlashParams& p, cudaStream_t stream) {
   if constexpr (kSoftCap && FwdCapTraitsSm90<kD>::kAvailable) {

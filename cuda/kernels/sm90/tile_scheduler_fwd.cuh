@@ -24,10 +24,11 @@ namespace jax_flash::cuda {
 // running together would then each read a different head's K/V and fewer of those reads would hit in L2; groups of
 // about kHeavyFirstGroupUnits units keep a few heads per wave, and the first group takes the remainder so the last
 // is whole and fills the final waves heaviest first (tools/schedule_model.py models the tail). A group is cut further
-// to the query heads whose K and V fit in kHeavyFirstGroupKvBytes (heavy_first_kv_units): 512 units of the capped d128
-// tiles at 4096 rows are 24 query heads, 48 MB of K and V without GQA, about the whole L2 (H200, NOTES session 62: groups of 8
-// heads, 16 MB, x1.029 on the capped causal d128 forward at 4 x 4096 x 16 and x1.037 on the d256 causal forward at
-// 4 x 4096 x 8; with GQA 32/8, whose 24 heads read 12 MB, the smaller group was 1 % slower).
+// to the query heads whose K and V fit in kHeavyFirstGroupKvBytes (heavy_first_kv_units): 512 units of the d256 tiles
+// at 4096 rows are 16 heads, 64 MB of K and V without GQA, more than the L2, and of the capped d128 tiles 24 heads,
+// 48 MB. Measured (H200, NOTES session 62), 16 MiB groups against 512 units: the d256 causal forward x1.029-1.037
+// (4 x 4096 x 8, 2 x 8192 x 16; two runs), the capped causal d128 forward at 4 x 4096 x 16 level to +3 %; GQA 32/8,
+// whose 512 units read 12 MB, keeps them (a 176-unit group there: 1 % slower).
 //
 // Grouping only pays where a head has many blocks of falling work; heavy_first_group_units() gives one head per
 // group (the heads one after another, each heaviest block first) otherwise: with few blocks per head a group spans
