@@ -179,6 +179,11 @@ def _row_stats_shape(q_shape):
     return (*q_shape[:-3], q_shape[-2], q_shape[-3])
 
 
+def _fwd_counter_shape(q_shape):
+    """[..., Sq, Hq, D] -> [..., 1]: the forward's work counter (workspace; kernels use its first int)."""
+    return (*q_shape[:-3], 1)
+
+
 # The backward's row statistics are padded to whole tiles of this many query rows (kRowStatsAlign in
 # cuda/flash_params.h; the handler checks the shape).
 ROW_STATS_ALIGN = 128
@@ -252,6 +257,7 @@ def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, q_segme
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(_row_stats_shape(q.shape), jnp.float32),
+            jax.ShapeDtypeStruct(_fwd_counter_shape(q.shape), jnp.int32),  # work counter (workspace)
         ),
         vmap_method="broadcast_all",
     )
@@ -261,7 +267,8 @@ def flash_fwd(q, k, v, q_lens, kv_lens, q_offsets=None, kv_offsets=None, q_segme
     inputs = (q, k, v, q_lens, kv_lens, _zero_offsets(q_offsets, q_lens), _zero_offsets(kv_offsets, kv_lens),
               *_segment_operands(q, k, q_segment_ids, kv_segment_ids), sinks)
     attrs = _attrs(scale, is_causal, window_left, window_right, softcap, q_segment_ids is not None)
-    return _varying_like(call(*inputs, has_sinks=has_sinks, **attrs), inputs)
+    o, lse, _ = call(*inputs, has_sinks=has_sinks, **attrs)
+    return _varying_like((o, lse), inputs)
 
 
 def flash_bwd(q, k, v, o, lse, do, q_lens, kv_lens, q_offsets=None, kv_offsets=None, q_segment_ids=None,

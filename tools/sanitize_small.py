@@ -35,11 +35,13 @@ CASES = [
     # the capped d128 forward without a mask (three warpgroups, 192-row tiles: a ragged last tile), with segment ids
     (2, 250, 330, 4, 2, 128, dict(logits_soft_cap=20.0)),
     (2, 300, 300, 4, 2, 128, dict(segments="packed", sinks=True, logits_soft_cap=20.0)),
-    # those tiles causal (from 4096 rows, a CTA per block: warpgroups without a diagonal tile's keys), and with
-    # lengths (warpgroups whose rows lie past a query length)
+    # those tiles causal (from 4096 rows, units from a work counter: warpgroups without a diagonal tile's keys), and
+    # with lengths (warpgroups whose rows lie past a query length)
     (1, 8195, 8195, 1, 1, 128, dict(is_causal=True, logits_soft_cap=30.0)),
     (3, 250, 250, 4, 2, 128, dict(logits_soft_cap=30.0, query_seq_lengths=np.array([250, 70, 0], np.int32),
                                   key_value_seq_lengths=np.array([250, 30, 9], np.int32))),
+    # the causal capped tiles with more units than SMs: CTAs take several from the work counter
+    (1, 4100, 4100, 32, 8, 128, dict(is_causal=True, logits_soft_cap=30.0)),
 ]
 
 

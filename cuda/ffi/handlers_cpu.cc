@@ -33,7 +33,8 @@ ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
                                ffi::Buffer<ffi::F32> sinks, float scale,
                                bool is_causal, int64_t window_left, int64_t window_right, float softcap,
                                bool has_segments, bool has_sinks, int32_t kernel, ffi::Result<ffi::AnyBuffer> o,
-                               ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+                               ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                               ffi::Result<ffi::Buffer<ffi::S32>> counter) {
   KernelChoice choice;  // validated; the CPU has one kernel
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
@@ -48,7 +49,7 @@ ffi::Error FlashForwardCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
     return e;
   }
   if (auto e = FillSinks(sinks, has_sinks, &p); e.failure()) return e;
-  if (auto e = CheckForwardResults(q, o, lse); e.failure()) return e;
+  if (auto e = CheckForwardResults(q, o, lse, counter); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   return RunCatching([&] { cpu::FlashForward(p); });

@@ -27,7 +27,8 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                 ffi::Buffer<ffi::F32> sinks, float scale, bool is_causal, int64_t window_left,
                                 int64_t window_right, float softcap, bool has_segments, bool has_sinks,
                                 int32_t kernel, ffi::Result<ffi::AnyBuffer> o,
-                                ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+                                ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                ffi::Result<ffi::Buffer<ffi::S32>> counter) {
   KernelChoice choice;
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
@@ -42,9 +43,10 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
     return e;
   }
   if (auto e = FillSinks(sinks, has_sinks, &p); e.failure()) return e;
-  if (auto e = CheckForwardResults(q, o, lse); e.failure()) return e;
+  if (auto e = CheckForwardResults(q, o, lse, counter); e.failure()) return e;
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
+  p.fwd_counter = counter->typed_data();
   if (const char* why = cuda::UnsupportedReason(p); why[0] != '\0') return Invalid(why);
   if (cudaError_t err = cuda::RunFlashForward(p, choice, stream); err != cudaSuccess) {
     return CudaError(err, "forward kernel");

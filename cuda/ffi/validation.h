@@ -254,12 +254,24 @@ inline std::vector<int64_t> DqAccumWorkspaceDims(ffi::AnyBuffer::Dimensions qd) 
   return out;
 }
 
+// Dimensions of the forward's work-counter workspace for query dims [..., Sq, Hq, D]: [..., 1] (the kernels use its
+// first int; one per batch element keeps the shape vmap-able like the other results).
+inline std::vector<int64_t> ForwardCounterDims(ffi::AnyBuffer::Dimensions qd) {
+  std::vector<int64_t> out(qd.begin(), qd.end() - 3);
+  out.push_back(1);
+  return out;
+}
+
 inline ffi::Error CheckForwardResults(ffi::AnyBuffer q, ffi::Result<ffi::AnyBuffer>& o,
-                                      ffi::Result<ffi::Buffer<ffi::F32>>& lse) {
+                                      ffi::Result<ffi::Buffer<ffi::F32>>& lse,
+                                      ffi::Result<ffi::Buffer<ffi::S32>>& counter) {
   if (auto e = ExpectShape(*o, q.dimensions(), "output"); e.failure()) return e;
   if (o->element_type() != q.element_type()) return Invalid("output dtype must match query dtype");
   auto stat = RowStatDims(q.dimensions());
-  return ExpectShape(*lse, ffi::AnyBuffer::Dimensions(stat.data(), stat.size()), "lse");
+  if (auto e = ExpectShape(*lse, ffi::AnyBuffer::Dimensions(stat.data(), stat.size()), "lse"); e.failure()) return e;
+  auto counter_dims = ForwardCounterDims(q.dimensions());
+  return ExpectShape(*counter, ffi::AnyBuffer::Dimensions(counter_dims.data(), counter_dims.size()),
+                     "forward work counter");
 }
 
 // Validates the backward-only buffers and fills the remaining fields of `p` (after FillCommonParams).
@@ -493,7 +505,8 @@ auto BindForward(Binding b) {
       .template Attr<bool>("has_sinks")                // the sinks operand holds sinks (else a placeholder)
       .template Attr<int32_t>("kernel")                // CUDA kernel family (KernelChoice); the CPU has one
       .template Ret<ffi::AnyBuffer>()                  // o [..., Sq, Hq, D]
-      .template Ret<ffi::Buffer<ffi::F32>>();          // lse [..., Hq, Sq]
+      .template Ret<ffi::Buffer<ffi::F32>>()           // lse [..., Hq, Sq]
+      .template Ret<ffi::Buffer<ffi::S32>>();          // work counter [..., 1] (workspace)
 }
 
 template <typename Binding>

@@ -4,7 +4,9 @@
 // them (FwdEpilogue::store).
 //
 // Tiles come from FwdTileScheduler (tile_scheduler_fwd.cuh). Persistent (Traits::kPersistent): at most one CTA per
-// SM, CTA c works through the units c, c + gridDim.x, ...; otherwise a CTA per unit. The K/V rings and their
+// SM, CTA c works through the units c, c + gridDim.x, ...; with a work counter (Traits::kWorkCounter) as many CTAs,
+// each taking its first unit blockIdx.x and then the next unit not yet taken (gridDim.x + a count of
+// FlashParams::fwd_counter), in the order of a CTA per unit; otherwise a CTA per unit. The K/V rings and their
 // mbarrier phases run on across a CTA's tiles, and the next tile's Q loads once every S of the current tile is done,
 // so the next tile's loads overlap the last PV product and the epilogue.
 //
@@ -12,6 +14,8 @@
 // k, v likewise with heads_kv; out-of-range rows and columns load as zeros (and are masked) and are not stored, so
 // no length needs to divide a tile.
 #pragma once
+
+#include <type_traits>
 
 #include "flash_params.h"
 #include "kernels/common/warp_reduce.cuh"
@@ -44,13 +48,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const Mainloop mainloop{p, smem};
   const int tid = threadIdx.x;
 
-  // Calls fn(tile) for each tile of this CTA in order: every unit c, c + gridDim.x, ... when persistent, else the
-  // one unit blockIdx.x (the grid then has a CTA per unit). Tiles of batch elements that take the other segment
-  // policy are the other grid's: a persistent CTA asks once per batch element and steps over the rest of one it does
-  // not take (walked unit by unit, the index arithmetic of every tile cost the grid that takes none ~18 us at
-  // 4 x 8192 x 16 x 128 on an H200).
-  auto for_each_tile = [&](auto&& fn) {
-    if constexpr (Traits::kPersistent) {
+  // Calls fn(tile) for each tile of this CTA in order: every unit c, c + gridDim.x, ... when persistent; with a work
+  // counter the units the producer thread takes (it publishes each unit's tile in smem.unit for the consumer
+  // threads, m_block -1 when none is left); else the one unit blockIdx.x (the grid then has a CTA per unit). Tiles of
+  // batch elements that take the other segment policy are the other grid's: a persistent CTA asks once per batch
+  // element and steps over the rest of one it does not take (walked unit by unit, the index arithmetic of every tile
+  // cost the grid that takes none ~18 us at 4 x 8192 x 16 x 128 on an H200); the other grids ask per tile.
+  // `producer`: std::true_type for the producer thread's walk, std::false_type for the consumers' (a work counter's
+  // two sides; a runtime test kept the producer's scheduler values live in the consumers' loop: 0 -> 116 B spilled).
+  auto walk_tiles = [&](auto producer, auto&& fn) {
+    if constexpr (Traits::kWorkCounter) {
+      for (typename Traits::UnitState us{};; us.advance()) {
+        FwdTile tile;
+        if constexpr (decltype(producer)::value) {  // a unit is taken only once its slot is free to publish it
+          smem.unit_ring.producer_wait_empty(us);
+          const int u = us.count == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(p.fwd_counter, 1);
+          tile = u < sched.units ? sched.tile(u, 0) : FwdTile{-1, 0, 0};
+          smem.unit[us.slot()] = tile;
+          mbar_arrive(smem.unit_ring.full_barrier(us));  // (release: the consumers read it after their wait)
+        } else {  // the consumers read the tile, not the unit: the scheduler's order stays out of their registers
+          smem.unit_ring.consumer_wait(us);
+          const FwdTile& published = smem.unit[us.slot()];
+          tile = FwdTile{warp_uniform(published.m_block), warp_uniform(published.h), warp_uniform(published.b)};
+          smem.unit_ring.consumer_release(us);
+        }
+        if (tile.m_block < 0) return;
+        if (segment_mode_takes<kSegments>(p, tile.b)) fn(tile);
+      }
+    } else if constexpr (Traits::kPersistent) {
       [[maybe_unused]] int asked_b = -1;
       [[maybe_unused]] bool takes = true;
       for (int u = blockIdx.x; u < sched.units; u += gridDim.x) {
@@ -76,6 +101,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
   };
+  auto producer_tiles = [&](auto&& fn) { walk_tiles(std::true_type{}, fn); };
+  auto for_each_tile = [&](auto&& fn) { walk_tiles(std::false_type{}, fn); };
 
   // A grid of one segment policy whose policy no batch element takes (every batch element's ids are runs, or none
   // are) ends at its first barrier: thread b asks for batch element b, the load under the barriers' set-up; a batch
@@ -86,6 +113,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   if (tid == 0) {
     mainloop.init_barriers();
+    if constexpr (Traits::kWorkCounter) smem.unit_ring.init(Traits::kConsumerWarpgroups * kWarpgroupThreads);
     mbar_init_fence();
   }
   if constexpr (kSegments == SegmentMode::kNone) {
@@ -101,7 +129,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warpgroup = warp_uniform(tid / kWarpgroupThreads);
   if (warpgroup == 0) {  // producer
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (tid == 0) mainloop.template load<kSegments>(&tm_q, &tm_k, &tm_v, for_each_tile);
+    if (tid == 0) mainloop.template load<kSegments>(&tm_q, &tm_k, &tm_v, producer_tiles);
     return;
   }
 

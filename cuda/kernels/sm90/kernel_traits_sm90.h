@@ -14,6 +14,7 @@
 
 #include "kernels/sm90/pipeline.h"
 #include "kernels/sm90/tile_scheduler_bwd.cuh"
+#include "kernels/sm90/tile_scheduler_fwd.cuh"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -44,6 +45,10 @@ struct FwdTraitsSm90<64> {
   static constexpr bool kLazyRescale = false;
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
   static constexpr bool kPersistent = true;  // faster on short sequences than a CTA per tile, equal on long ones
+  // A grid of resident CTAs that take the CTA-per-unit order's units from a work counter (FlashParams::fwd_counter):
+  // the dynamic balance of a CTA per unit with a persistent CTA's overlap of one tile's start with the last one's end
+  // (kPersistent false; the capped causal tiles take it).
+  static constexpr bool kWorkCounter = false;
   // Each consumer warpgroup computes only the key tiles its own 64 rows see and takes empty ping-pong turns for
   // the rest of the block's (FwdMainloop::mma's n_mine): with 128-row blocks and 128-key tiles every warpgroup sees
   // every diagonal tile, so the two-warpgroup tiles leave it off; the capped tiles take it (the d64 wide kernel's
@@ -62,6 +67,7 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kLazyRescale = false;      // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
+  static constexpr bool kWorkCounter = false;  // (FwdTraitsSm90<64>)
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
 };
 
@@ -120,15 +126,17 @@ struct FwdCapTraitsSm90<128> : FwdTraitsSm90<128> {
   static constexpr int kCausalMinRows = INT_MAX;  // causal calls: FwdCapCausalTraitsSm90
 };
 
-// The capped tiles for causal calls, as a CTA per 192-row block: the hardware starts CTAs in the scheduler's
-// heavy-first order (HeavyFirstOrder: groups of a few heads) on whichever SM frees up first, a dynamic balance
-// without a work counter. The persistent grid's heavy-light pairs leave rounds part-idle (4 x 4096 x 16: 704 pairs on
-// 132 CTAs, 6 rounds for 5.33), and single blocks walked in a snake across every head lost on K/V locality below
-// 8192 rows (NOTES session 61). The cost, each CTA's prologue (barriers, Q and the first K/V tiles) no longer under
-// the previous tile's epilogue, outweighs the balance on shorter heads. Capped causal forward (H200, NOTES session
-// 62), against two warpgroups: 4096 rows x1.018 (16 heads) and x1.065 (GQA 32/8), 2048 rows x0.989, 1024 rows
-// x0.944; against the snake on the persistent grid: 2 x 8192 x 16 x1.036, 1 x 16384 x1.023, GQA 2 x 8192 x1.005.
-// Without a mask the persistent grid stays ahead (4 x 4096 x 16: a CTA per block x0.984).
+// The capped tiles for causal calls, in the order of a CTA per 192-row block (the scheduler's heavy-first order,
+// HeavyFirstOrder: groups of a few heads), taken from a work counter by resident CTAs (kWorkCounter): each SM takes
+// the next block when its last one's loads are issued, a dynamic balance that keeps a persistent CTA's overlap of the
+// next tile's start with this one's end. The persistent grid's heavy-light pairs leave rounds part-idle (4 x 4096 x
+// 16: 704 pairs on 132 CTAs, 6 rounds for 5.33), and single blocks walked in a snake across every head lost on K/V
+// locality below 8192 rows (NOTES session 61). Capped causal forward, a CTA per block (H200, NOTES session 62)
+// against two warpgroups: 4096 rows x1.018 (16 heads) and x1.065 (GQA 32/8), 2048 rows x0.989, 1024 rows x0.944;
+// against the snake on the persistent grid: 2 x 8192 x 16 x1.036, 1 x 16384 x1.023, GQA 2 x 8192 x1.005. The work
+// counter against a CTA per block (H100, NOTES session 63): 4096 rows x1.018 (16 heads) and x1.021 (GQA 32/8),
+// 2 x 8192 x 16 x0.999, 1 x 16384 x0.989 (level: each CTA's prologue weighs less beside longer causal blocks).
+// Without a mask the persistent grid stays ahead of a CTA per block (4 x 4096 x 16: x0.984).
 template <int kHeadDim_>
 struct FwdCapCausalTraitsSm90 {
   static constexpr bool kAvailable = false;
@@ -139,6 +147,7 @@ template <>
 struct FwdCapCausalTraitsSm90<128> : FwdCapTraitsSm90<128> {
   static constexpr int kCausalMinRows = 4096;
   static constexpr bool kPersistent = false;
+  static constexpr bool kWorkCounter = true;
 };
 
 template <>
@@ -153,6 +162,7 @@ struct FwdTraitsSm90<256> {
   static constexpr bool kStoreOSmem = false;  // 192 KB in use; another 64 KB for O does not fit: stores from registers
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;
+  static constexpr bool kWorkCounter = false;        // (FwdTraitsSm90<64>)
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
 };
 
@@ -174,6 +184,7 @@ struct FwdKernelTraitsSm90 : Base {
   // setmaxnreg budgets: the producer keeps 24, the consumers share the rest of the 64K registers (multiples of 8,
   // at most 240): 240 with two consumer warpgroups (d128 needs them all), 160 with three.
   static_assert(Base::kConsumerWarpgroups >= 1 && Base::kConsumerWarpgroups <= kMaxConsumerWarpgroups);
+  static_assert(!(Base::kPersistent && Base::kWorkCounter), "a grid takes its units one way");
   static constexpr int kProducerRegs = 24;
   static constexpr int kRegsPerThreadSlot = 64 * 1024 / 128;  // the register file over a warpgroup's threads
   static constexpr int kConsumerRegsFit = (kRegsPerThreadSlot - kProducerRegs) / Base::kConsumerWarpgroups / 8 * 8;
@@ -188,7 +199,11 @@ struct FwdKernelTraitsSm90 : Base {
     PipelineBarriers<1> q_ring;  // released when every S of the tile is done: the next tile's Q may load
     PipelineBarriers<Base::kStages> k_ring;
     PipelineBarriers<Base::kStages> v_ring;
+    // kWorkCounter: the producer thread publishes the tile of each unit it takes (m_block -1: none left).
+    FwdTile unit[Base::kWorkCounter ? 2 : 1];
+    PipelineBarriers<Base::kWorkCounter ? 2 : 1> unit_ring;
   };
+  using UnitState = PipelineState<Base::kWorkCounter ? 2 : 1>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the dynamic base
   static_assert(kSmemBytes <= 227 * 1024, "H100's opt-in shared memory per block");
   static constexpr uint32_t kQBytes = kBlockM * Base::kHeadDim * sizeof(T);

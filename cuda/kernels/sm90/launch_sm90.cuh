@@ -35,18 +35,23 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
       return e;
     }
   }
-  // Persistent: as many CTAs as fit on the device at once (one per SM), or one per work unit if fewer.
+  // Persistent or with a work counter: as many CTAs as fit on the device at once (one per SM), or one per work unit
+  // if fewer. The counter starts at 0 (zeroed on the stream, so a captured graph zeroes it on every replay).
   const FwdTileScheduler sched(p, Traits::kBlockM, Traits::kPersistent);
   if (!sched.units_fit()) return cudaErrorInvalidConfiguration;
   const int units = sched.units;
   if (units == 0) return cudaSuccess;
   int grid = units;
-  if constexpr (Traits::kPersistent) {
+  if constexpr (Traits::kPersistent || Traits::kWorkCounter) {
     int ctas = 0;
     if (cudaError_t e = resident_ctas<kernel>(Traits::kThreads, Traits::kSmemBytes, &ctas); e != cudaSuccess) {
       return e;
     }
     grid = imin(units, ctas);
+  }
+  if constexpr (Traits::kWorkCounter) {
+    if (p.fwd_counter == nullptr) return cudaErrorInvalidValue;
+    if (cudaError_t e = cudaMemsetAsync(p.fwd_counter, 0, sizeof(int32_t), stream); e != cudaSuccess) return e;
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_o);
   return cudaGetLastError();

@@ -6,7 +6,8 @@
 // balances if units hold equal work: with a causal mask query block m sees about m + 1 key tiles, so there a unit
 // pairs the heaviest and the lightest block of one (batch, head) that are left (blocks m_blocks - 1 - j and j, the
 // heavier first). Otherwise a unit is one block. A grid of one CTA per unit under a causal mask (no window) with
-// enough query blocks per head takes its units in heaviest-first order across heads (HeavyFirstOrder below).
+// enough query blocks per head, or a grid taking such units from a work counter (the kernel's kWorkCounter), takes
+// them in heaviest-first order across heads (HeavyFirstOrder below).
 #pragma once
 
 #include <climits>
@@ -16,9 +17,10 @@
 
 namespace jax_flash::cuda {
 
-// Heaviest-first order for the grids of one CTA per unit (the head-dim-256 forward, the capped d128 forward's causal
-// calls): the hardware starts CTAs in increasing linear order on whichever SM frees up first, so a grid ends well when
-// its last CTAs are its lightest. Units are (block, head) pairs whose work falls with the block rank (rank 0 is the
+// Heaviest-first order for the grids of one CTA per unit (the head-dim-256 forward) and those that take such units
+// from a work counter (the capped d128 forward's causal calls): the hardware starts CTAs in increasing linear order
+// on whichever SM frees up first, and a counter hands out units in that order to whichever CTA asks first, so a grid
+// ends well when its last units are its lightest. Units are (block, head) pairs whose work falls with the block rank (rank 0 is the
 // heaviest block of every head under a causal mask). Heads come in groups; inside a group the rank varies slowest, so
 // each group starts all its heads' heavy blocks before any light one. One group spanning every head would be the ideal
 // order, but the CTAs running together would then each read a different head's K/V and fewer of those reads would hit
