@@ -11,8 +11,8 @@
 //                    order: rows of head_dim_rounded, or per query tile in the order its accumulators hold them)
 //   dq_semaphore   : [batch, heads_q, seqlen_q]            (int32; its first ceil(seqlen_q / block) of each row;
 //                    without deterministic dQ its first int is the persistent sm_90a backward's work counter)
-//   fwd_counter    : [>= 1]                                (int32; the forward's workspace: the sm_90a forward grids
-//                    that take units from a counter use its first int, which their launcher zeroes)
+//   fwd_counter    : [batch, 1]                            (int32; the forward's workspace: the sm_90a forward
+//                    grids that take units from a counter use its first int, which their launcher zeroes)
 // All arrays are dense and row-major. Query head h reads key/value head h / (heads_q / heads_kv).
 #pragma once
 

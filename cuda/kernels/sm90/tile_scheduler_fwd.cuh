@@ -20,9 +20,9 @@ namespace jax_flash::cuda {
 // Heaviest-first order for the grids of one CTA per unit (the head-dim-256 forward) and those that take such units
 // from a work counter (the capped d128 forward's causal calls): the hardware starts CTAs in increasing linear order
 // on whichever SM frees up first, and a counter hands out units in that order to whichever CTA asks first, so a grid
-// ends well when its last units are its lightest. Units are (block, head) pairs whose work falls with the block rank (rank 0 is the
-// heaviest block of every head under a causal mask). Heads come in groups; inside a group the rank varies slowest, so
-// each group starts all its heads' heavy blocks before any light one. One group spanning every head would be the ideal
+// ends well when its last units are its lightest. Units are (block, head) pairs whose work falls with the block rank
+// (rank 0 is the heaviest block of every head under a causal mask). Heads come in groups; inside a group the rank
+// varies slowest, so each group starts all its heads' heavy blocks before any light one. One group spanning every head would be the ideal
 // order, but the CTAs running together would then each read a different head's K/V and fewer of those reads would hit
 // in L2; groups of about kHeavyFirstGroupUnits units keep a few heads per wave, and the first group takes the remainder
 // so the last is whole and fills the final waves heaviest first (tools/schedule_model.py models the tail). A group is
