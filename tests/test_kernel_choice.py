@@ -44,8 +44,8 @@ def test_cpu_ignores_the_choice(attention_checks):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
-def test_handler_rejects_an_unknown_kernel_attribute(platform):
+def _raw_forward_without_options(platform, *, kernel=0, counter_shape=(1, 1)):
+    """Calls the forward target itself on a (1, 8, 2, 64) query (as key and value) without segment ids or sinks."""
     if platform == "gpu" and not jax_flash.cuda_available():
         pytest.skip("needs a CUDA GPU and jax_flash's CUDA kernels")
     device = jax.devices(platform)[0]
@@ -53,32 +53,25 @@ def test_handler_rejects_an_unknown_kernel_attribute(platform):
     lens = jax.device_put(jnp.full((1,), 8, jnp.int32), device)
     call = jax.ffi.ffi_call(_ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                               jax.ShapeDtypeStruct((1, 2, 8), jnp.float32),
-                                              jax.ShapeDtypeStruct((1, 1), jnp.int32)))
+                                              jax.ShapeDtypeStruct(counter_shape, jnp.int32)))
     none_i, none_f = (jax.device_put(jnp.zeros((1, 1), t), device) for t in (jnp.int32, jnp.float32))
+    return jax.block_until_ready(call(q, q, q, lens, lens, 0 * lens, 0 * lens, *[none_i] * 6, none_f,
+                                      scale=np.float32(0.125), is_causal=False, window_left=np.int64(-1),
+                                      window_right=np.int64(-1), softcap=np.float32(0), has_segments=False,
+                                      has_sinks=False, kernel=np.int32(kernel)))
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_handler_rejects_an_unknown_kernel_attribute(platform):
     with pytest.raises(Exception, match="kernel must be 0"):
-        jax.block_until_ready(call(q, q, q, lens, lens, 0 * lens, 0 * lens, *[none_i] * 6, none_f,
-                                   scale=np.float32(0.125), is_causal=False, window_left=np.int64(-1),
-                                   window_right=np.int64(-1), softcap=np.float32(0), has_segments=False,
-                                   has_sinks=False, kernel=np.int32(7)))
+        _raw_forward_without_options(platform, kernel=7)
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_handler_rejects_a_bad_work_counter(platform):
     """The forward's work-counter workspace must be [..., 1] (the sm_90a launcher zeroes its first int)."""
-    if platform == "gpu" and not jax_flash.cuda_available():
-        pytest.skip("needs a CUDA GPU and jax_flash's CUDA kernels")
-    device = jax.devices(platform)[0]
-    q = jax.device_put(jnp.ones((1, 8, 2, 64), jnp.bfloat16), device)
-    lens = jax.device_put(jnp.full((1,), 8, jnp.int32), device)
-    call = jax.ffi.ffi_call(_ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                                              jax.ShapeDtypeStruct((1, 2, 8), jnp.float32),
-                                              jax.ShapeDtypeStruct((1, 0), jnp.int32)))
-    none_i, none_f = (jax.device_put(jnp.zeros((1, 1), t), device) for t in (jnp.int32, jnp.float32))
     with pytest.raises(Exception, match=r"forward work counter has shape \(1, 0\), expected \(1, 1\)"):
-        jax.block_until_ready(call(q, q, q, lens, lens, 0 * lens, 0 * lens, *[none_i] * 6, none_f,
-                                   scale=np.float32(0.125), is_causal=False, window_left=np.int64(-1),
-                                   window_right=np.int64(-1), softcap=np.float32(0), has_segments=False,
-                                   has_sinks=False, kernel=np.int32(0)))
+        _raw_forward_without_options(platform, counter_shape=(1, 0))
 
 
 BAD_OPERANDS = {
