@@ -18,9 +18,16 @@ A model, not a measurement: it ignores per-SM speed differences, L2 effects and 
 backward gains (+23..26 % for causal GQA) did not show on the H100 (session 10 A/B, NOTES.md), so the backward
 kept its grid.
 
+`rows` models a forward without a mask in units of one query block of --block-rows rows (work 1; a head's short
+last block rows / block, at least --short-floor), head after head, each head's short block first (the persistent and
+work-counter grids' order): a persistent grid's static round-robin (CTA c: units c, c + SMs, ...) against list
+scheduling (a work counter). With --split-tail C a head whose rows leave block / 3 over takes its last block and
+those rows as two blocks of 2/3 block rows, each costing C (session 63: variable-height tails).
+
     python3 tools/schedule_model.py bwd 2x4096x32/8c 4x4096x16c 1x16384x16
     python3 tools/schedule_model.py bwd 4x8192x16c --docs 8
     python3 tools/schedule_model.py fwd 4x4096x8c 2x8192x8c
+    python3 tools/schedule_model.py rows 16x1024x16 32x512x16 4x4096x16 --block-rows 192 --split-tail 0.71
 """
 import argparse
 import heapq
@@ -77,16 +84,46 @@ def model(direction, batch, seqlen, heads_q, heads_kv, causal, sms, overhead, gr
             makespan(work, sorted_tail, sms), sum(work.values()) / sms)
 
 
+def row_blocks(seqlen, block, short_floor, split_tail):
+    """One head's query blocks without a mask, in the grids' order (the short last block first): their work."""
+    full, rest = divmod(seqlen, block)
+    if split_tail is not None and full >= 1 and 3 * rest == block:
+        return [split_tail, split_tail] + [1.0] * (full - 1)
+    return ([max(rest / block, short_floor)] if rest else []) + [1.0] * full
+
+
+def rows_model(batch, seqlen, heads, sms, block, short_floor, split_tail):
+    """(static round-robin makespan, list-scheduling makespan, mean) in full-block times."""
+    work = [w for _ in range(batch * heads) for w in row_blocks(seqlen, block, short_floor, split_tail)]
+    static = [0.0] * sms
+    for u, w in enumerate(work):
+        static[u % sms] += w
+    return max(static), makespan(work, range(len(work)), sms), sum(work) / sms
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("direction", choices=("fwd", "bwd"))
+    parser.add_argument("direction", choices=("fwd", "bwd", "rows"))
     parser.add_argument("shapes", nargs="+", help="BxSxHq[/Hkv][c], c = causal (e.g. 2x4096x32/8c)")
     parser.add_argument("--sms", type=int, default=132, help="SMs (H100 SXM: 132)")
     parser.add_argument("--overhead", type=float, default=3.0, help="per-CTA overhead in tiles")
     parser.add_argument("--group-units", type=int, default=512, help="HeavyFirstOrder's kHeavyFirstGroupUnits")
     parser.add_argument("--tail-waves", type=int, default=3, help="BwdTileScheduler::kTailWaves (kTailWavesGrouped with grouped query heads)")
     parser.add_argument("--docs", type=int, default=1, help="backward: equal documents packed per sequence")
+    parser.add_argument("--block-rows", type=int, default=192, help="rows: query rows per block")
+    parser.add_argument("--short-floor", type=float, default=0.5, help="rows: the least work of a short block")
+    parser.add_argument("--split-tail", type=float, default=None, help="rows: cost of a 2/3-height tail block")
     args = parser.parse_args()
+    if args.direction == "rows":
+        print(f"{'shape':<14} {'static':>8} {'counter':>8} {'mean':>8} {'gain':>6}")
+        for shape in args.shapes:
+            m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", shape)
+            if not m:
+                parser.error(f"shape {shape!r}: expected BxSxH (rows: no mask, no GQA)")
+            static, counter, mean = rows_model(int(m[1]), int(m[2]), int(m[3]), args.sms, args.block_rows,
+                                               args.short_floor, args.split_tail)
+            print(f"{shape:<14} {static:>8.2f} {counter:>8.2f} {mean:>8.2f} {100 * (static / counter - 1):>5.1f}%")
+        return
     print(f"{'shape':<14} {'blocks fastest':>14} {'blocks slowest':>14} {'heavy-first':>11} {'tail':>8} "
           f"{'sorted tail':>11} {'ideal':>8} {'gain':>6} {'tail gain':>9}")
     for shape in args.shapes:
