@@ -10,27 +10,12 @@ each height's time per block and its ratio to the 192-row block's.
 """
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash
-
-
-def time_call(fn, args, samples, reps):
-    """Median seconds per call over `samples` samples of `reps` back-to-back calls."""
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+from bench_segment_ops import _time
 
 
 def main():
@@ -56,7 +41,7 @@ def main():
     per_block = {}
     for r in rows:
         q = jax.random.normal(keys[0], (1, r, heads, 128), jnp.bfloat16)
-        per_block[r] = time_call(f, (q, k, v), a.samples, a.reps) / a.rounds
+        per_block[r] = _time(f, q, k, v, reps=a.reps, samples=a.samples) / a.rounds
     print(f"{jax.devices()[0].device_kind}, {sms} SMs, {heads} query heads / 1 kv head, {a.keys} keys, "
           f"soft cap {a.softcap}")
     print(f"{'rows':>6} {'us per block':>13} {'/ 192 rows':>11}")
