@@ -27,6 +27,13 @@ inline constexpr int kMaxConsumerWarpgroups = 3;
 template <int kHeadDim_>
 struct FwdTraitsSm90;
 
+// The primary template of each further forward tile choice (FwdWideTraitsSm90, FwdCapTraitsSm90,
+// FwdCapCausalTraitsSm90): a head dim without a specialisation has none, and no call takes it.
+struct NoFwdTileChoice {
+  static constexpr bool kAvailable = false;
+  static constexpr int kCausalMinRows = INT_MAX;
+};
+
 template <>
 struct FwdTraitsSm90<64> {
   static constexpr int kHeadDim = 64;
@@ -77,10 +84,7 @@ struct FwdTraitsSm90<128> {
 // dim 64). Causal attention over at least
 // kCausalMinRows query rows takes the wide tiles too: there the diagonal tiles are a small share of the work.
 template <int kHeadDim_>
-struct FwdWideTraitsSm90 {
-  static constexpr bool kAvailable = false;
-  static constexpr int kCausalMinRows = INT_MAX;
-};
+struct FwdWideTraitsSm90 : NoFwdTileChoice {};
 
 template <>
 struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
@@ -108,10 +112,7 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
 // softmax under P V (kSoftmaxUnderPv), 80-key tiles and issuing without ping-pong turns each measured level with these
 // tiles.
 template <int kHeadDim_>
-struct FwdCapTraitsSm90 {
-  static constexpr bool kAvailable = false;
-  static constexpr int kCausalMinRows = INT_MAX;
-};
+struct FwdCapTraitsSm90 : NoFwdTileChoice {};
 
 template <>
 struct FwdCapTraitsSm90<128> : FwdTraitsSm90<128> {
@@ -138,10 +139,7 @@ struct FwdCapTraitsSm90<128> : FwdTraitsSm90<128> {
 // 2 x 8192 x 16 x0.999, 1 x 16384 x0.989 (level: each CTA's prologue weighs less beside longer causal blocks).
 // Without a mask the persistent grid stays ahead of a CTA per block (4 x 4096 x 16: x0.984).
 template <int kHeadDim_>
-struct FwdCapCausalTraitsSm90 {
-  static constexpr bool kAvailable = false;
-  static constexpr int kCausalMinRows = INT_MAX;
-};
+struct FwdCapCausalTraitsSm90 : NoFwdTileChoice {};
 
 template <>
 struct FwdCapCausalTraitsSm90<128> : FwdCapTraitsSm90<128> {

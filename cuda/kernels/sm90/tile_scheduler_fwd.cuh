@@ -22,15 +22,16 @@ namespace jax_flash::cuda {
 // on whichever SM frees up first, and a counter hands out units in that order to whichever CTA asks first, so a grid
 // ends well when its last units are its lightest. Units are (block, head) pairs whose work falls with the block rank
 // (rank 0 is the heaviest block of every head under a causal mask). Heads come in groups; inside a group the rank
-// varies slowest, so each group starts all its heads' heavy blocks before any light one. One group spanning every head would be the ideal
-// order, but the CTAs running together would then each read a different head's K/V and fewer of those reads would hit
-// in L2; groups of about kHeavyFirstGroupUnits units keep a few heads per wave, and the first group takes the remainder
-// so the last is whole and fills the final waves heaviest first (tools/schedule_model.py models the tail). A group is
-// cut further to the query heads whose K and V fit in kHeavyFirstGroupKvBytes (heavy_first_kv_units): 512 units of the
-// d256 tiles at 4096 rows are 16 heads, 64 MB of K and V without GQA, more than the L2, and of the capped d128 tiles 24
-// heads, 48 MB. Measured (H200, NOTES session 62), 16 MiB groups against 512 units: the d256 causal forward
-// x1.029-1.037 (4 x 4096 x 8, 2 x 8192 x 16; two runs), the capped causal d128 forward at 4 x 4096 x 16 level to +3 %;
-// GQA 32/8, whose 512 units read 12 MB, keeps them (a 176-unit group there: 1 % slower).
+// varies slowest, so each group starts all its heads' heavy blocks before any light one. One group spanning every
+// head would be the ideal order, but the CTAs running together would then each read a different head's K/V and fewer
+// of those reads would hit in L2; groups of about kHeavyFirstGroupUnits units keep a few heads per wave, and the first
+// group takes the remainder so the last is whole and fills the final waves heaviest first (tools/schedule_model.py
+// models the tail). A group is cut further to the query heads whose K and V fit in kHeavyFirstGroupKvBytes
+// (heavy_first_kv_units): 512 units of the d256 tiles at 4096 rows are 16 heads, 64 MB of K and V without GQA, more
+// than the L2, and of the capped d128 tiles 24 heads, 48 MB. Measured (H200, NOTES session 62), 16 MiB groups
+// against 512 units: the d256 causal forward x1.029-1.037 (4 x 4096 x 8, 2 x 8192 x 16; two runs), the capped causal
+// d128 forward at 4 x 4096 x 16 level to +3 %; GQA 32/8, whose 512 units read 12 MB, keeps them (a 176-unit group
+// there: 1 % slower).
 //
 // Grouping only pays where a head has many blocks of falling work; heavy_first_group_units() gives one head per
 // group (the heads one after another, each heaviest block first) otherwise: with few blocks per head a group spans
