@@ -42,6 +42,9 @@ CASES = [
                                   key_value_seq_lengths=np.array([250, 30, 9], np.int32))),
     # the causal capped tiles with more units than SMs: CTAs take several from the work counter
     (1, 4100, 4100, 32, 8, 128, dict(is_causal=True, logits_soft_cap=30.0)),
+    # the 192-row persistent grids without a mask (capped d128, d64) over several rounds: CTAs skewed one place a round
+    (2, 1000, 1000, 32, 8, 128, dict(logits_soft_cap=20.0)),
+    (2, 1000, 1000, 16, 16, 64, dict()),
 ]
 
 

@@ -4,7 +4,9 @@
 // tile exactly once, a paired unit holds its (batch, head)'s heaviest remaining block first, a grid of one CTA per unit
 // under a causal mask without a window and with min_blocks query blocks or more takes its units in HeavyFirstOrder (in
 // groups cut to the query heads whose K and V fit kHeavyFirstGroupKvBytes) while any other grid of one CTA per unit
-// takes the heads one after another, and units_fit() refuses unit counts above INT_MAX. BwdTileScheduler
+// takes the heads one after another, and units_fit() refuses unit counts above INT_MAX. PersistentWalk, plain and
+// skewed: the CTAs' walks take every unit exactly once, one a round per CTA in that round's units, each CTA's units
+// rising, and skip_to goes to the CTA's first unit at or after its argument (the end if none). BwdTileScheduler
 // (tile_scheduler_bwd.cuh): its units are every (key block, kv head, batch) exactly once, the key block fastest, except
 // under a causal mask with running CTAs given: then the last tail_groups (batch, kv head)s (about kTailWaves units per
 // CTA, at most all) come last with the key block slowest; each (batch, kv head)'s key blocks in increasing order either
@@ -25,6 +27,7 @@ using jax_flash::FlashParams;
 using jax_flash::cuda::FwdTile;
 using jax_flash::cuda::FwdTileScheduler;
 using jax_flash::cuda::HeavyFirstOrder;
+using jax_flash::cuda::PersistentWalk;
 using jax_flash::cuda::sm90::BwdTile;
 using jax_flash::cuda::sm90::BwdTileScheduler;
 
@@ -227,12 +230,60 @@ long check_bwd_split(long* bad) {
   return cases;
 }
 
+// PersistentWalk<kSkew> for unit counts 0..40 on 1..9 CTAs.
+template <bool kSkew>
+long check_persistent_walk(long* bad) {
+  long cases = 0;
+  auto fail = [&](const char* what, int units, int ctas, int cta) {
+    if (++*bad <= 5) std::printf("%s: skew=%d units=%d ctas=%d cta=%d\n", what, int(kSkew), units, ctas, cta);
+  };
+  for (int units = 0; units <= 40; ++units) {
+    for (int ctas = 1; ctas <= 9; ++ctas) {
+      ++cases;
+      std::vector<int> seen(size_t(units), 0);
+      for (int cta = 0; cta < ctas; ++cta) {
+        std::vector<int> walked;
+        for (PersistentWalk<kSkew> w(cta, ctas); w.u < units; w.advance()) {
+          const int round = int(walked.size());
+          if (w.u < round * ctas || w.u >= (round + 1) * ctas) fail("unit not of its round", units, ctas, cta);
+          if (!walked.empty() && w.u <= walked.back()) fail("units not rising", units, ctas, cta);
+          walked.push_back(w.u);
+          ++seen[size_t(w.u)];
+        }
+        for (int first = 0; first <= units + 1; ++first) {
+          PersistentWalk<kSkew> w(cta, ctas);
+          w.skip_to(first, units);
+          const auto it = std::lower_bound(walked.begin(), walked.end(), first);
+          const int want = it == walked.end() ? units : *it;
+          if (w.u != want) fail("skip_to not to the first unit at or after", units, ctas, cta);
+          if (w.u < units) {  // the walk goes on from there as from the start
+            const size_t at = size_t(it - walked.begin());
+            for (size_t i = at + 1; i < walked.size(); ++i) {
+              w.advance();
+              if (w.u != walked[i]) fail("walk after skip_to differs", units, ctas, cta);
+            }
+          }
+        }
+      }
+      for (int n : seen) {
+        if (n != 1) {
+          fail("unit not taken exactly once", units, ctas, -1);
+          break;
+        }
+      }
+    }
+  }
+  return cases;
+}
+
 int main() {
   constexpr int kGroupUnits[] = {1, 2, 5, 512};
   long bad = 0;
   long cases = check_order(&bad);
   cases += check_bwd(&bad);
   cases += check_bwd_split(&bad);
+  cases += check_persistent_walk<false>(&bad);
+  cases += check_persistent_walk<true>(&bad);
   auto fail = [&](const char* what, int b, int h, int sq, int bm, int persistent, int causal) {
     if (++bad <= 5) {
       std::printf("%s: batch=%d heads=%d seqlen_q=%d block_m=%d persistent=%d causal=%d\n", what, b, h, sq, bm,

@@ -4,9 +4,10 @@
 // them (FwdEpilogue::store).
 //
 // Tiles come from FwdTileScheduler (tile_scheduler_fwd.cuh). Persistent (Traits::kPersistent): at most one CTA per
-// SM, CTA c works through the units c, c + gridDim.x, ...; with a work counter (Traits::kWorkCounter) as many CTAs,
-// each taking its first unit blockIdx.x and then the next unit not yet taken (gridDim.x + a count of
-// FlashParams::fwd_counter), in the order of a CTA per unit; otherwise a CTA per unit. The K/V rings and their
+// SM, CTA c works through the units c, c + gridDim.x, ... (PersistentWalk, with Traits::kSkewedRounds one place on a
+// round); with a work counter (Traits::kWorkCounter) as many CTAs, each taking its first unit blockIdx.x and then the
+// next unit not yet taken (gridDim.x + a count of FlashParams::fwd_counter), in the order of a CTA per unit;
+// otherwise a CTA per unit. The K/V rings and their
 // mbarrier phases run on across a CTA's tiles, and the next tile's Q loads once every S of the current tile is done,
 // so the next tile's loads overlap the last PV product and the epilogue.
 //
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const Mainloop mainloop{p, smem};
   const int tid = threadIdx.x;
 
-  // Calls fn(tile) for each tile of this CTA in order: every unit c, c + gridDim.x, ... when persistent; with a work
+  // Calls fn(tile) for each tile of this CTA in order: its PersistentWalk's units when persistent; with a work
   // counter the units the producer thread takes (it publishes each unit's tile in smem.unit for the consumer
   // threads, m_block -1 when none is left); else the one unit blockIdx.x (the grid then has a CTA per unit). Tiles of
   // batch elements that take the other segment policy are the other grid's: a persistent CTA asks once per batch
@@ -80,7 +81,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else if constexpr (Traits::kPersistent) {
       [[maybe_unused]] int asked_b = -1;
       [[maybe_unused]] bool takes = true;
-      for (int u = blockIdx.x; u < sched.units; u += gridDim.x) {
+      PersistentWalk<Traits::kSkewedRounds> walk(int(blockIdx.x), int(gridDim.x));
+      while (walk.u < sched.units) {
+        const int u = walk.u;
         if constexpr (kSegments != SegmentMode::kNone) {
           const int b = sched.batch_of(u);
           if (b != asked_b) {
@@ -88,13 +91,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             takes = segment_mode_takes<kSegments>(p, b);
           }
           if (!takes) {  // on to this CTA's first unit of batch element b + 1 (or past the end)
-            const int64_t next = int64_t(b + 1) * sched.units_per_batch();
-            const int64_t r = ((int64_t(blockIdx.x) - next) % gridDim.x + gridDim.x) % gridDim.x;
-            u = int(next + r < sched.units ? next + r : sched.units) - int(gridDim.x);
+            walk.skip_to(int64_t(b + 1) * sched.units_per_batch(), sched.units);
             continue;
           }
         }
         for (int k = 0; k < sched.tiles(u); ++k) fn(sched.tile(u, k));
+        walk.advance();
       }
     } else {
       for (int k = 0; k < sched.tiles(blockIdx.x); ++k) {

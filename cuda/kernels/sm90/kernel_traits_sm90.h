@@ -56,6 +56,11 @@ struct FwdTraitsSm90<64> {
   // the dynamic balance of a CTA per unit with a persistent CTA's overlap of one tile's start with the last one's end
   // (kPersistent false; the capped causal tiles take it).
   static constexpr bool kWorkCounter = false;
+  // A persistent grid whose CTAs move one place on each round (PersistentWalk in tile_scheduler_fwd.cuh): without a
+  // mask the short last blocks of every head no longer fall to the same CTAs where the blocks per head divide the
+  // grid; the 192-row tiles take it (FwdWideTraitsSm90<64>, FwdCapTraitsSm90<128>). Measured (H200, NOTES session
+  // 64): capped d128 forward x1.05-1.06 at 512-1024 rows, x1.14 at 256, level at 4096; d64 x1.00-1.035.
+  static constexpr bool kSkewedRounds = false;
   // Each consumer warpgroup computes only the key tiles its own 64 rows see and takes empty ping-pong turns for
   // the rest of the block's (FwdMainloop::mma's n_mine): with 128-row blocks and 128-key tiles every warpgroup sees
   // every diagonal tile, so the two-warpgroup tiles leave it off; the capped tiles take it (the d64 wide kernel's
@@ -75,6 +80,7 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
   static constexpr bool kWorkCounter = false;  // (FwdTraitsSm90<64>)
+  static constexpr bool kSkewedRounds = false;  // (FwdTraitsSm90<64>)
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
 };
 
@@ -96,6 +102,7 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
   // than 96-key tiles and than two warpgroups on long and short non-causal sequences (NOTES.md).
   static constexpr int kBlockN = 128;
   static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x (K 16 + V 16) + O 24 KB = 144 KB
+  static constexpr bool kSkewedRounds = true;  // (FwdTraitsSm90<64>)
   static constexpr bool kLazyRescale = true;  // (FwdTraitsSm90<64>)
   // Causal: faster than two warpgroups at 16k rows, a wash at 4k, slower below (above), so from 8192 rows.
   static constexpr int kCausalMinRows = 8192;
@@ -121,6 +128,7 @@ struct FwdCapTraitsSm90<128> : FwdTraitsSm90<128> {
   static constexpr int kBlockN = 64;  // S 32 + P 16 + O 64 accumulator registers of 160
   static constexpr int kStages = 3;   // Q 48 + 3 x (K 16 + V 16) + O 48 KB = 192 KB
   static constexpr bool kStoreOSmem = true;
+  static constexpr bool kSkewedRounds = true;  // (FwdTraitsSm90<64>)
   // A causal 192-row block's last three 64-key tiles are seen by one, two and three of its warpgroups: each
   // computes only its own (and a warpgroup whose rows all lie past seqlen_q computes none).
   static constexpr bool kWarpgroupKeyRange = true;
@@ -146,6 +154,7 @@ struct FwdCapCausalTraitsSm90<128> : FwdCapTraitsSm90<128> {
   static constexpr int kCausalMinRows = 4096;
   static constexpr bool kPersistent = false;
   static constexpr bool kWorkCounter = true;
+  static constexpr bool kSkewedRounds = false;
 };
 
 template <>
@@ -161,6 +170,7 @@ struct FwdTraitsSm90<256> {
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;
   static constexpr bool kWorkCounter = false;        // (FwdTraitsSm90<64>)
+  static constexpr bool kSkewedRounds = false;       // (FwdTraitsSm90<64>)
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
 };
 
@@ -183,6 +193,7 @@ struct FwdKernelTraitsSm90 : Base {
   // at most 240): 240 with two consumer warpgroups (d128 needs them all), 160 with three.
   static_assert(Base::kConsumerWarpgroups >= 1 && Base::kConsumerWarpgroups <= kMaxConsumerWarpgroups);
   static_assert(!(Base::kPersistent && Base::kWorkCounter), "a grid takes its units one way");
+  static_assert(Base::kPersistent || !Base::kSkewedRounds, "only a persistent grid walks rounds");
   static constexpr int kProducerRegs = 24;
   static constexpr int kRegsPerThreadSlot = 64 * 1024 / 128;  // the register file over a warpgroup's threads
   static constexpr int kConsumerRegsFit = (kRegsPerThreadSlot - kProducerRegs) / Base::kConsumerWarpgroups / 8 * 8;

@@ -86,6 +86,50 @@ struct HeavyFirstOrder {
   }
 };
 
+// A persistent grid's walk over its units, in rounds of `ctas` consecutive units: CTA c takes unit k * ctas + c of
+// round k, or with kSkew unit k * ctas + (c + k) mod ctas. Without a mask a head's blocks hold equal work but for its
+// short last block, which the order numbers first; where the blocks per head divide the grid the plain walk hands every
+// head's short block to the same CTAs (16 x 1024 x 16 in 192-row blocks: 6 a head on 132 CTAs, so CTAs 0, 6, ... take
+// only short blocks and the others 12 whole ones, for 10.67 of work a CTA). The skewed walk moves each CTA one place
+// on a round, which spreads the short blocks over the CTAs while each round still runs the same consecutive units
+// (the same few heads' K and V in L2) and a CTA's units still rise: a unit of round k + 1 lies past every unit of round
+// k. tools/schedule_model.py rows models both.
+template <bool kSkew>
+struct PersistentWalk {
+  int ctas;
+  int cta;
+  int u;    // this round's unit
+  int off;  // its place in the round (kSkew only)
+
+  JF_HD PersistentWalk(int cta_, int ctas_) : ctas(ctas_), cta(cta_), u(cta_), off(cta_) {}
+  JF_HD void advance() {
+    if constexpr (kSkew) {
+      const int next = off + 1 == ctas ? 0 : off + 1;
+      u += ctas - off + next;
+      off = next;
+    } else {
+      u += ctas;
+    }
+  }
+  // On to this CTA's first unit at or after `first`, or to `units` if it has none left.
+  JF_HD void skip_to(int64_t first, int units) {
+    int64_t v;
+    if constexpr (kSkew) {
+      const int64_t k = first / ctas;
+      int64_t o = (cta + k) % ctas;
+      v = k * ctas + o;
+      if (v < first) {
+        o = o + 1 == ctas ? 0 : o + 1;
+        v = (k + 1) * ctas + o;
+      }
+      off = int(o);
+    } else {
+      v = first + ((int64_t(cta) - first) % ctas + ctas) % ctas;
+    }
+    u = int(v < units ? v : units);
+  }
+};
+
 struct FwdTile {
   int m_block;  // query block
   int h;        // query head
