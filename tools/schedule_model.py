@@ -22,8 +22,9 @@ kept its grid.
 last block rows / block, at least --short-floor), head after head, each head's short block first (the persistent and
 work-counter grids' order): a persistent grid's static round-robin (CTA c: units c, c + SMs, ...), the same
 skewed one place a round (CTA c: unit k SMs + (c + k) mod SMs of round k, `PersistentWalk` with kSkewedRounds) and
-list scheduling (a work counter); the gain is the static grid's over the better of the other two. With --split-tail C a head whose rows leave block / 3 over takes its last block and
-those rows as two blocks of 2/3 block rows, each costing C (session 63: variable-height tails).
+list scheduling (a work counter); the gain is the static grid's over the better of the other two. With
+--split-tail C a head whose rows leave block / 3 over takes its last block and those rows as two blocks of 2/3
+block rows, each costing C (session 63: variable-height tails).
 
     python3 tools/schedule_model.py bwd 2x4096x32/8c 4x4096x16c 1x16384x16
     python3 tools/schedule_model.py bwd 4x8192x16c --docs 8

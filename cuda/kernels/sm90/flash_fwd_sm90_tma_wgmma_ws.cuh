@@ -7,9 +7,9 @@
 // SM, CTA c works through the units c, c + gridDim.x, ... (PersistentWalk, with Traits::kSkewedRounds one place on a
 // round); with a work counter (Traits::kWorkCounter) as many CTAs, each taking its first unit blockIdx.x and then the
 // next unit not yet taken (gridDim.x + a count of FlashParams::fwd_counter), in the order of a CTA per unit;
-// otherwise a CTA per unit. The K/V rings and their
-// mbarrier phases run on across a CTA's tiles, and the next tile's Q loads once every S of the current tile is done,
-// so the next tile's loads overlap the last PV product and the epilogue.
+// otherwise a CTA per unit. The K/V rings and their mbarrier phases run on across a CTA's tiles, and the next tile's
+// Q loads once every S of the current tile is done, so the next tile's loads overlap the last PV product and the
+// epilogue.
 //
 // TMA tensor maps view q and o as (head_dim, seqlen_q, heads_q, batch) in boxes of kColBlock columns x tile rows, and
 // k, v likewise with heads_kv; out-of-range rows and columns load as zeros (and are masked) and are not stored, so
