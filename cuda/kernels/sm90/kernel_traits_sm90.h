@@ -59,7 +59,8 @@ struct FwdTraitsSm90<64> {
   // A persistent grid whose CTAs move one place on each round (PersistentWalk in tile_scheduler_fwd.cuh): without a
   // mask the short last blocks of every head no longer fall to the same CTAs where the blocks per head divide the
   // grid; the 192-row tiles take it (FwdWideTraitsSm90<64>, FwdCapTraitsSm90<128>). Measured (H200, NOTES session
-  // 64): capped d128 forward x1.05-1.06 at 512-1024 rows, x1.14 at 256, level at 4096; d64 x1.00-1.035.
+  // 64): capped d128 forward x1.05-1.06 at 512-1024 rows, x1.14 at 256, level at 4096; d64 x1.00-1.035. The
+  // two-warpgroup grids measured level (a short 128-row block costs about a whole one) and keep the plain walk.
   static constexpr bool kSkewedRounds = false;
   // Each consumer warpgroup computes only the key tiles its own 64 rows see and takes empty ping-pong turns for
   // the rest of the block's (FwdMainloop::mma's n_mine): with 128-row blocks and 128-key tiles every warpgroup sees
