@@ -24,7 +24,10 @@ work-counter grids' order): a persistent grid's static round-robin (CTA c: units
 skewed one place a round (CTA c: unit k SMs + (c + k) mod SMs of round k, `PersistentWalk` with kSkewedRounds) and
 list scheduling (a work counter); the gain is the static grid's over the better of the other two. With
 --split-tail C a head whose rows leave block / 3 over takes its last block and those rows as two blocks of 2/3
-block rows, each costing C (session 63: variable-height tails).
+block rows, each costing C (session 63: variable-height tails). The short block's work as rows / block fits the
+three-warpgroup tiles (a warpgroup past the rows computes nothing: the skew gained x1.05-1.14 on them where the
+model said 9-33 %); on the two-warpgroup tiles a short block cost about a whole one (the skew gained nothing where
+the model said 28 %, session 64), so model those with --short-floor 1.
 
     python3 tools/schedule_model.py bwd 2x4096x32/8c 4x4096x16c 1x16384x16
     python3 tools/schedule_model.py bwd 4x8192x16c --docs 8
