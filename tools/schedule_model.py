@@ -33,6 +33,7 @@ the model said 28 %, session 64), so model those with --short-floor 1.
     python3 tools/schedule_model.py bwd 4x8192x16c --docs 8
     python3 tools/schedule_model.py fwd 4x4096x8c 2x8192x8c
     python3 tools/schedule_model.py rows 16x1024x16 32x512x16 4x4096x16 --block-rows 192 --split-tail 0.71
+    python3 tools/schedule_model.py rows 4x4096x16 1x16384x16 --short-floor 0.609 --last-split 3
 """
 import argparse
 import heapq
@@ -97,9 +98,15 @@ def row_blocks(seqlen, block, short_floor, split_tail):
     return ([max(rest / block, short_floor)] if rest else []) + [1.0] * full
 
 
-def rows_model(batch, seqlen, heads, sms, block, short_floor, split_tail):
-    """(static round-robin, skewed round-robin, list-scheduling makespans, mean) in full-block times."""
+def rows_model(batch, seqlen, heads, sms, block, short_floor, split_tail, last_split=1, part_overhead=0.0):
+    """(static round-robin, skewed round-robin, list-scheduling makespans, mean) in full-block times. With
+    last_split k > 1 the units past the last whole round each become k parts over keys of 1 / k of their work plus
+    part_overhead (a forward last-round key split, not built: session 64's Next)."""
     work = [w for _ in range(batch * heads) for w in row_blocks(seqlen, block, short_floor, split_tail)]
+    left = len(work) % sms
+    if last_split > 1 and left:
+        work = work[:len(work) - left] + [w / last_split + part_overhead for w in work[len(work) - left:]
+                                          for _ in range(last_split)]
     static, skewed = [0.0] * sms, [0.0] * sms
     for u, w in enumerate(work):
         k, place = divmod(u, sms)
@@ -120,6 +127,8 @@ def main():
     parser.add_argument("--block-rows", type=int, default=192, help="rows: query rows per block")
     parser.add_argument("--short-floor", type=float, default=0.5, help="rows: the least work of a short block")
     parser.add_argument("--split-tail", type=float, default=None, help="rows: cost of a 2/3-height tail block")
+    parser.add_argument("--last-split", type=int, default=1, help="rows: parts over keys of each last-round unit")
+    parser.add_argument("--part-overhead", type=float, default=0.04, help="rows: added work of each such part")
     args = parser.parse_args()
     if args.direction == "rows":
         print(f"{'shape':<14} {'static':>8} {'skewed':>8} {'counter':>8} {'mean':>8} {'gain':>6}")
@@ -128,7 +137,8 @@ def main():
             if not m:
                 parser.error(f"shape {shape!r}: expected BxSxH (rows: no mask, no GQA)")
             static, skewed, counter, mean = rows_model(int(m[1]), int(m[2]), int(m[3]), args.sms, args.block_rows,
-                                                       args.short_floor, args.split_tail)
+                                                       args.short_floor, args.split_tail, args.last_split,
+                                                       args.part_overhead)
             best = min(skewed, counter)
             print(f"{shape:<14} {static:>8.2f} {skewed:>8.2f} {counter:>8.2f} {mean:>8.2f} "
                   f"{100 * (static / best - 1):>5.1f}%")
