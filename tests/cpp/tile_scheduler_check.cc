@@ -4,9 +4,10 @@
 // tile exactly once, a paired unit holds its (batch, head)'s heaviest remaining block first, a grid of one CTA per unit
 // under a causal mask without a window and with min_blocks query blocks or more takes its units in HeavyFirstOrder (in
 // groups cut to the query heads whose K and V fit kHeavyFirstGroupKvBytes) while any other grid of one CTA per unit
-// takes the heads one after another, and units_fit() refuses unit counts above INT_MAX. PersistentWalk, plain and
-// skewed: the CTAs' walks take every unit exactly once, one a round per CTA in that round's units, each CTA's units
-// rising, and skip_to goes to the CTA's first unit at or after its argument (the end if none). BwdTileScheduler
+// takes the heads one after another, and units_fit() refuses unit counts above INT_MAX / 2. PersistentWalk, plain and
+// skewed: CTA c takes unit r * ctas + c of round r, or (c + r) mod ctas into it when skewed, so the CTAs' walks take
+// every unit exactly once, and skip_to goes to the CTA's first unit at or after its argument (the end if none), from
+// where the walk goes on as from its start. BwdTileScheduler
 // (tile_scheduler_bwd.cuh): its units are every (key block, kv head, batch) exactly once, the key block fastest, except
 // under a causal mask with running CTAs given: then the last tail_groups (batch, kv head)s (about kTailWaves units per
 // CTA, at most all) come last with the key block slowest; each (batch, kv head)'s key blocks in increasing order either
@@ -245,8 +246,7 @@ long check_persistent_walk(long* bad) {
         std::vector<int> walked;
         for (PersistentWalk<kSkew> w(cta, ctas); w.u < units; w.advance()) {
           const int round = int(walked.size());
-          if (w.u < round * ctas || w.u >= (round + 1) * ctas) fail("unit not of its round", units, ctas, cta);
-          if (!walked.empty() && w.u <= walked.back()) fail("units not rising", units, ctas, cta);
+          if (w.u != round * ctas + (kSkew ? (cta + round) % ctas : cta)) fail("not the walk's unit", units, ctas, cta);
           walked.push_back(w.u);
           ++seen[size_t(w.u)];
         }
@@ -345,19 +345,19 @@ int main() {
       }
     }
   }
-  // Unit counts past INT_MAX are refused (the launch returns cudaErrorInvalidConfiguration).
+  // Unit counts past INT_MAX / 2 are refused (the launch returns cudaErrorInvalidConfiguration).
   FlashParams big{};
   big.batch = 1 << 16, big.heads_q = 1 << 10, big.seqlen_q = 1 << 20;
   ++cases;
   if (FwdTileScheduler(big, 64, false).units_fit()) fail("units above INT_MAX accepted", big.batch, big.heads_q,
                                                          big.seqlen_q, 64, 0, 0);
-  big.seqlen_q = 64 * 32;  // 2^16 * 2^10 * 32 = 2^31 units: one past INT_MAX
+  big.seqlen_q = 64 * 16;  // 2^16 * 2^10 * 16 = 2^30 units: one past INT_MAX / 2
   ++cases;
-  if (FwdTileScheduler(big, 64, false).units_fit()) fail("2^31 units accepted", big.batch, big.heads_q,
+  if (FwdTileScheduler(big, 64, false).units_fit()) fail("2^30 units accepted", big.batch, big.heads_q,
                                                          big.seqlen_q, 64, 0, 0);
-  big.seqlen_q = 64 * 31;
+  big.seqlen_q = 64 * 15;
   ++cases;
-  if (!FwdTileScheduler(big, 64, false).units_fit()) fail("units below INT_MAX refused", big.batch, big.heads_q,
+  if (!FwdTileScheduler(big, 64, false).units_fit()) fail("units below INT_MAX / 2 refused", big.batch, big.heads_q,
                                                           big.seqlen_q, 64, 0, 0);
   // Heavy-first groups cut to the query heads whose K and V fit kHeavyFirstGroupKvBytes (16 MiB), a kv head's query
   // heads together: (seqlen, head dim, heads_q, heads_kv, block_m) -> group units of a causal grid of a CTA per unit.

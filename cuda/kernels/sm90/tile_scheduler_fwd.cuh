@@ -90,10 +90,10 @@ struct HeavyFirstOrder {
 // round k, or with kSkew unit k * ctas + (c + k) mod ctas. Without a mask a head's blocks hold equal work but for its
 // short last block, which the order numbers first; where the blocks per head divide the grid the plain walk hands every
 // head's short block to the same CTAs (16 x 1024 x 16 in 192-row blocks: 6 a head on 132 CTAs, so CTAs 0, 6, ... take
-// only short blocks and the others 12 whole ones, for 10.67 of work a CTA). The skewed walk moves each CTA one place
-// on a round, which spreads the short blocks over the CTAs while each round still runs the same consecutive units
-// (the same few heads' K and V in L2) and a CTA's units still rise: a unit of round k + 1 lies past every unit of round
-// k. tools/schedule_model.py rows models both.
+// only short blocks and most others 12 whole ones, where an even share is 10.34). The skewed walk moves each CTA one
+// place on a round, which spreads the short blocks over the CTAs while each round still runs the same consecutive
+// units (the same few heads' K and V in L2) and a CTA's units still rise: a unit of round k + 1 lies past every unit
+// of round k. tools/schedule_model.py rows models both.
 template <bool kSkew>
 struct PersistentWalk {
   int ctas;
@@ -140,7 +140,7 @@ struct FwdTileScheduler {
   int m_blocks;        // query blocks per (batch, head)
   int units_per_head;  // m_blocks, or ceil(m_blocks / 2) when blocks are paired
   int heads_q;
-  int64_t units_wide;  // units_per_head * heads_q * batch; launches refuse counts above INT_MAX (units_fit)
+  int64_t units_wide;  // units_per_head * heads_q * batch; launches refuse counts above INT_MAX / 2 (units_fit)
   int units;           // the same as an int, what the kernel walks
   bool paired;
   int group_units;   // a CTA per unit: heavy_first_group_units() (0: heads one after another); persistent: 0
@@ -161,7 +161,9 @@ struct FwdTileScheduler {
                                                          min_blocks)),
         heavy_first(group_units > 0) {}
 
-  JF_HD bool units_fit() const { return units_wide <= INT_MAX; }
+  // A persistent walk's next unit and a work counter's next index run up to a grid's width past the last unit: int
+  // holds them with this bound (any grid far narrower than INT_MAX / 2).
+  JF_HD bool units_fit() const { return units_wide <= INT_MAX / 2; }
 
   // Without the heavy-first order (every persistent grid) units run batch-major: batch element b holds units
   // [b * units_per_batch(), (b + 1) * units_per_batch()).
