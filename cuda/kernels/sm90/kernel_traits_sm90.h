@@ -146,7 +146,9 @@ struct FwdCapTraitsSm90<128> : FwdTraitsSm90<128> {
 // against the snake on the persistent grid: 2 x 8192 x 16 x1.036, 1 x 16384 x1.023, GQA 2 x 8192 x1.005. The work
 // counter against a CTA per block (H100, NOTES session 63): 4096 rows x1.018 (16 heads) and x1.021 (GQA 32/8),
 // 2 x 8192 x 16 x0.999, 1 x 16384 x0.989 (level: each CTA's prologue weighs less beside longer causal blocks).
-// Without a mask the persistent grid stays ahead of a CTA per block (4 x 4096 x 16: x0.984).
+// Without a mask the persistent grid stays ahead of a CTA per block (4 x 4096 x 16: x0.984) and of the counter
+// (H200, NOTES session 64: x0.95-0.99 wherever the counter balances nothing; the skewed walk, kSkewedRounds, spreads
+// the short blocks instead).
 template <int kHeadDim_>
 struct FwdCapCausalTraitsSm90 : NoFwdTileChoice {};
 
