@@ -50,6 +50,11 @@ struct FwdTraitsSm90<64> {
   // NOTES session 42, two A/Bs): d256 +2-8 % forward, d64's three-warpgroup kernel +2 %, d128 level (-1..+4 %
   // around 0), d64's two-warpgroup kernel (causal) -1..-2 %: d256 and the d64 wide kernel take it.
   static constexpr bool kLazyRescale = false;
+  // A capped call against a fixed reference (FwdMainloop's kFixedReference) takes the exponentials of every k-th
+  // 8-column tile of S on the FMA pipe (exp2_fma) instead of MUFU, beside the tanh's MUFU op; 0: none. Measured with
+  // k = 4 (H200, NOTES session 38): the d64 three-warpgroup forward x1.055, d128 x0.98, d256 x0.98 (k = 2: 0.90-0.97),
+  // so only FwdWideTraitsSm90<64> takes it.
+  static constexpr int kCapExpOnFmaEvery = 0;
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
   static constexpr bool kPersistent = true;  // faster on short sequences than a CTA per tile, equal on long ones
   // A grid of resident CTAs that take the CTA-per-unit order's units from a work counter (FlashParams::fwd_counter):
@@ -78,6 +83,7 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kPingPong = true;
   static constexpr bool kSoftmaxUnderPv = false;  // (FwdTraitsSm90<64>)
   static constexpr bool kLazyRescale = false;      // (FwdTraitsSm90<64>)
+  static constexpr int kCapExpOnFmaEvery = 0;      // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
   static constexpr bool kWorkCounter = false;  // (FwdTraitsSm90<64>)
@@ -105,6 +111,7 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
   static constexpr bool kStoreOSmem = true;  // Q 24 + 3 x (K 16 + V 16) + O 24 KB = 144 KB
   static constexpr bool kSkewedRounds = true;  // (FwdTraitsSm90<64>)
   static constexpr bool kLazyRescale = true;  // (FwdTraitsSm90<64>)
+  static constexpr int kCapExpOnFmaEvery = 4;  // (FwdTraitsSm90<64>)
   // Causal: faster than two warpgroups at 16k rows, a wash at 4k, slower below (above), so from 8192 rows.
   static constexpr int kCausalMinRows = 8192;
 };
@@ -169,6 +176,7 @@ struct FwdTraitsSm90<256> {
   static constexpr bool kPingPong = true;
   static constexpr bool kSoftmaxUnderPv = true;  // (FwdTraitsSm90<64>)
   static constexpr bool kLazyRescale = true;     // (FwdTraitsSm90<64>)
+  static constexpr int kCapExpOnFmaEvery = 0;    // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = false;  // 192 KB in use; another 64 KB for O does not fit: stores from registers
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;

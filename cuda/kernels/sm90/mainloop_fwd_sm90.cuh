@@ -15,6 +15,7 @@
 
 #include "flash_params.h"
 #include "kernels/common/block_ranges.cuh"
+#include "kernels/common/exp2_fma.cuh"
 #include "kernels/common/element_traits.cuh"
 #include "kernels/common/warp_reduce.cuh"
 #include "kernels/sm90/attention_gemms_sm90.cuh"
@@ -290,7 +291,9 @@ struct FwdMainloop {
           for (int j = 0; j < kSTiles; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float pe = exp2f(acc_s[4 * j + 2 * r + e] * score_log2 - reference);  // masked: -inf -> 0
+              const float x = acc_s[4 * j + 2 * r + e] * score_log2 - reference;  // masked: -inf -> 0
+              constexpr int kEvery = Traits::kCapExpOnFmaEvery;
+              const float pe = kEvery > 0 && j % kEvery == kEvery - 1 ? exp2_fma(x) : exp2f(x);
               acc_s[4 * j + 2 * r + e] = pe;
               sum += pe;
             }
