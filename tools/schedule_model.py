@@ -22,7 +22,8 @@ kept its grid.
 last block rows / block, at least --short-floor), head after head, each head's short block first (the persistent and
 work-counter grids' order): a persistent grid's static round-robin (CTA c: units c, c + SMs, ...), the same
 skewed one place a round (CTA c: unit k SMs + (c + k) mod SMs of round k, `PersistentWalk` with kSkewedRounds) and
-list scheduling (a work counter); the gain is the static grid's over the better of the other two. With
+list scheduling (a work counter), and with --last-split k the skewed whole rounds followed by the last round's
+units in k parts over keys from a counter (`tail`); the gain is the static grid's over the best of the others. With
 --split-tail C a head whose rows leave block / 3 over takes its last block and those rows as two blocks of 2/3
 block rows, each costing C (session 63: variable-height tails). The short block's work as rows / block fits the
 three-warpgroup tiles (a warpgroup past the rows computes nothing: the skew gained x1.05-1.14 on them where the
@@ -33,7 +34,7 @@ the model said 28 %, session 64), so model those with --short-floor 1.
     python3 tools/schedule_model.py bwd 4x8192x16c --docs 8
     python3 tools/schedule_model.py fwd 4x4096x8c 2x8192x8c
     python3 tools/schedule_model.py rows 16x1024x16 32x512x16 4x4096x16 --block-rows 192 --split-tail 0.71
-    python3 tools/schedule_model.py rows 4x4096x16 1x16384x16 --short-floor 0.609 --last-split 3
+    python3 tools/schedule_model.py rows 4x4096x16 1x16384x16 --short-floor 0.609 --last-split 2
 """
 import argparse
 import heapq
@@ -99,11 +100,28 @@ def row_blocks(seqlen, block, short_floor, split_tail):
 
 
 def rows_model(batch, seqlen, heads, sms, block, short_floor, split_tail, last_split=1, part_overhead=0.0):
-    """(static round-robin, skewed round-robin, list-scheduling makespans, mean) in full-block times. With
-    last_split k > 1 the units past the last whole round each become k parts over keys of 1 / k of their work plus
-    part_overhead (a forward last-round key split, not built: session 64's Next)."""
+    """(static round-robin, skewed round-robin, list-scheduling, split-tail makespans, mean) in full-block times.
+    With last_split k > 1 the units past the last whole round each become k parts over keys of 1 / k of their work
+    plus part_overhead (a forward last-round key split): the first three orders walk those parts like units; the
+    split tail runs the whole rounds skewed and hands the parts out by list scheduling (a work counter after the
+    walk: tools/pending/fwd-split-last-round.patch)."""
     work = [w for _ in range(batch * heads) for w in row_blocks(seqlen, block, short_floor, split_tail)]
     left = len(work) % sms
+    tail = [0.0] * sms
+    for u, w in enumerate(work[:len(work) - left]):
+        k, place = divmod(u, sms)
+        tail[(place - k) % sms] += w
+    parts = [w / last_split + part_overhead for w in work[len(work) - left:] for _ in range(last_split)]
+    if last_split == 1:  # no split: the skewed walk's last round
+        parts = []
+        for u, w in enumerate(work[len(work) - left:], len(work) - left):
+            k, place = divmod(u, sms)
+            tail[(place - k) % sms] += w
+    heap = list(tail)
+    heapq.heapify(heap)
+    for w in parts:
+        heapq.heappush(heap, heapq.heappop(heap) + w)
+    tail_split = max(heap)
     if last_split > 1 and left:
         work = work[:len(work) - left] + [w / last_split + part_overhead for w in work[len(work) - left:]
                                           for _ in range(last_split)]
@@ -112,7 +130,7 @@ def rows_model(batch, seqlen, heads, sms, block, short_floor, split_tail, last_s
         k, place = divmod(u, sms)
         static[place] += w
         skewed[(place - k) % sms] += w  # round k's place (c + k) mod sms is CTA c's
-    return max(static), max(skewed), makespan(work, range(len(work)), sms), sum(work) / sms
+    return max(static), max(skewed), makespan(work, range(len(work)), sms), tail_split, sum(work) / sms
 
 
 def main():
@@ -131,16 +149,16 @@ def main():
     parser.add_argument("--part-overhead", type=float, default=0.04, help="rows: added work of each such part")
     args = parser.parse_args()
     if args.direction == "rows":
-        print(f"{'shape':<14} {'static':>8} {'skewed':>8} {'counter':>8} {'mean':>8} {'gain':>6}")
+        print(f"{'shape':<14} {'static':>8} {'skewed':>8} {'counter':>8} {'tail':>8} {'mean':>8} {'gain':>6}")
         for shape in args.shapes:
             m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", shape)
             if not m:
                 parser.error(f"shape {shape!r}: expected BxSxH (rows: no mask, no GQA)")
-            static, skewed, counter, mean = rows_model(int(m[1]), int(m[2]), int(m[3]), args.sms, args.block_rows,
+            static, skewed, counter, tail, mean = rows_model(int(m[1]), int(m[2]), int(m[3]), args.sms, args.block_rows,
                                                        args.short_floor, args.split_tail, args.last_split,
                                                        args.part_overhead)
-            best = min(skewed, counter)
-            print(f"{shape:<14} {static:>8.2f} {skewed:>8.2f} {counter:>8.2f} {mean:>8.2f} "
+            best = min(skewed, counter, tail)
+            print(f"{shape:<14} {static:>8.2f} {skewed:>8.2f} {counter:>8.2f} {tail:>8.2f} {mean:>8.2f} "
                   f"{100 * (static / best - 1):>5.1f}%")
         return
     print(f"{'shape':<14} {'blocks fastest':>14} {'blocks slowest':>14} {'heavy-first':>11} {'tail':>8} "
