@@ -104,7 +104,7 @@ def rows_model(batch, seqlen, heads, sms, block, short_floor, split_tail, last_s
     With last_split k > 1 the units past the last whole round each become k parts over keys of 1 / k of their work
     plus part_overhead (a forward last-round key split): the first three orders walk those parts like units; the
     split tail runs the whole rounds skewed and hands the parts out by list scheduling (a work counter after the
-    walk: tools/pending/fwd-split-last-round.patch)."""
+    walk: the dropped fwd-split-last-round.patch, git history 43e5a03; it gained less than modelled)."""
     work = [w for _ in range(batch * heads) for w in row_blocks(seqlen, block, short_floor, split_tail)]
     left = len(work) % sms
     tail = [0.0] * sms
