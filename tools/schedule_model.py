@@ -107,20 +107,15 @@ def rows_model(batch, seqlen, heads, sms, block, short_floor, split_tail, last_s
     walk: the dropped fwd-split-last-round.patch, git history 43e5a03; it gained less than modelled)."""
     work = [w for _ in range(batch * heads) for w in row_blocks(seqlen, block, short_floor, split_tail)]
     left = len(work) % sms
-    tail = [0.0] * sms
-    for u, w in enumerate(work[:len(work) - left]):
+    whole = len(work) - left if last_split > 1 else len(work)  # the split tail's skewed walk, then its parts
+    heap = [0.0] * sms
+    for u, w in enumerate(work[:whole]):
         k, place = divmod(u, sms)
-        tail[(place - k) % sms] += w
-    parts = [w / last_split + part_overhead for w in work[len(work) - left:] for _ in range(last_split)]
-    if last_split == 1:  # no split: the skewed walk's last round
-        parts = []
-        for u, w in enumerate(work[len(work) - left:], len(work) - left):
-            k, place = divmod(u, sms)
-            tail[(place - k) % sms] += w
-    heap = list(tail)
+        heap[(place - k) % sms] += w
     heapq.heapify(heap)
-    for w in parts:
-        heapq.heappush(heap, heapq.heappop(heap) + w)
+    for w in work[whole:]:
+        for _ in range(last_split):
+            heapq.heappush(heap, heapq.heappop(heap) + w / last_split + part_overhead)
     tail_split = max(heap)
     if last_split > 1 and left:
         work = work[:len(work) - left] + [w / last_split + part_overhead for w in work[len(work) - left:]
@@ -154,9 +149,9 @@ def main():
             m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", shape)
             if not m:
                 parser.error(f"shape {shape!r}: expected BxSxH (rows: no mask, no GQA)")
-            static, skewed, counter, tail, mean = rows_model(int(m[1]), int(m[2]), int(m[3]), args.sms, args.block_rows,
-                                                       args.short_floor, args.split_tail, args.last_split,
-                                                       args.part_overhead)
+            static, skewed, counter, tail, mean = rows_model(
+                int(m[1]), int(m[2]), int(m[3]), args.sms, args.block_rows, args.short_floor, args.split_tail,
+                args.last_split, args.part_overhead)
             best = min(skewed, counter, tail)
             print(f"{shape:<14} {static:>8.2f} {skewed:>8.2f} {counter:>8.2f} {tail:>8.2f} {mean:>8.2f} "
                   f"{100 * (static / best - 1):>5.1f}%")
