@@ -55,6 +55,12 @@ struct FwdTraitsSm90<64> {
   // k = 4 (H200, NOTES session 38): the d64 three-warpgroup forward x1.055, d128 x0.98, d256 x0.98 (k = 2: 0.90-0.97),
   // so only FwdWideTraitsSm90<64> takes it.
   static constexpr int kCapExpOnFmaEvery = 0;
+  // A bfloat16 capped call's consumer warpgroups scale their rows of Q by the cap's pre in shared memory once a tile
+  // (FwdMainloop::kScaledQ), so no score needs an FMUL ahead of its tanh. Measured (H200, NOTES session 66): the
+  // three-warpgroup capped forward x1.011-1.034 (d128), x1.021 (d64 wide); the two-warpgroup tiles' short causal
+  // rows lose (16 x 1024: x0.969, few key tiles a tile to pay for the pass), d256 level: only the 192-row tiles
+  // take it.
+  static constexpr bool kCapScaledQ = false;
   static constexpr bool kStoreOSmem = true;  // Q 16 + 3 x 32 + O 16 KB = 128 KB
   static constexpr bool kPersistent = true;  // faster on short sequences than a CTA per tile, equal on long ones
   // A grid of resident CTAs that take the CTA-per-unit order's units from a work counter (FlashParams::fwd_counter):
@@ -84,6 +90,7 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kSoftmaxUnderPv = false;  // (FwdTraitsSm90<64>)
   static constexpr bool kLazyRescale = false;      // (FwdTraitsSm90<64>)
   static constexpr int kCapExpOnFmaEvery = 0;      // (FwdTraitsSm90<64>)
+  static constexpr bool kCapScaledQ = false;       // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = true;  // + O 32 KB = 192 KB
   static constexpr bool kPersistent = true;  // balanced causal units; equal to a CTA per unit without a mask
   static constexpr bool kWorkCounter = false;  // (FwdTraitsSm90<64>)
@@ -112,6 +119,7 @@ struct FwdWideTraitsSm90<64> : FwdTraitsSm90<64> {
   static constexpr bool kSkewedRounds = true;  // (FwdTraitsSm90<64>)
   static constexpr bool kLazyRescale = true;  // (FwdTraitsSm90<64>)
   static constexpr int kCapExpOnFmaEvery = 4;  // (FwdTraitsSm90<64>)
+  static constexpr bool kCapScaledQ = true;    // (FwdTraitsSm90<64>)
   // Causal: faster than two warpgroups at 16k rows, a wash at 4k, slower below (above), so from 8192 rows.
   static constexpr int kCausalMinRows = 8192;
 };
@@ -137,6 +145,7 @@ struct FwdCapTraitsSm90<128> : FwdTraitsSm90<128> {
   static constexpr int kStages = 3;   // Q 48 + 3 x (K 16 + V 16) + O 48 KB = 192 KB
   static constexpr bool kStoreOSmem = true;
   static constexpr bool kSkewedRounds = true;  // (FwdTraitsSm90<64>)
+  static constexpr bool kCapScaledQ = true;    // (FwdTraitsSm90<64>)
   // A causal 192-row block's last three 64-key tiles are seen by one, two and three of its warpgroups: each
   // computes only its own (and a warpgroup whose rows all lie past seqlen_q computes none).
   static constexpr bool kWarpgroupKeyRange = true;
@@ -177,6 +186,7 @@ struct FwdTraitsSm90<256> {
   static constexpr bool kSoftmaxUnderPv = true;  // (FwdTraitsSm90<64>)
   static constexpr bool kLazyRescale = true;     // (FwdTraitsSm90<64>)
   static constexpr int kCapExpOnFmaEvery = 0;    // (FwdTraitsSm90<64>)
+  static constexpr bool kCapScaledQ = false;     // (FwdTraitsSm90<64>)
   static constexpr bool kStoreOSmem = false;  // 192 KB in use; another 64 KB for O does not fit: stores from registers
   // A CTA per unit: the persistent loop's extra live registers raised the spills and made it slower.
   static constexpr bool kPersistent = false;

@@ -22,6 +22,7 @@
 #include "kernels/sm90/kernel_traits_sm90.h"
 #include "kernels/sm90/named_barriers.h"
 #include "kernels/sm90/pipeline.cuh"
+#include "kernels/sm90/scaled_operand_sm90.cuh"
 #include "kernels/sm90/smem_layout.h"
 #include "kernels/sm90/tile_scheduler_fwd.cuh"
 #include "kernels/sm90/utils_sm90.cuh"
@@ -88,6 +89,10 @@ struct FwdMainloop {
   using KVState = PipelineState<kStages>;
   using QState = PipelineState<1>;
   using PingPongT = PingPong<kGroups, Traits::kPingPong && kGroups >= 2>;
+  // With a bfloat16 soft cap on tiles that take it (Traits::kCapScaledQ) each consumer warpgroup multiplies its rows
+  // of Q by the cap's pre once a tile (scaled_operand_sm90.cuh), so S holds the tanh's argument; float16 and the
+  // other tiles keep the FMUL per score.
+  static constexpr bool kScaledQ = kSoftCap && Traits::kCapScaledQ && std::is_same_v<T, __nv_bfloat16>;
 
   // Traits::kLazyRescale: how far (log2 units) a row's maximum may pass the exponentials' reference before it moves.
   static constexpr float kLazyLog2 = 8.f;
@@ -232,7 +237,8 @@ struct FwdMainloop {
       }
     };
 
-    // Soft-caps S (with a cap: S becomes tanh(pre * S), the logits' scale folds post in), masks it as `how` says
+    // Soft-caps S (with a cap: S becomes tanh(pre * S), pre already in S with kScaledQ; the logits' scale folds post
+    // in), masks it as `how` says
     // (masking()'s answer for row0, n0), then the online-softmax update: S becomes exp2 values, the running max
     // and sum move on; returns the factors that rescale O for rows g and g + 8. The running max is kept in the
     // units of S (tanh values with a cap; the end of mma() turns it back into raw logits). With a fixed reference
@@ -245,7 +251,7 @@ struct FwdMainloop {
     auto softmax = [&](auto masked, TileMasking how, int row0, int n0, float (&correction)[2]) {
       if constexpr (kSoftCap) {
 #pragma unroll
-        for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = cap.tanh_of(acc_s[i]);
+        for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = kScaledQ ? tanh_fast(acc_s[i]) : cap.tanh_of(acc_s[i]);
       }
       if (masked && how != TileMasking::kNone) {
         int lo[2], hi[2];
@@ -364,6 +370,10 @@ struct FwdMainloop {
       }
     }
     smem.q_ring.consumer_wait(q);
+    if constexpr (kScaledQ) {
+      scale_warpgroup_rows<Traits::kColBlocks, kBM>(smem.q, cw * kWgmmaM, cap.pre, warp * kWarpSize + lane,
+                                                    kQScaledBarrier + cw);
+    }
 
     float correction[2];
     if (any_mine) {

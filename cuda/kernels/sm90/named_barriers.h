@@ -17,6 +17,9 @@ enum NamedBarrier : int {
   // The TMA decode kernel (flash_decode_tma_sm90.cuh, the forward's main loop): both consumer warpgroups zeroed the
   // keys outside the range in a V tile (256 threads).
   kDecodeTailBarrier = kFwdBarrierEnd,
+  // The forward's main loop with a bfloat16 soft cap: a consumer warpgroup's rows of Q are scaled in shared memory
+  // (scale_warpgroup_rows; 128 threads).
+  kQScaledBarrier = kDecodeTailBarrier + 1,  // 8..10
 
   // Backward (flash_bwd_sm90_tma_wgmma_ws.cuh; the head-dim-256 kernel uses the first).
   kDsBarrier = 1,       // both consumer warpgroups wrote dS^T (each tile at head dim 64); after a unit's loop,
@@ -34,6 +37,6 @@ enum NamedBarrier : int {
                            // other warpgroup's 128 wait)
   kBwdBarrierEnd = 16,
 };
-static_assert(kDecodeTailBarrier < 16 && kFwdBarrierEnd <= 16 && kBwdBarrierEnd <= 16, "16 named barriers per CTA");
+static_assert(kQScaledBarrier + kMaxConsumerWarpgroups <= 16 && kBwdBarrierEnd <= 16, "16 named barriers per CTA");
 
 }  // namespace jax_flash::cuda::sm90
