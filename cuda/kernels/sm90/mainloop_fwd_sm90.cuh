@@ -238,11 +238,11 @@ struct FwdMainloop {
     };
 
     // Soft-caps S (with a cap: S becomes tanh(pre * S), pre already in S with kScaledQ; the logits' scale folds post
-    // in), masks it as `how` says
-    // (masking()'s answer for row0, n0), then the online-softmax update: S becomes exp2 values, the running max
-    // and sum move on; returns the factors that rescale O for rows g and g + 8. The running max is kept in the
-    // units of S (tanh values with a cap; the end of mma() turns it back into raw logits). With a fixed reference
-    // S becomes 2^(score_log2 * S - reference) and only the sums move on (no factors: O is never rescaled).
+    // in), masks it as `how` says (masking()'s answer for row0, n0), then the online-softmax update: S becomes exp2
+    // values, the running max and sum move on; returns the factors that rescale O for rows g and g + 8. The running
+    // max is kept in the units of S (tanh values with a cap; the end of mma() turns it back into raw logits). With a
+    // fixed reference S becomes 2^(score_log2 * S - reference) and only the sums move on (no factors: O is never
+    // rescaled).
     const SoftCap cap(p);
     const float score_log2 = kSoftCap ? cap.log2_bound(p.scale_log2) : p.scale_log2;
     [[maybe_unused]] const float reference = SoftCap::fixed_reference(score_log2);
