@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # Several wheels in one carry: the device's carry is 64 MiB in all, and three sm_90a wheels (~22 MB each, deflated)
-# pass it. Rewrites each dist/<name>/*.whl as an uncompressed (stored) zip and packs them into one xz tarball, which
-# compresses the kernels' code far better than the wheels' own deflate (three wheels: 41 MB instead of 66).
+# pass it. Rewrites each dist/<name>/ wheel as an uncompressed (stored) zip and packs them, with each build's
+# dist/<name>/env if it has one (ab_bench.sh's run-time variants), into one xz tarball, which compresses the kernels'
+# code far better than the wheels' own deflate (three wheels: 41 MB instead of 66).
 #   bash tools/pack_wheels.sh OUT.tar.xz main nameA nameB      # here
 #   tar xJf OUT.tar.xz                                          # on the device, in the repository root: dist/<name>/
 set -euo pipefail
-cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { echo "usage: pack_wheels.sh OUT.tar.xz NAME..." >&2; exit 2; }
-out=$(realpath -m "$1"); shift
+out=$(realpath -m "$1"); shift  # (before the cd: relative to the caller's directory)
+cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 - "$tmp" "$@" <<'PY'
-import glob, os, sys, zipfile
+import glob, os, shutil, sys, zipfile
 tmp, names = sys.argv[1], sys.argv[2:]
 for name in names:
-    (src,) = glob.glob(f"dist/{name}/*.whl")
+    wheels = glob.glob(f"dist/{name}/*.whl")
+    if len(wheels) != 1:
+        sys.exit(f"pack_wheels: dist/{name}/ holds {len(wheels)} wheels, expected one")
+    src = wheels[0]
     os.makedirs(f"{tmp}/dist/{name}")
     with zipfile.ZipFile(src) as z, zipfile.ZipFile(f"{tmp}/dist/{name}/{os.path.basename(src)}", "w",
                                                     compression=zipfile.ZIP_STORED) as out:
@@ -22,6 +26,8 @@ for name in names:
             stored = zipfile.ZipInfo(info.filename, info.date_time)
             stored.external_attr = info.external_attr
             out.writestr(stored, z.read(info.filename))
+    if os.path.exists(f"dist/{name}/env"):
+        shutil.copy(f"dist/{name}/env", f"{tmp}/dist/{name}/env")
 PY
 tar -C "$tmp" -cf - dist | xz -T0 -6 >"$out"
 ls -l "$out"

@@ -1,7 +1,8 @@
-// 2^x computed on the FMA pipe instead of the MUFU unit (ex2.approx). The soft-capped sm_90a backward (head dims 64
-// and 128) spends two MUFU operations per score (tanh, then ex2) on its path to dS^T and computes half of its
-// exponentials here (probs_from_scores). The soft-capped forward got slower with it, three times (NOTES, sessions
-// 8, 17, 25, 27): its softmax is bound by one warp's instruction issue, not by the MUFU pipe.
+// 2^x computed on the FMA pipe instead of the MUFU unit (ex2.approx), for soft-capped kernels whose scores each take
+// two MUFU operations (tanh, then ex2): the sm_90a backward at head dims 64 and 128 computes half of its exponentials
+// here (probs_from_scores), and the d64 three-warpgroup forward every 4th tile's (kCapExpOnFmaEvery), where MUFU
+// work is twice the tensor time. Elsewhere the capped forward got slower with it (NOTES, sessions 8-38 and 66): each
+// FMA-pipe instruction a score on its softmax path costs time there.
 //
 // x = j + f with j = round(x) (the 1.5 * 2^23 addition rounds to nearest), |f| <= 1/2; 2^f by a degree-3
 // polynomial with 2^0 = 1 exactly (largest relative error 1.0e-4 over [-1/2, 1/2], below bfloat16's 2^-9 rounding of
