@@ -4,6 +4,7 @@ the idle gap before it, and per implementation the step's span against the sum o
 kernel-level profiles (Nsight Compute) miss: launch gaps, small XLA kernels, memsets, copies.
 
     python tools/timeline_step.py --batch 16 --seqlen 1024 --heads 16 --head-dim 128 --causal --impls jax_flash,fa3_jax
+    python tools/timeline_step.py --batch 2 --seqlen 8192 --heads 32 --kv-heads 8 --causal   # GQA
 """
 
 import argparse
@@ -77,6 +78,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA; default: --heads)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--impls", default="jax_flash,fa3_jax")
@@ -84,8 +86,11 @@ def main():
     ap.add_argument("--forward-only", action="store_true")
     a = ap.parse_args()
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
-    shape = (a.batch, a.seqlen, a.heads, a.head_dim)
-    q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in (kq, kk, kv))
+    kv_heads = a.kv_heads or a.heads
+    if a.heads % kv_heads:
+        ap.error(f"--heads {a.heads} is not a multiple of --kv-heads {kv_heads}")
+    q = jax.random.normal(kq, (a.batch, a.seqlen, a.heads, a.head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (a.batch, a.seqlen, kv_heads, a.head_dim), jnp.bfloat16) for key in (kk, kv))
     for impl in a.impls.split(","):
         f = attention_fn(impl, a.causal)
         if a.forward_only:
