@@ -31,6 +31,9 @@ struct SoftCap {
   // The capped score of raw score s, and the tanh it is post times.
   JF_HD float apply(float s) const { return post * tanh_of(s); }
   JF_HD float tanh_of(float s) const { return tanh_fast(pre * s); }
+  // The same of a score that holds pre * s already when pre_in_s (an operand was scaled by pre in shared memory:
+  // kernels/sm90/scaled_operand_sm90.cuh).
+  JF_HD float tanh_of(float s, bool pre_in_s) const { return pre_in_s ? tanh_fast(s) : tanh_of(s); }
   // d capped / d s from the capped score.
   JF_HD float dtanh(float capped) const {
     const float t = pre * capped;

@@ -251,7 +251,7 @@ struct FwdMainloop {
     auto softmax = [&](auto masked, TileMasking how, int row0, int n0, float (&correction)[2]) {
       if constexpr (kSoftCap) {
 #pragma unroll
-        for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = kScaledQ ? tanh_fast(acc_s[i]) : cap.tanh_of(acc_s[i]);
+        for (int i = 0; i < kSTiles * 4; ++i) acc_s[i] = cap.tanh_of(acc_s[i], kScaledQ);
       }
       if (masked && how != TileMasking::kNone) {
         int lo[2], hi[2];

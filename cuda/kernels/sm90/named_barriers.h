@@ -17,8 +17,8 @@ enum NamedBarrier : int {
   // The TMA decode kernel (flash_decode_tma_sm90.cuh, the forward's main loop): both consumer warpgroups zeroed the
   // keys outside the range in a V tile (256 threads).
   kDecodeTailBarrier = kFwdBarrierEnd,
-  // The forward's main loop with a bfloat16 soft cap: a consumer warpgroup's rows of Q are scaled in shared memory
-  // (scale_warpgroup_rows; 128 threads).
+  // The forward's main loop with a bfloat16 soft cap on the tiles that take it (FwdMainloop::kScaledQ): a consumer
+  // warpgroup's rows of Q are scaled in shared memory (scale_warpgroup_rows; 128 threads).
   kQScaledBarrier = kDecodeTailBarrier + 1,  // 8..10
 
   // Backward (flash_bwd_sm90_tma_wgmma_ws.cuh; the head-dim-256 kernel uses the first).
