@@ -89,10 +89,11 @@ __device__ __forceinline__ void zero_hidden_pairs(float (&acc)[kSTiles * 4], con
 // `mask` or of a mask that hides the same pairs with cheaper hooks); dscores_from_probs then zeroes the hidden pairs'
 // dS^T too.
 // kCap: the call has a soft cap (compiled out otherwise: dcap would be live registers across the dP^T wait in
-// every call). kHalfOnFma: half of the exponentials on the FMA pipe (exp2_fma), for a capped call of the
-// head-dim-64/128 kernel, whose tanh and exp2 queue two MUFU operations per score on the path to dS^T (H200: that
-// backward 4-7 % faster; the head-dim-256 kernel 1 % slower, the plain kernels 1-7 % slower: NOTES, session 27).
-template <typename T, int kSTiles, bool kCap, bool kHalfOnFma = false, typename Masking>
+// every call). kExpOnFmaEvery: every k-th 8-column tile's exponentials on the FMA pipe (exp2_fma; 0: none), for a
+// capped call of the head-dim-64/128 kernel, whose tanh and exp2 queue two MUFU operations per score on the path to
+// dS^T (BwdTraitsSm90::kCapExpOnFmaEvery; the head-dim-256 kernel was 1 % slower with half, the plain kernels 1-7 %:
+// NOTES, session 27).
+template <typename T, int kSTiles, bool kCap, int kExpOnFmaEvery = 0, typename Masking>
 __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles * 4], uint32_t (&dcap)[kSTiles * 2],
                                                          const float2 (&lse_log2)[kSTiles], float scale_log2,
                                                          const SoftCap& cap, const AttentionMask& mask,
@@ -106,7 +107,7 @@ __device__ __forceinline__ TileMasking probs_from_scores(float (&acc_s)[kSTiles 
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float x = acc_s[4 * j + e] * scale_log2 - ((e & 1) ? lse_log2[j].y : lse_log2[j].x);
-      acc_s[4 * j + e] = kHalfOnFma && j % 2 == 1 ? exp2_fma(x) : exp2f(x);
+      acc_s[4 * j + e] = exp_tile_on_fma<kExpOnFmaEvery>(j) ? exp2_fma(x) : exp2f(x);
     }
   }
   const TileMasking how = masking();

@@ -453,7 +453,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
           return ask(mask);
         };
-        const TileMasking how = probs_from_scores<T, kSTiles, kSoftCap, /*kHalfOnFma=*/kSoftCap>(
+        const TileMasking how = probs_from_scores<T, kSTiles, kSoftCap, kSoftCap ? Traits::kCapExpOnFmaEvery : 0>(
             acc_s, dcap, lse_log2, p.scale_log2, cap, tile_mask, masking, m0, n0 + key_row0, g, t);
         // dS^T = P^T * (dP^T - dsum) (times 1 - tanh^2 with a cap).
         float2 dsum[kSTiles];

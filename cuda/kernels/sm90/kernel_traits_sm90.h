@@ -262,6 +262,10 @@ struct BwdTraitsSm90<64> {
   // K 16 + V 16 + 2 x (Q 16 + dO 16) + 2 x dS^T 32 + dQ 2 x 16 + statistics 2 KB = 194 KB
   static constexpr int kBlockM = 128;
   static constexpr int kStages = 2;
+  // A capped call takes every k-th 8-column tile's exponentials on the FMA pipe (exp2_fma; 0: none): the score's
+  // tanh and exp2 queue two MUFU operations on the path to dS^T. k = 2 measured 4-7 % faster than none (H200, NOTES
+  // session 27).
+  static constexpr int kCapExpOnFmaEvery = 2;
 };
 
 template <>
@@ -272,6 +276,9 @@ struct BwdTraitsSm90<128> {
   // the alignment slack: all of it): the third stage lets a warpgroup run ahead of the other (the lagging dQ)
   // without waiting for the next tile's load.
   static constexpr int kStages = 3;
+  // Capped: every 4th tile's exponentials on the FMA pipe (MUFU takes three of four): 0.8-0.9 % faster than every
+  // 2nd at d128 (H200, 5 rounds; every tile on MUFU: 2-3 % slower; NOTES session 67).
+  static constexpr int kCapExpOnFmaEvery = 4;
 };
 
 template <typename T, typename Base>

@@ -98,10 +98,7 @@ struct FwdMainloop {
   static constexpr float kLazyLog2 = 8.f;
   // Whether 8-column tile j of S takes its exponentials on the FMA pipe in the fixed-reference loop
   // (Traits::kCapExpOnFmaEvery: every k-th tile; 0, none).
-  static constexpr bool exp_on_fma(int j) {
-    constexpr int k = Traits::kCapExpOnFmaEvery;
-    return k > 0 && j % (k > 0 ? k : 1) == k - 1;
-  }
+  static constexpr bool exp_on_fma(int j) { return exp_tile_on_fma<Traits::kCapExpOnFmaEvery>(j); }
 
   // A consumer thread's results for one tile: O (64 rows x kD per warpgroup, accumulator layout) and the online
   // softmax's running max (raw logits when mma() returns; tanh values during a capped call's loop; with a fixed
