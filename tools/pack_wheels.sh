@@ -2,9 +2,8 @@
 # Several wheels in one carry: the device's carry is 64 MiB in all, and three sm_90a wheels (~22 MB each, deflated)
 # pass it. Rewrites each dist/<name>/ wheel as an uncompressed (stored) zip and packs them, with each build's
 # dist/<name>/env if it has one (ab_bench.sh's run-time variants), into one xz tarball, which compresses the kernels'
-# code far better than the wheels' own deflate, and whose 192 MiB window (a wheel is ~60 MB stored) stores the kernels
-# that the wheels share once (three wheels: 66 MB deflated, 41 MB with xz's default window, 33 MB with four wheels
-# and this one).
+# code far better than the wheels' own deflate; its 192 MiB window (a wheel is ~62 MB stored) stores the kernels that
+# the wheels share once (three wheels: 66 MB deflated, 41 MB with xz's default 8 MiB window; four: 33-40 MB).
 #   bash tools/pack_wheels.sh OUT.tar.xz main nameA nameB      # here
 #   tar xJf OUT.tar.xz                                          # on the device, in the repository root: dist/<name>/
 set -euo pipefail

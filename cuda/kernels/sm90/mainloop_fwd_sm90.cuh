@@ -96,10 +96,6 @@ struct FwdMainloop {
 
   // Traits::kLazyRescale: how far (log2 units) a row's maximum may pass the exponentials' reference before it moves.
   static constexpr float kLazyLog2 = 8.f;
-  // Whether 8-column tile j of S takes its exponentials on the FMA pipe in the fixed-reference loop
-  // (Traits::kCapExpOnFmaEvery: every k-th tile; 0, none).
-  static constexpr bool exp_on_fma(int j) { return exp_tile_on_fma<Traits::kCapExpOnFmaEvery>(j); }
-
   // A consumer thread's results for one tile: O (64 rows x kD per warpgroup, accumulator layout) and the online
   // softmax's running max (raw logits when mma() returns; tanh values during a capped call's loop; with a fixed
   // reference, the reference as a raw logit, set when mma() returns) and per-lane partial sums of rows g and g + 8.
@@ -301,7 +297,7 @@ struct FwdMainloop {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const float x = acc_s[4 * j + 2 * r + e] * score_log2 - reference;  // masked: -inf -> 0
-              const float pe = exp_on_fma(j) ? exp2_fma(x) : exp2f(x);
+              const float pe = exp_tile_on_fma<Traits::kCapExpOnFmaEvery>(j) ? exp2_fma(x) : exp2f(x);
               acc_s[4 * j + 2 * r + e] = pe;
               sum += pe;
             }
