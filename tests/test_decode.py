@@ -157,6 +157,14 @@ KERNEL_CASES = {
     "rows64_d64_balanced": dict(batch=3, rows=8, hq=16, hkv=2, d=64, capacity=4096, lengths=(4096, 1, 2500)),
     "rows64_paged16_balanced": dict(batch=3, rows=16, hq=8, hkv=2, d=128, capacity=4096, lengths=(4096, 3000, 17),
                                     page_size=16, window=(1000, 0)),
+    # balanced splits (test_balanced_splits_match_reference) over batches with sequences of no key, whose splits
+    # are all empty, on the mma.sync kernel and (48 packed rows) the wgmma one; and at equal lengths (half of the
+    # balanced grid's splits empty)
+    "balanced_zero_lengths_b10": dict(batch=10, rows=2, hq=8, hkv=2, d=64, capacity=1500,
+                                      lengths=(1500, 0, 0, 1, 1499, 0, 700, 64, 65, 0)),
+    "balanced_equal_b16": dict(batch=16, rows=1, hq=8, hkv=1, d=128, capacity=2048, lengths=(2048,) * 16),
+    "rows48_balanced_zero_lengths": dict(batch=6, rows=6, hq=8, hkv=1, d=128, capacity=2000,
+                                         lengths=(2000, 0, 333, 0, 1999, 1), sinks=True),
     "rows64_d256": dict(batch=1, rows=8, hq=8, hkv=1, d=256, capacity=300, lengths=(300,), is_causal=False),
     "rows128_paged64_window": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=704, lengths=(700, 64),
                                    page_size=64, window=(100, 0)),
@@ -372,7 +380,8 @@ def test_independent_of_num_splits(name, num_splits):
 BALANCED = ["rows32_ragged", "rows24_noncausal", "rows64_d64_balanced", "rows64_paged16_balanced",
             "rows48_d64_paged16_softcap", "rows1024_d96_softcap_sinks", "rows128_softcap_ragged",
             "rows112_d96_noncausal_b5", "rows128_paged12_window", "rows128_units_paged16_b80",
-            "rows72_d64_units_balanced_b40"]
+            "rows72_d64_units_balanced_b40", "balanced_zero_lengths_b10", "balanced_equal_b16",
+            "rows48_balanced_zero_lengths"]
 
 
 @pytest.mark.parametrize("name", BALANCED)
