@@ -225,18 +225,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
     }
-    if constexpr (kPaged) {  // the whole warpgroup gathers each tile, K then V, each once its slot is free
+    if constexpr (kPaged) {
+      // The whole warpgroup gathers each tile, each copy once its slot is free, K one tile ahead of V (K(i + 1), then
+      // V(i): the consumers' next S = Q K^T is issued before this tile's P V, and K's copy does not wait for V's
+      // slot); a tile's page-table lookup is loaded two copies before its first K copy needs it.
       const PagedKVGather<T, Traits> gather(p, unit.hk, tid);
-      int entry = gather.entry(unit.b, n_begin * kBN, range);
+      auto n0_of = [&](int i) { return (n_begin + i) * kBN; };
+      auto copy_k = [&](const typename Mainloop::KVState& at, int i, int row0) {
+        smem.k_ring.producer_wait_empty(at);
+        gather.copy(smem.k[at.slot()], false, unit.b, n0_of(i), range, row0);
+        cp_async_mbar_arrive(smem.k_ring.full_barrier(at));
+      };
+      int row_k = gather.first_row(gather.entry(unit.b, n0_of(0), range), n0_of(0), range);  // tile 0's
+      int entry = n_tiles > 1 ? gather.entry(unit.b, n0_of(1), range) : 0;                   // tile 1's
+      copy_k(kv, 0, row_k);
       for (int i = 0; i < n_tiles; ++i, kv.advance()) {
-        const int n0 = (n_begin + i) * kBN;
-        const int row0 = gather.first_row(entry, n0, range);
-        smem.k_ring.producer_wait_empty(kv);
-        gather.copy(smem.k[kv.slot()], false, unit.b, n0, range, row0);
-        cp_async_mbar_arrive(smem.k_ring.full_barrier(kv));
-        if (i + 1 < n_tiles) entry = gather.entry(unit.b, n0 + kBN, range);  // used by the next tile
+        const int row_v = row_k;  // tile i's
+        if (i + 1 < n_tiles) {
+          row_k = gather.first_row(entry, n0_of(i + 1), range);
+          if (i + 2 < n_tiles) entry = gather.entry(unit.b, n0_of(i + 2), range);
+          copy_k(kv.ahead(1), i + 1, row_k);
+        }
         smem.v_ring.producer_wait_empty(kv);
-        gather.copy(smem.v[kv.slot()], true, unit.b, n0, range, row0);
+        gather.copy(smem.v[kv.slot()], true, unit.b, n0_of(i), range, row_v);
         cp_async_mbar_arrive(smem.v_ring.full_barrier(kv));
       }
     }
