@@ -182,7 +182,9 @@ __global__ void __launch_bounds__(Traits::kThreads) flash_decode_split_kernel(co
     }
     __syncthreads();
     if (!computes || slice != 0) return;
-#pragma unroll
+    // Not unrolled over the slices: this code runs once per block, after the stream, and its instructions are
+    // fetched cold then (NOTES, session 68: the unrolled merge and stores waited on instruction fetches).
+#pragma unroll 1
     for (int s = 1; s < Traits::kSlices; ++s) {
       const int w = slot0 + s;
       const float4 st = *reinterpret_cast<const float4*>(sStat + (w * kWarpSize + lane) * 4);

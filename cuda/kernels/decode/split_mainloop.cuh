@@ -479,12 +479,19 @@ __device__ __forceinline__ void store_split_rows(const FlashParams& p, int split
     const float lse = some ? row_max[rr] * p.scale + logf(sum) : -INFINITY;
     if (!final) {
       if (!row_ok) continue;
-      float* out = split_o(p, split, b, hk, r);
+      float* out = split_o(p, split, b, hk, r) + 2 * t;
+      auto store = [&](int dt) {
+        *reinterpret_cast<float2*>(out + dt * 8) = make_float2(o[4 * dt + 2 * rr] * inv, o[4 * dt + 2 * rr + 1] * inv);
+      };
+      // A whole head dim (the usual case) stores every column tile without a test and branch each: this code runs
+      // once per block, after the stream, and its instructions are fetched cold then (NOTES, session 68).
+      if (p.head_dim == kDTiles * 8) {
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        const int col = dt * 8 + 2 * t;
-        if (col < p.head_dim) {
-          *reinterpret_cast<float2*>(out + col) = make_float2(o[4 * dt + 2 * rr] * inv, o[4 * dt + 2 * rr + 1] * inv);
+        for (int dt = 0; dt < kDTiles; ++dt) store(dt);
+      } else {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          if (dt * 8 + 2 * t < p.head_dim) store(dt);
         }
       }
       if (t == 0) *split_lse(p, split, b, hk, r) = lse;
