@@ -135,8 +135,9 @@ DECODE_CASES = [
     (2, 2, 4, 2, 256, 512, 16, 5, dict(logits_soft_cap=20.0, sinks=True)),
     (2, 4, 4, 1, 64, 700, None, 3, dict(local_window_size=(200, 0))),
     (1, 1, 32, 8, 128, 4096, None, 16, dict()),
-    # balanced plans of 16 sequences x 4 kv heads (8 splits, mma.sync): ragged lengths, some of no key (every split
-    # of the sequence empty), and equal lengths (half of the splits empty)
+    # balanced plans of 16 sequences x 4 kv heads (8 splits on 132 SMs, mma.sync): ragged lengths (the short
+    # sequences leave some of their splits empty; sequences of no key are test_decode's balanced cases), and equal
+    # lengths (half of the splits empty)
     (16, 2, 8, 4, 64, 512, None, None, dict()),
     (16, 2, 8, 4, 64, 512, None, None, dict(equal_lengths=True)),
 ]

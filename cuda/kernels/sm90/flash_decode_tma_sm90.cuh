@@ -56,10 +56,10 @@ __device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, i
 // of 64 (the lane-pair gather this replaced read 16 lines of one sector each per warp copy, which asked more of the
 // L2 per byte than FlashAttention-3's gather: paged 16 1.10-1.15x faster since; NOTES, session 32). A thread's eight
 // keys lie in one page when the page size is a multiple of 8, so one page-table lookup a tile gives their pool rows
-// (consecutive); other page sizes look each key up (copy_by_key). The lookup of a tile is loaded between the
-// previous tile's K and V copies (entry()) and turned into the first key's pool row when the tile's copies start
-// (first_row()). A key's place in the stage is the thread's place XOR a constant plus an immediate (the eight keys
-// are one swizzle period). Keys outside the unit's range [lo, hi) and chunks past head_dim are zero-filled and read
+// (consecutive); other page sizes look each key up (copy_by_key). The producer loads a tile's lookup (entry()) before
+// the previous tile's K copy and turns it into the first key's pool row when the tile's K copy starts (first_row()).
+// A key's place in the stage is the thread's place XOR a constant plus an immediate (the eight keys are one swizzle
+// period). Keys outside the unit's range [lo, hi) and chunks past head_dim are zero-filled and read
 // nothing, so no tile of a paged call needs the V zeroing.
 template <typename T, typename Traits>
 struct PagedKVGather {
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (kPaged) {
       // The whole warpgroup gathers each tile, each copy once its slot is free, K one tile ahead of V (K(i + 1), then
       // V(i): the consumers' next S = Q K^T is issued before this tile's P V, and K's copy does not wait for V's
-      // slot); a tile's page-table lookup is loaded two copies before its first K copy needs it.
+      // slot); from the third tile on, a tile's page-table lookup is loaded two copies before its K copy needs it.
       const PagedKVGather<T, Traits> gather(p, unit.hk, tid);
       auto n0_of = [&](int i) { return (n_begin + i) * kBN; };
       auto copy_k = [&](const typename Mainloop::KVState& at, int i, int row0) {
