@@ -59,13 +59,16 @@ __device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, i
 // (consecutive); other page sizes look each key up (copy_by_key). The producer loads a tile's lookup (entry()) before
 // the previous tile's K copy and turns it into the first key's pool row when the tile's K copy starts (first_row()).
 // A key's place in the stage is the thread's place XOR a constant plus an immediate (the eight keys are one swizzle
-// period). Keys outside the unit's range [lo, hi) and chunks past head_dim are zero-filled and read
-// nothing, so no tile of a paged call needs the V zeroing.
+// period). A thread whose eight keys are all in range at a whole head dim copies them unpredicated, each key's
+// source a pointer step from the last (the predicated form cost ~10 instructions a key: session 69). Keys outside
+// the unit's range [lo, hi) and chunks past head_dim are zero-filled and read nothing, so no tile of a paged call
+// needs the V zeroing.
 template <typename T, typename Traits>
 struct PagedKVGather {
   static constexpr int kRowThreads = kSwizzleBytes / kSwizzleChunkBytes;  // lanes per 128-byte row: 8
   static constexpr int kRows = kSwizzleRows;              // consecutive keys a thread copies in a tile: 8
   static_assert(kWarpgroupThreads / kRowThreads * kRows == Traits::kBlockN);
+  static constexpr uint32_t kAllColBlocks = (1u << Traits::kColBlocks) - 1;
 
   const FlashParams& p;
   const T* k;           // this thread's chunk of kv head hk in pool row 0
@@ -118,7 +121,20 @@ struct PagedKVGather {
                                        int row0) const {
     const T* col = value ? v : k;
     const uint32_t dst = smem_addr(stage) + place;
-    if (page_runs) {
+    const int first = n0 + key0;
+    if (page_runs && first >= range.lo && range.hi - first >= kRows && col_blocks == kAllColBlocks) {
+      // The thread's eight keys in range, in one page, every column block inside head_dim (nearly every tile at
+      // whole head dims): no predicates, each key's source one pointer step from the last.
+      const T* src = col + int64_t(row0) * row_stride;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i, src += row_stride) {
+        const uint32_t at = (dst ^ uint32_t(i * kSwizzleChunkBytes)) + i * kSwizzleBytes;
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          cp_async_16(at + cb * Traits::kBlockN * kSwizzleBytes, src + cb * kColBlock, true);
+        }
+      }
+    } else if (page_runs) {
       const T* src = col + int64_t(row0) * row_stride;
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
@@ -156,10 +172,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kConsumerThreads = Traits::kConsumerWarpgroups * kWarpgroupThreads;
   // setmaxnreg moves registers between the warpgroups inside what the CTA was launched with (the register file
   // over its threads, 168 each): 24 + 2 x 240 per thread slot. The gather's copies spill below 56 (ptxas; and the
-  // spill code slows the gather: session 31), and at 56 + 2 x 224 neither role spills. (An increase past what the
-  // CTA holds never returns: 32 + 2 x 240 hung.)
-  constexpr int kProducerRegs = kPaged ? 56 : Traits::kProducerRegs;
-  constexpr int kConsumerRegs = kPaged ? 224 : Traits::kConsumerRegs;
+  // spill code slows the gather: session 31); with its unpredicated path for whole tiles, ptxas spilled values the
+  // roles share (d64 at 56 + 2 x 224), and at 64 + 2 x 216 neither role spills. (An increase past what the CTA holds
+  // never returns: 32 + 2 x 240 hung.)
+  constexpr int kProducerRegs = kPaged ? 64 : Traits::kProducerRegs;
+  constexpr int kConsumerRegs = kPaged ? 216 : Traits::kConsumerRegs;
   constexpr int kLaunchRegs = 64 * 1024 / Traits::kThreads / 8 * 8;
   static_assert((kProducerRegs + Traits::kConsumerWarpgroups * kConsumerRegs) * kWarpgroupThreads <=
                 kLaunchRegs * Traits::kThreads);
