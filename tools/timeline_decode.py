@@ -57,7 +57,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default="jax_flash,cudnn")
     profile = _tool("profile_decode.py")
-    profile.add_shape_args(ap, tq=1, paged=False)
+    profile.add_shape_args(ap, tq=1)
     ap.add_argument("--calls", type=int, default=10, help="calls chained in one program (bench_decode's --calls)")
     ap.add_argument("--programs", type=int, default=3, help="programs profiled (the median one is listed)")
     ap.add_argument("--back-to-back", type=int, default=5,
@@ -65,25 +65,26 @@ def main():
     ap.add_argument("--out", default=None, help="directory for timeline-<shape>.json")
     a = ap.parse_args()
     bench = _bench()
-    q, k, v, n, _ = profile.decode_inputs(a)
+    q, k, v, n, table = profile.decode_inputs(a)
     caches = bench._cache_copies(k, v, "program", a.calls)
     splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen)
     shape = (f"{a.heads}/{a.kv_heads}x{a.head_dim} Tq{a.tq} B{a.batch} S{a.seqlen}"
-             f"{' ragged' if a.ragged else ''}")
+             f"{' ragged' if a.ragged else ''}{f' paged{a.page_size}' if a.page_size else ''}")
     results = []
     for impl in a.impls.split(","):
-        fn, why = bench.implementations(impl, a.tq, "dense", splits, ragged=a.ragged)
+        fn, why = bench.implementations(impl, a.tq, f"paged{a.page_size}" if a.page_size else "dense", splits,
+                                        ragged=a.ragged)
         if fn is None:
             print(f"## {impl} {shape}: does not run ({why})")
             continue
-        us, _ = bench._time_us(fn, q, caches, n, None, a.calls, 5, "program")
+        us, _ = bench._time_us(fn, q, caches, n, table, a.calls, 5, "program")
         run = jax.jit(bench._chained(fn, a.calls))
-        jax.block_until_ready(run(q, caches, n, None))
+        jax.block_until_ready(run(q, caches, n, table))
         events = bench.traced_gpu_events(
-            lambda: [jax.block_until_ready(run(q, caches, n, None)) for _ in range(a.programs)])
+            lambda: [jax.block_until_ready(run(q, caches, n, table)) for _ in range(a.programs)])
         # --timing program's pattern: programs enqueued back to back, one wait
         b2b = bench.traced_gpu_events(
-            lambda: jax.block_until_ready([run(q, caches, n, None) for _ in range(a.back_to_back)]))
+            lambda: jax.block_until_ready([run(q, caches, n, table) for _ in range(a.back_to_back)]))
         programs = [p for p in split_programs(events, 20_000) if len(p) >= a.calls]
         if not programs:
             print(f"## {impl} {shape}: no GPU events traced ({len(events)} events)")
