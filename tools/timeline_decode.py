@@ -6,6 +6,7 @@ call: the program's span, the kernels' busy time and the gaps, beside bench_deco
 Systems is not on the GPU machines; Nsight Compute serialises kernels, so it shows no gaps.
 
     python3 tools/timeline_decode.py --impls jax_flash,cudnn --batch 8 --seqlen 32768 --tq 1 [--out DIR]
+    (--page-size 16: a paged cache, the pool's pages in shuffled order)
 """
 
 import argparse
@@ -67,7 +68,7 @@ def main():
     bench = _bench()
     q, k, v, n, table = profile.decode_inputs(a)
     caches = bench._cache_copies(k, v, "program", a.calls)
-    splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen)
+    splits = bench._ffi.decode_splits(q.shape, a.kv_heads, a.seqlen, table is not None)
     shape = (f"{a.heads}/{a.kv_heads}x{a.head_dim} Tq{a.tq} B{a.batch} S{a.seqlen}"
              f"{' ragged' if a.ragged else ''}{f' paged{a.page_size}' if a.page_size else ''}")
     results = []

@@ -59,7 +59,7 @@ __device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, i
 // (consecutive); other page sizes look each key up (copy_by_key). The producer loads a tile's lookup (entry()) before
 // the previous tile's K copy and turns it into the first key's pool row when the tile's K copy starts (first_row()).
 // A key's place in the stage is the thread's place XOR a constant plus an immediate (the eight keys are one swizzle
-// period). A thread whose eight keys are all in range at a whole head dim copies them unpredicated, each key's
+// period). At a whole head dim, a thread whose eight keys are all in range copies them unpredicated, each key's
 // source a pointer step from the last (the predicated form cost ~10 instructions a key: session 69). Keys outside
 // the unit's range [lo, hi) and chunks past head_dim are zero-filled and read nothing, so no tile of a paged call
 // needs the V zeroing.
@@ -68,7 +68,6 @@ struct PagedKVGather {
   static constexpr int kRowThreads = kSwizzleBytes / kSwizzleChunkBytes;  // lanes per 128-byte row: 8
   static constexpr int kRows = kSwizzleRows;              // consecutive keys a thread copies in a tile: 8
   static_assert(kWarpgroupThreads / kRowThreads * kRows == Traits::kBlockN);
-  static constexpr uint32_t kAllColBlocks = (1u << Traits::kColBlocks) - 1;
 
   const FlashParams& p;
   const T* k;           // this thread's chunk of kv head hk in pool row 0
@@ -122,9 +121,10 @@ struct PagedKVGather {
     const T* col = value ? v : k;
     const uint32_t dst = smem_addr(stage) + place;
     const int first = n0 + key0;
-    if (page_runs && first >= range.lo && range.hi - first >= kRows && col_blocks == kAllColBlocks) {
-      // The thread's eight keys in range, in one page, every column block inside head_dim (nearly every tile at
-      // whole head dims): no predicates, each key's source one pointer step from the last.
+    if (page_runs && first >= range.lo && range.hi - first >= kRows && p.head_dim == Traits::kHeadDim) {
+      // The thread's eight keys in range, in one page, at a whole head dim (nearly every tile): no predicates, each
+      // key's source one pointer step from the last. (The head dim, not the thread's column blocks: at padded head
+      // dims every lane of a warp takes the path below, not some of them each path.)
       const T* src = col + int64_t(row0) * row_stride;
 #pragma unroll
       for (int i = 0; i < kRows; ++i, src += row_stride) {
