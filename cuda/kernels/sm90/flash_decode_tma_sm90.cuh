@@ -108,11 +108,14 @@ struct PagedKVGather {
     const int first = imax(n0 + key0, range.lo);
     return decode::pool_row_of(p, e, first) - (first - (n0 + key0));
   }
+  // Key i of the thread's eight, from `src`, into its place in the stage at `dst`: zero-filled unless `ok` and the
+  // column block lies inside head_dim; kWhole (the key in range at a whole head dim): no predicate.
+  template <bool kWhole = false>
   __device__ __forceinline__ void copy_row(uint32_t dst, const T* src, int i, bool ok) const {
 #pragma unroll
     for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
       cp_async_16((dst ^ uint32_t(i * kSwizzleChunkBytes)) + i * kSwizzleBytes + cb * Traits::kBlockN * kSwizzleBytes,
-                  src + cb * kColBlock, ok && (col_blocks >> cb & 1u));
+                  src + cb * kColBlock, kWhole || (ok && (col_blocks >> cb & 1u)));
     }
   }
   // One tensor's tile from key n0 into `stage`; row0 = first_row() of the tile.
@@ -127,13 +130,7 @@ struct PagedKVGather {
       // dims every lane of a warp takes the path below, not some of them each path.)
       const T* src = col + int64_t(row0) * row_stride;
 #pragma unroll
-      for (int i = 0; i < kRows; ++i, src += row_stride) {
-        const uint32_t at = (dst ^ uint32_t(i * kSwizzleChunkBytes)) + i * kSwizzleBytes;
-#pragma unroll
-        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-          cp_async_16(at + cb * Traits::kBlockN * kSwizzleBytes, src + cb * kColBlock, true);
-        }
-      }
+      for (int i = 0; i < kRows; ++i, src += row_stride) copy_row<true>(dst, src, i, true);
     } else if (page_runs) {
       const T* src = col + int64_t(row0) * row_stride;
 #pragma unroll
