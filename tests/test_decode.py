@@ -120,7 +120,7 @@ def _run(case, num_splits=None, seed=0):
     given = jnp.asarray(lengths[0] if case.get("one_length") else lengths)  # one length: () for the whole batch
     kw = dict(is_causal=case.get("is_causal", True), local_window_size=case.get("window"),
               logits_soft_cap=case.get("softcap"), sinks=None if sinks is None else jnp.asarray(sinks),
-              num_splits=num_splits, return_residual=True)
+              num_splits=case.get("splits") if num_splits is None else num_splits, return_residual=True)
     cast = lambda x: jnp.asarray(x, DTYPE)  # noqa: E731
     if table is None:
         out, lse = jax.jit(lambda q, k, v, n: jax_flash.decode_attention(q, k, v, n, **kw))(
@@ -218,6 +218,16 @@ KERNEL_CASES = {
                              window=(400, 0)),
     "rows128_long_one_sequence": dict(batch=1, rows=16, hq=16, hkv=2, d=128, capacity=20000, lengths=(19999,)),
     "rows128_short_sequences": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(5, 300)),
+    # one split a sequence in batch order (past the longest-first limit, or one sequence): the TMA kernel loads Q and
+    # tile 0 before it reads the length, so sequences of 0, 1, 127-129 keys and a cache shorter than the tile (TMA
+    # zero-fills past its end) meet keys past the range in that early tile; capped with sinks at d64; non-causal
+    "rows128_early_tile_b70": dict(batch=70, rows=16, hq=8, hkv=1, d=128, capacity=300, splits=1,
+                                   lengths=tuple((0, 1, 127, 128, 129, 300)[i % 6] if i < 12 else 1 + (i * 41) % 300
+                                                 for i in range(70))),
+    "rows72_d64_early_tile_short_cache": dict(batch=1, rows=9, hq=8, hkv=1, d=64, capacity=100, lengths=(77,),
+                                              splits=1, softcap=12.0, sinks=True),
+    "rows96_early_tile_noncausal": dict(batch=1, rows=16, hq=12, hkv=2, d=128, capacity=1000, lengths=(999,),
+                                        splits=1, is_causal=False),
     # paged caches of 72-128 packed rows (the TMA kernel's cp.async gather on an H100/H200): pages longer than its
     # 128-key tile (two tiles a page, a window) and of 48 keys (no power of two)
     "rows72_d64_paged256_window": dict(batch=2, rows=9, hq=8, hkv=1, d=64, capacity=1024, lengths=(1000, 300),

@@ -126,6 +126,10 @@ DECODE_CASES = [
     # 80 x 2 paged units in batch order
     (48, 16, 32, 4, 128, 200, None, 1, dict()),
     (80, 16, 16, 2, 128, 160, 16, 1, dict()),
+    # one split a sequence in batch order, dense (the TMA kernel's Q and tile 0 loaded before the length is read):
+    # 70 sequences of 0-300 keys; one sequence in a cache shorter than the tile, capped with sinks
+    (70, 16, 8, 1, 128, 300, None, 1, dict()),
+    (1, 9, 8, 1, 64, 100, None, 1, dict(logits_soft_cap=12.0, sinks=True)),
     # pages of 12 keys (the TMA kernel's gather looks each key up), and of 4 at a padded head dim
     (2, 16, 8, 1, 128, 300, 12, None, dict(local_window_size=(100, 0))),
     (2, 12, 8, 1, 80, 200, 4, None, dict()),

@@ -16,6 +16,10 @@ inline constexpr int kMaxDecodeSplits = 1024;
 // the batch's lengths: batch^2 / threads comparisons; split_mainloop.cuh batch_element). dec16 ranked up to 256:
 // on an H200 the ragged B 64 rows gained 8-33 % but the B 256 ones lost 18-37 % to the ranking every block redoes.
 inline constexpr int kLongestFirstMaxBatch = 64;
+// Whether a call's blocks rank its sequences (else block z computes batch element z).
+constexpr bool LongestFirst(int num_splits, int batch) {
+  return num_splits == 1 && batch >= 2 && batch <= kLongestFirstMaxBatch;
+}
 
 // Keys per K/V tile and pipeline depth by head-dim class.
 constexpr int BlockN(int kd) { return kd <= 128 ? 64 : 32; }

@@ -77,7 +77,7 @@ __device__ __forceinline__ int range_tiles(const DecodeRange& r) {
 // nothing else uses until the call returns.
 template <int kBlockN, int kThreads>
 __device__ __forceinline__ int batch_element(const FlashParams& p, int z, int* scratch, int tid) {
-  if (p.num_splits != 1 || p.batch < 2 || p.batch > kLongestFirstMaxBatch) return z;
+  if (!LongestFirst(p.num_splits, p.batch)) return z;
   const int first = range_tiles<kBlockN>(decode_range(p, 0));
   bool uniform = true;
   for (int j = tid; j < p.batch; j += kThreads) {

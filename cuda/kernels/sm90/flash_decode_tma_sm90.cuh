@@ -155,10 +155,11 @@ struct PagedKVGather {
 };
 
 // kPaged: the caches are paged (gathered by the producer warpgroup, PagedKVGather; else TMA boxes of the dense
-// caches); kSoftCap: the call has a logit soft cap. tm_q: q [B, Tq, Hq, D] as (D, group, Tq, Hkv, B) in boxes of
-// (64, group, Tq, 1, 1); tm_k, tm_v (dense caches only): [B, S, Hkv, D] as (D, S, Hkv, B) in boxes of 64 columns x
-// kBlockN keys.
-template <typename T, typename Traits, bool kPaged, bool kSoftCap>
+// caches); kSoftCap: the call has a logit soft cap; kEarly (dense only): Q and the first key tile are loaded before
+// the set-up (launch_decode_tma's choice, for calls whose units' first tile is known without the lengths). tm_q: q
+// [B, Tq, Hq, D] as (D, group, Tq, Hkv, B) in boxes of (64, group, Tq, 1, 1); tm_k, tm_v (dense caches only):
+// [B, S, Hkv, D] as (D, S, Hkv, B) in boxes of 64 columns x kBlockN keys.
+template <typename T, typename Traits, bool kPaged, bool kSoftCap, bool kEarly>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_decode_tma_kernel(const __grid_constant__ FlashParams p, const __grid_constant__ CUtensorMap tm_q,
                             const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
@@ -184,6 +185,48 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int group = p.group_size();
   const int rows = group * p.seqlen_q;  // packed rows (65-128), all in the block's 128
 
+  // kEarly: a dense call of one split per sequence, without a left window and without the longest-first ranking
+  // (so that a unit's first key tile is tile 0 of the sequence of its grid index whatever the lengths;
+  // launch_decode_tma checks it) has the producer thread issue Q and tile 0's K and V as soon as the barriers exist,
+  // before the unit's range is read: the length's load and the block's set-up took ~1.2 us of an 18.9 us unit at
+  // 64/8 Tq 16 256 x 1024, before which no byte of the unit was asked for (256 x 1024 rows x1.02-1.06; NOTES,
+  // session 70). The tile is in the cache whatever the length (TMA zero-fills past its end); keys outside the range
+  // are masked and zeroed in V as for any first tile, and a unit found to have no keys waits for these loads before
+  // it exits. Its own instantiation, so that the calls which cannot take it run the kernel they ran before. (Not
+  // for splits: only split 0's units would take it; nor paged caches: an early gather of tile 0 by the producer
+  // warpgroup measured x0.98 over the paged rows.)
+  static_assert(!(kEarly && kPaged), "the early first tile is the dense TMA loads' (launch_decode_tma)");
+  const uint32_t q_bytes = uint32_t(rows) * Traits::kHeadDim * sizeof(T);  // whole boxes, zeros past head_dim
+  auto load_q = [&](int hk, int b) {
+    const typename Mainloop::QState q;
+    smem.q_ring.producer_acquire(q, q_bytes);
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      tma_load_5d(smem.q + cb * Traits::kBlockM * kColBlock, &tm_q, smem.q_ring.full_barrier(q), cb * kColBlock, 0, 0,
+                  hk, b);
+    }
+  };
+  auto init_barriers = [&] {
+    mainloop.init_barriers(kPaged ? kWarpgroupThreads : 1);
+    mbar_init_fence();
+  };
+  if (kEarly && tid == 0) {  // (the barriers are fresh: no slot to wait for; a short copy of the loads' code)
+    init_barriers();
+    const int hk = int(blockIdx.x) % p.heads_kv, b = int(blockIdx.x) / p.heads_kv;
+    const typename Mainloop::QState q;
+    const typename Mainloop::KVState kv;
+    mbar_arrive_expect_tx(smem.q_ring.full_barrier(q), q_bytes);
+    mbar_arrive_expect_tx(smem.k_ring.full_barrier(kv), Traits::kKVBytes);
+    mbar_arrive_expect_tx(smem.v_ring.full_barrier(kv), Traits::kKVBytes);
+#pragma unroll
+    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+      tma_load_5d(smem.q + cb * Traits::kBlockM * kColBlock, &tm_q, smem.q_ring.full_barrier(q), cb * kColBlock, 0, 0,
+                  hk, b);
+      tma_load_4d(smem.k[0] + cb * kBN * kColBlock, &tm_k, smem.k_ring.full_barrier(kv), cb * kColBlock, 0, hk, b);
+      tma_load_4d(smem.v[0] + cb * kBN * kColBlock, &tm_v, smem.v_ring.full_barrier(kv), cb * kColBlock, 0, hk, b);
+    }
+  }
+
   // Q rows past the packed ones are never written by the loads: zeros, once (generic proxy writes, read by wgmma).
   for (int i = rows * kColBlock + tid * 8; i < Traits::kBlockM * kColBlock; i += Traits::kThreads * 8) {
 #pragma unroll
@@ -191,12 +234,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       *reinterpret_cast<uint4*>(smem.q + cb * Traits::kBlockM * kColBlock + i) = make_uint4(0, 0, 0, 0);
     }
   }
-  // The unit, the balanced splits' share (block-wide; the K ring is free until the first load), and from them the
+  // The unit, the balanced splits' share (block-wide, in `scratch`, free until its slot's load), and from them the
   // unit's key range and its key tiles [n_begin, n_begin + n_tiles) on the grid of whole tiles (every thread alike,
   // so the roles agree on them). The unit and the tiles pass through warp_uniform: read from shared memory, they
   // would not be uniform by construction, and the main loop's state and wgmma descriptors, which derive from them,
   // would leave the uniform datapath (NOTES, sessions 26 and 31).
-  int* scratch = reinterpret_cast<int*>(smem.k[0]);
+  int* scratch = reinterpret_cast<int*>(kEarly ? smem.v[Traits::kStages - 1] : smem.k[0]);  // not an early load's
   const DecodeTile u = decode_tile<kBN, Traits::kThreads>(p, blockIdx.x, scratch, tid);
   const DecodeTile unit{warp_uniform(u.split), warp_uniform(u.hk), warp_uniform(u.b)};
   const int64_t share = decode::split_share<kBN, Traits::kThreads, true>(p, scratch, tid);
@@ -204,37 +247,40 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const decode::SplitTiles st = decode::split_of<kBN, true>(p, range, unit.split, share);
   const int n_begin = warp_uniform(range.lo / kBN + st.begin);
   const int n_tiles = warp_uniform(imax(st.end - st.begin, 0));
-  // The generic-proxy writes above (Q's zero rows, the scratch in the K ring) ordered before the async proxy's: wgmma
+  // The generic-proxy writes above (Q's zero rows, the scratch in the ring) ordered before the async proxy's: wgmma
   // reads Q, TMA (or the gather's cp.async) rewrites the ring.
   fence_proxy_async_smem();
-
-  if (tid == 0) {
-    mainloop.init_barriers(kPaged ? kWarpgroupThreads : 1);
-    mbar_init_fence();
-  }
+  if (!kEarly && tid == 0) init_barriers();
   __syncthreads();
 
   const int warpgroup = warp_uniform(tid / kWarpgroupThreads);
   if (warpgroup == 0) {  // producer: Q and the unit's K/V tiles
     setmaxnreg_dec<kProducerRegs>();
-    if (n_tiles == 0) return;
     typename Mainloop::KVState kv;
+    if (n_tiles == 0) {
+      if (kEarly && tid == 0) {  // the early loads land before the CTA's shared memory goes
+        smem.q_ring.consumer_wait(typename Mainloop::QState{});
+        smem.k_ring.consumer_wait(kv);
+        smem.v_ring.consumer_wait(kv);
+      }
+      return;
+    }
     if (tid == 0) {
-      prefetch_tensor_map(&tm_q);
-      if constexpr (!kPaged) {
-        prefetch_tensor_map(&tm_k);
-        prefetch_tensor_map(&tm_v);
+      if (!kEarly) {
+        prefetch_tensor_map(&tm_q);
+        if constexpr (!kPaged) {
+          prefetch_tensor_map(&tm_k);
+          prefetch_tensor_map(&tm_v);
+        }
+        load_q(unit.hk, unit.b);
       }
-      const uint32_t q_bytes = uint32_t(rows) * Traits::kHeadDim * sizeof(T);  // whole boxes, zeros past head_dim
-      const typename Mainloop::QState q;
-      smem.q_ring.producer_acquire(q, q_bytes);
-#pragma unroll
-      for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-        tma_load_5d(smem.q + cb * Traits::kBlockM * kColBlock, &tm_q, smem.q_ring.full_barrier(q), cb * kColBlock, 0,
-                    0, unit.hk, unit.b);
-      }
-      if constexpr (!kPaged) {  // one thread issues every load
-        for (int i = 0; i < n_tiles; ++i, kv.advance()) {
+      if constexpr (!kPaged) {  // one thread issues every load (tile 0's already, when early)
+        int i = 0;
+        if (kEarly) {
+          ++i;
+          kv.advance();
+        }
+        for (; i < n_tiles; ++i, kv.advance()) {
           mainloop.load_kv_tile(&tm_k, &tm_v, kv, (n_begin + i) * kBN, unit.hk, unit.b);
         }
       }

@@ -63,15 +63,22 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
   }
   const int64_t units = int64_t(p.num_splits) * p.heads_kv * p.batch;
   if (units > INT_MAX) return cudaErrorInvalidConfiguration;
+  // One split a sequence, no left window and no ranking: each unit's first key tile is tile 0 of the sequence of its
+  // grid index whatever the lengths, and the kernel loads it before reading them (kEarly; dense caches).
+  const bool early = !paged && p.window_left < 0 && p.num_splits == 1 && !decode::LongestFirst(p.num_splits, p.batch);
   const cudaError_t e = with_static_flags(
-      [&](auto is_paged, auto soft_cap) {
-        constexpr auto kernel =
-            flash_decode_tma_kernel<T, Traits, decltype(is_paged)::value, decltype(soft_cap)::value>;
-        if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-        kernel<<<int(units), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
-        return cudaGetLastError();
+      [&](auto is_paged, auto soft_cap, auto is_early) -> cudaError_t {
+        if constexpr (decltype(is_paged)::value && decltype(is_early)::value) {
+          return cudaErrorInvalidValue;  // unreachable: early is dense only
+        } else {
+          constexpr auto kernel = flash_decode_tma_kernel<T, Traits, decltype(is_paged)::value,
+                                                          decltype(soft_cap)::value, decltype(is_early)::value>;
+          if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+          kernel<<<int(units), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
+          return cudaGetLastError();
+        }
       },
-      paged, SoftCap(p).enabled());
+      paged, SoftCap(p).enabled(), early);
   if (e != cudaSuccess) return e;
   return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
 }
