@@ -220,10 +220,13 @@ KERNEL_CASES = {
     "rows128_short_sequences": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(5, 300)),
     # one split a sequence in batch order (past the longest-first limit, or one sequence): the TMA kernel loads Q and
     # tile 0 before it reads the length, so sequences of 0, 1, 127-129 keys and a cache shorter than the tile (TMA
-    # zero-fills past its end) meet keys past the range in that early tile; capped with sinks at d64; non-causal
+    # zero-fills past its end) meet keys past the range in that early tile; two kv heads over 65 sequences (the
+    # unit's kv head and sequence from its grid index); capped with sinks at d64; non-causal
     "rows128_early_tile_b70": dict(batch=70, rows=16, hq=8, hkv=1, d=128, capacity=300, splits=1,
                                    lengths=tuple((0, 1, 127, 128, 129, 300)[i % 6] if i < 12 else 1 + (i * 41) % 300
                                                  for i in range(70))),
+    "rows128_early_tile_b65_hkv2": dict(batch=65, rows=8, hq=32, hkv=2, d=128, capacity=200, splits=1,
+                                        lengths=tuple(0 if i == 3 else 1 + (i * 53) % 200 for i in range(65))),
     "rows72_d64_early_tile_short_cache": dict(batch=1, rows=9, hq=8, hkv=1, d=64, capacity=100, lengths=(77,),
                                               splits=1, softcap=12.0, sinks=True),
     "rows96_early_tile_noncausal": dict(batch=1, rows=16, hq=12, hkv=2, d=128, capacity=1000, lengths=(999,),

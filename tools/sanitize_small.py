@@ -127,8 +127,9 @@ DECODE_CASES = [
     (48, 16, 32, 4, 128, 200, None, 1, dict()),
     (80, 16, 16, 2, 128, 160, 16, 1, dict()),
     # one split a sequence in batch order, dense (the TMA kernel's Q and tile 0 loaded before the length is read):
-    # 70 sequences of 0-300 keys; one sequence in a cache shorter than the tile, capped with sinks
-    (70, 16, 8, 1, 128, 300, None, 1, dict()),
+    # 70 sequences of up to 300 keys, one of none (its unit waits for the early loads); one sequence in a cache
+    # shorter than the tile, capped with sinks
+    (70, 16, 8, 1, 128, 300, None, 1, dict(one_empty=True)),
     (1, 9, 8, 1, 64, 100, None, 1, dict(logits_soft_cap=12.0, sinks=True)),
     # pages of 12 keys (the TMA kernel's gather looks each key up), and of 4 at a padded head dim
     (2, 16, 8, 1, 128, 300, 12, None, dict(local_window_size=(100, 0))),
@@ -166,6 +167,8 @@ def decode_cases(kernel, cases):
         lengths = jnp.asarray(rng.integers(0, cap + 1, b), jnp.int32).at[0].set(cap)
         if kw.pop("equal_lengths", False):
             lengths = jnp.full((b,), cap, jnp.int32)
+        if kw.pop("one_empty", False):
+            lengths = lengths.at[1].set(0)
         if page_size is None:
             k, v = (jnp.asarray(rng.standard_normal((b, cap, hkv, d)), jnp.bfloat16) for _ in range(2))
             table = None

@@ -48,6 +48,11 @@ __device__ __forceinline__ DecodeTile decode_tile(const FlashParams& p, int u, i
   const int z = (u % per_split) / p.heads_kv;
   return {u / per_split, u % p.heads_kv, decode::batch_element<kBlockN, kThreads>(p, z, scratch, tid)};
 }
+// The same at one split without the ranking (the kernel's kEarly calls): unit u is kv head u % Hkv of batch element
+// u / Hkv.
+__device__ __forceinline__ DecodeTile unranked_one_split_tile(const FlashParams& p, int u) {
+  return {0, u % p.heads_kv, u / p.heads_kv};
+}
 
 // A paged cache's K or V tile gathered by the producer warpgroup with cp.async (TMA boxes of one page each starved
 // the ring at small pages: one thread issued 16 boxes of 2 KB a tile after eight dependent page-table loads; NOTES,
@@ -197,22 +202,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // warpgroup measured x0.98 over the paged rows.)
   static_assert(!(kEarly && kPaged), "the early first tile is the dense TMA loads' (launch_decode_tma)");
   const uint32_t q_bytes = uint32_t(rows) * Traits::kHeadDim * sizeof(T);  // whole boxes, zeros past head_dim
-  auto load_q = [&](int hk, int b) {
-    const typename Mainloop::QState q;
-    smem.q_ring.producer_acquire(q, q_bytes);
-#pragma unroll
-    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-      tma_load_5d(smem.q + cb * Traits::kBlockM * kColBlock, &tm_q, smem.q_ring.full_barrier(q), cb * kColBlock, 0, 0,
-                  hk, b);
-    }
-  };
   auto init_barriers = [&] {
     mainloop.init_barriers(kPaged ? kWarpgroupThreads : 1);
     mbar_init_fence();
   };
   if (kEarly && tid == 0) {  // (the barriers are fresh: no slot to wait for; a short copy of the loads' code)
     init_barriers();
-    const int hk = int(blockIdx.x) % p.heads_kv, b = int(blockIdx.x) / p.heads_kv;
+    const auto [split, hk, b] = unranked_one_split_tile(p, blockIdx.x);
     const typename Mainloop::QState q;
     const typename Mainloop::KVState kv;
     mbar_arrive_expect_tx(smem.q_ring.full_barrier(q), q_bytes);
@@ -239,6 +235,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // so the roles agree on them). The unit and the tiles pass through warp_uniform: read from shared memory, they
   // would not be uniform by construction, and the main loop's state and wgmma descriptors, which derive from them,
   // would leave the uniform datapath (NOTES, sessions 26 and 31).
+  static_assert(Traits::kStages >= 2, "kEarly's scratch is a V slot that tile 0 does not use");
   int* scratch = reinterpret_cast<int*>(kEarly ? smem.v[Traits::kStages - 1] : smem.k[0]);  // not an early load's
   const DecodeTile u = decode_tile<kBN, Traits::kThreads>(p, blockIdx.x, scratch, tid);
   const DecodeTile unit{warp_uniform(u.split), warp_uniform(u.hk), warp_uniform(u.b)};
@@ -272,7 +269,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           prefetch_tensor_map(&tm_k);
           prefetch_tensor_map(&tm_v);
         }
-        load_q(unit.hk, unit.b);
+        const typename Mainloop::QState q;
+        smem.q_ring.producer_acquire(q, q_bytes);
+#pragma unroll
+        for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
+          tma_load_5d(smem.q + cb * Traits::kBlockM * kColBlock, &tm_q, smem.q_ring.full_barrier(q), cb * kColBlock,
+                      0, 0, unit.hk, unit.b);
+        }
       }
       if constexpr (!kPaged) {  // one thread issues every load (tile 0's already, when early)
         int i = 0;
