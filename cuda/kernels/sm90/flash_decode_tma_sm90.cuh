@@ -278,12 +278,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
       if constexpr (!kPaged) {  // one thread issues every load (tile 0's already, when early)
-        int i = 0;
-        if (kEarly) {
-          ++i;
-          kv.advance();
-        }
-        for (; i < n_tiles; ++i, kv.advance()) {
+        if constexpr (kEarly) kv.advance();
+        for (int i = kEarly ? 1 : 0; i < n_tiles; ++i, kv.advance()) {
           mainloop.load_kv_tile(&tm_k, &tm_v, kv, (n_begin + i) * kBN, unit.hk, unit.b);
         }
       }
