@@ -1,8 +1,8 @@
-// Pieces of the sm_90a backward kernels: the producer's loads of a key block's K or V rows and the soft cap's score
-// and derivative loops (both kernels, cap_scores and scale_by_cap_derivative); P^T and dS^T from the S^T and dP^T
-// accumulators of a 64-key wgmma (m64nNk16 layout: column tile j holds keys g and g + 8 of the warp's 16 rows,
-// queries 8 j + 2 t and 8 j + 2 t + 1), for the d64/d128 kernel (the d256 kernel computes S and dP with the queries
-// as rows and masks them itself).
+// Pieces of the sm_90a backward kernels: the soft cap's score and derivative loops (both kernels, cap_scores and
+// scale_by_cap_derivative); P^T and dS^T from the S^T and dP^T accumulators of a 64-key wgmma (m64nNk16 layout:
+// column tile j holds keys g and g + 8 of the warp's 16 rows, queries 8 j + 2 t and 8 j + 2 t + 1), for the d64/d128
+// kernel (the d256 kernel computes S and dP with the queries as rows and masks them itself). The producer's key-block
+// loads are tma_loads_sm90.cuh's.
 #pragma once
 
 #include <type_traits>
@@ -11,20 +11,12 @@
 #include "kernels/common/element_traits.cuh"
 #include "kernels/common/exp2_fma.cuh"
 #include "kernels/sm90/kernel_traits_sm90.h"  // kColBlock
+#include "kernels/sm90/tma_loads_sm90.cuh"     // load_key_block_rows
 #include "kernels/sm90/utils_sm90.cuh"        // kWarpRows, TMA
 #include "mask.h"
 #include "score_mod.h"
 
 namespace jax_flash::cuda::sm90 {
-
-// Producer thread: one of the key block's tensors (K or V: kBlockN rows from key n0 of kv head hk, batch b) into
-// shared memory at dst, as kColBlocks TMA boxes of 64 columns counted on `full` (the caller sets its byte count).
-template <int kBlockN, int kColBlocks, typename T>
-__device__ __forceinline__ void load_key_block_rows(T* dst, const CUtensorMap* tm, uint64_t* full, int n0, int hk,
-                                                    int b) {
-#pragma unroll
-  for (int cb = 0; cb < kColBlocks; ++cb) tma_load_4d(dst + cb * kBlockN * kColBlock, tm, full, cb * kColBlock, n0, hk, b);
-}
 
 // Soft cap of a score accumulator in place: s -> post * t (kKeepPost: the capped score) or t itself (the caller
 // folds post into the exponent's scale, SoftCap::log2_bound), t = tanh(pre * s) with SoftCap's pre = scale / c and

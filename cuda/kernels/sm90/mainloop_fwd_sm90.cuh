@@ -25,6 +25,7 @@
 #include "kernels/sm90/scaled_operand_sm90.cuh"
 #include "kernels/sm90/smem_layout.h"
 #include "kernels/sm90/tile_scheduler_fwd.cuh"
+#include "kernels/sm90/tma_loads_sm90.cuh"
 #include "kernels/sm90/utils_sm90.cuh"
 #include "kernels/sm90/wgmma_sm90.cuh"
 #include "mask.h"
@@ -162,15 +163,9 @@ struct FwdMainloop {
                                                int hk, int b) const {
     const int s = kv.slot();
     smem.k_ring.producer_acquire(kv, Traits::kKVBytes);
-#pragma unroll
-    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-      tma_load_4d(smem.k[s] + cb * kBN * kColBlock, tm_k, smem.k_ring.full_barrier(kv), cb * kColBlock, n0, hk, b);
-    }
+    load_key_block_rows<kBN, Traits::kColBlocks>(smem.k[s], tm_k, smem.k_ring.full_barrier(kv), n0, hk, b);
     smem.v_ring.producer_acquire(kv, Traits::kKVBytes);
-#pragma unroll
-    for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
-      tma_load_4d(smem.v[s] + cb * kBN * kColBlock, tm_v, smem.v_ring.full_barrier(kv), cb * kColBlock, n0, hk, b);
-    }
+    load_key_block_rows<kBN, Traits::kColBlocks>(smem.v[s], tm_v, smem.v_ring.full_barrier(kv), n0, hk, b);
   }
 
   // ---- consumer role: the key-tile loop of one tile ----------------------------------------------------------
