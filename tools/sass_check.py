@@ -4,12 +4,17 @@ the PATH or in $CUDA_BIN; PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm 
     python3 tools/sass_check.py compile cuda/kernels/sm90/flash_sm90_hdim128.cu /tmp/new.o   # + /tmp/new.o.log
     python3 tools/sass_check.py compare /tmp/base.o /tmp/new.o [--filter REGEX]
     python3 tools/sass_check.py spills /tmp/base.o.log /tmp/new.o.log
+    python3 tools/sass_check.py descs /tmp/new.o [more.o ...]
     python3 tools/sass_check.py waits /tmp/new.o REGEX
 
 compile: one translation unit with the project's CUDA flags (CMakeLists.txt) and ptxas -v, the log beside the object.
 compare: per kernel (demangled), instruction and LDG counts of two objects and whether the code is the same (branch
 targets ignored): a change meant for some kernels leaves the others identical, which needs no GPU to confirm.
 spills: per kernel, registers and spill bytes from two compile logs, the kernels that differ marked.
+descs: every uniform register an instruction reads inside a memory operand (an address addend, a load's memory
+descriptor desc[UR]) must be written somewhere in its kernel; a register that never is means ptxas lost its
+definition (CUDA 13.0's ptxas did so for the d64 paged cp.async wgmma decode kernels' copies with an L2 cache hint:
+an illegal instruction at run time, NOTES session 72). Exit status 1 if any kernel has one.
 waits: for each kernel matching REGEX, the wgmma issues and waits in order with the MUFU operations (EX2, TANH)
 between them: where the assembler placed a softmax against the products it is meant to overlap (NOTES, session 40).
 """
@@ -124,6 +129,37 @@ def spills(args):
               f"{mark} {name[:150]}")
 
 
+def _uniform_writes(ins):
+    """Uniform registers an instruction writes: its first operand when that is one (two for 64-bit and wide forms)."""
+    words = ins.split(None, 2)
+    if words[0].startswith("@"):
+        words = words[1:2] + (words[2].split(None, 1) if len(words) > 2 else [])
+    if len(words) < 2:
+        return []
+    m = re.match(r"UR(\d+)\b", words[1])
+    if not m:
+        return []
+    n = int(m.group(1))
+    return [n, n + 1] if re.search(r"\.(64|WIDE)\b", words[0]) else [n]
+
+
+def descs(args):
+    total = 0
+    for obj in args.objs:
+        kernels, bad = sass(obj), 0
+        for name, ins in kernels.items():
+            written = {n for x in ins for n in _uniform_writes(x)}
+            read = {int(n) for x in ins for mem in re.findall(r"\[([^\]]*)\]", x)
+                    for n in re.findall(r"\bUR(\d+)\b", mem)}
+            missing = sorted(read - written)
+            if missing:
+                bad += 1
+                print(f"never written: {', '.join(f'UR{n}' for n in missing)}  {name[:150]}")
+        print(f"{obj}: {len(kernels)} kernels, {bad} with a memory operand's uniform register never written")
+        total += bad
+    return 1 if total else 0
+
+
 def waits(args):
     for name, ins in sass(args.obj).items():
         if not re.search(args.regex, name):
@@ -142,10 +178,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, fn, params in (("compile", compile_tu, ("source", "out")), ("compare", compare, ("a", "b", "--filter")),
-                             ("spills", spills, ("a", "b")), ("waits", waits, ("obj", "regex"))):
+                             ("spills", spills, ("a", "b")), ("descs", descs, ("objs",)),
+                             ("waits", waits, ("obj", "regex"))):
         p = sub.add_parser(name)
         for param in params:
-            p.add_argument(param)
+            p.add_argument(param, nargs="+") if param == "objs" else p.add_argument(param)
         p.set_defaults(fn=fn)
     args = parser.parse_args()
     sys.exit(args.fn(args) or 0)

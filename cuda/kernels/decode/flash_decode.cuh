@@ -54,6 +54,7 @@ struct DecodeTraits {
   __device__ __forceinline__ static int kv_offset(int key, int col) { return swz<kD>(key, col); }
   __device__ __forceinline__ static void tile_landed() {}
   static constexpr int kReadLag = 0;  // a tile's compute is done with its stage when it returns
+  static constexpr bool kPagedKvEvictFirst = true;  // (split_mainloop.cuh's KVTileLoader)
 };
 static_assert(SmemBytes(256, 8) == SplitSmem<__half, DecodeTraits<256, 8>>::kBytes &&
               SmemBytes(64, 1) == SplitSmem<__half, DecodeTraits<64, 1>>::kBytes);

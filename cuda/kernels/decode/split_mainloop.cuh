@@ -17,6 +17,7 @@
 #include "flash_params.h"
 #include "score_mod.h"
 #include "kernels/common/element_traits.cuh"
+#include "kernels/common/l2_policy.cuh"
 #include "kernels/common/warp_reduce.cuh"
 #include "kernels/decode/decode_traits.h"
 #include "kernels/sm80/utils_sm80.cuh"
@@ -273,7 +274,9 @@ __device__ __forceinline__ void load_q_rows(T* sQ, const FlashParams& p, int b, 
 // copies per chunk. Keys at or past `hi` (and columns past head_dim) are zero-filled and read nothing (source size
 // 0; their address is the thread's column of the first row, which for a padded head dim lies past D). Dense caches: row
 // b S + key of the (B S, Hkv, D) cache; paged (kPaged): `pool_rows` (shared memory) holds the pool row of each of
-// the tile's keys (fetch_pool_row: the lookup and clamp once per key, not per chunk).
+// the tile's keys (fetch_pool_row: the lookup and clamp once per key, not per chunk). A split reads its keys' rows
+// once: the copies mark their lines evict-first in L2 (l2_policy.cuh), except where Traits::kPagedKvEvictFirst says
+// a paged kernel must not.
 template <typename T, typename Traits, bool kPaged>
 struct KVTileLoader {
   static constexpr int kChunksPerRow = Traits::kD / kElems;
@@ -286,6 +289,16 @@ struct KVTileLoader {
   int row0;            // the thread's first row in a tile
   int col;             // its column
   bool col_ok;         // the column lies inside head_dim
+
+  static constexpr bool kEvictFirst = !kPaged || Traits::kPagedKvEvictFirst;
+
+  __device__ __forceinline__ static void copy(uint32_t dst, const T* src, bool pred) {
+    if constexpr (kEvictFirst) {
+      cp_async_16(dst, src, pred, l2_evict_first_policy());
+    } else {
+      cp_async_16(dst, src, pred);
+    }
+  }
 
   __device__ __forceinline__ KVTileLoader(const FlashParams& p, int b, int hk, int tid) {
     row0 = tid / kChunksPerRow;
@@ -309,8 +322,8 @@ struct KVTileLoader {
 #pragma unroll
         for (int j = 0; j < kPerThread; ++j) {
           const int dst = Traits::kv_offset(row0 + j * kRowStep, col);
-          cp_async_16(smem_addr(sK + dst), ks, true);
-          cp_async_16(smem_addr(sV + dst), vs, true);
+          copy(smem_addr(sK + dst), ks, true);
+          copy(smem_addr(sV + dst), vs, true);
           ks += step;
           vs += step;
         }
@@ -324,8 +337,8 @@ struct KVTileLoader {
       const int64_t row = kPaged ? int64_t(pool_rows[i]) : int64_t(key0 + i);
       const int64_t off = pred ? row * row_stride : 0;  // nothing is read when !pred
       const int dst = Traits::kv_offset(i, col);
-      cp_async_16(smem_addr(sK + dst), k + off, pred);
-      cp_async_16(smem_addr(sV + dst), v + off, pred);
+      copy(smem_addr(sK + dst), k + off, pred);
+      copy(smem_addr(sV + dst), v + off, pred);
     }
   }
 };

@@ -57,6 +57,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes));
 }
 
+// The same with an L2 cache policy for the lines it reads (l2_policy.cuh).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool pred, uint64_t policy) {
+  const int src_bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr), "l"(gmem),
+               "r"(src_bytes), "l"(policy));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>

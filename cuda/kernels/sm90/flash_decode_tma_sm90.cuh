@@ -23,6 +23,7 @@
 #pragma once
 
 #include "flash_params.h"
+#include "kernels/common/l2_policy.cuh"
 #include "kernels/common/warp_reduce.cuh"
 #include "kernels/decode/split_mainloop.cuh"
 #include "kernels/sm90/kernel_traits_sm90.h"
@@ -120,7 +121,7 @@ struct PagedKVGather {
 #pragma unroll
     for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
       cp_async_16((dst ^ uint32_t(i * kSwizzleChunkBytes)) + i * kSwizzleBytes + cb * Traits::kBlockN * kSwizzleBytes,
-                  src + cb * kColBlock, kWhole || (ok && (col_blocks >> cb & 1u)));
+                  src + cb * kColBlock, kWhole || (ok && (col_blocks >> cb & 1u)), l2_evict_first_policy());
     }
   }
   // One tensor's tile from key n0 into `stage`; row0 = first_row() of the tile.
@@ -218,8 +219,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int cb = 0; cb < Traits::kColBlocks; ++cb) {
       tma_load_5d(smem.q + cb * Traits::kBlockM * kColBlock, &tm_q, smem.q_ring.full_barrier(q), cb * kColBlock, 0, 0,
                   hk, b);
-      tma_load_4d(smem.k[0] + cb * kBN * kColBlock, &tm_k, smem.k_ring.full_barrier(kv), cb * kColBlock, 0, hk, b);
-      tma_load_4d(smem.v[0] + cb * kBN * kColBlock, &tm_v, smem.v_ring.full_barrier(kv), cb * kColBlock, 0, hk, b);
+      tma_load_4d(smem.k[0] + cb * kBN * kColBlock, &tm_k, smem.k_ring.full_barrier(kv), cb * kColBlock, 0, hk, b,
+                  l2_evict_first_policy());
+      tma_load_4d(smem.v[0] + cb * kBN * kColBlock, &tm_v, smem.v_ring.full_barrier(kv), cb * kColBlock, 0, hk, b,
+                  l2_evict_first_policy());
     }
   }
 

@@ -56,6 +56,10 @@ struct DecodeWgmmaTraits {
   __device__ __forceinline__ static void tile_landed() { fence_proxy_async_smem(); }
   // P V of a tile runs under the next tile's softmax: its V stage is read until that compute returns.
   static constexpr int kReadLag = 1;
+  // A paged call's K/V copies without the evict-first L2 hint at head dim 64: with it, CUDA 13.0's ptxas (V13.0.88)
+  // emitted the d64 paged kernels' copies with uniform registers it never wrote (LDGSTS [R + UR0], desc[UR1]: an
+  // illegal instruction at run time; tools/sass_check.py descs finds them; NOTES session 72).
+  static constexpr bool kPagedKvEvictFirst = kHeadDim != 64;
 };
 
 // kPaged: the call has a page table; kSoftCap: a logit soft cap (its tanh compiled in only then).

@@ -78,6 +78,9 @@ struct FwdTraitsSm90<64> {
   // every diagonal tile, so the two-warpgroup tiles leave it off; the capped tiles take it (the d64 wide kernel's
   // causal grids have not been measured with it).
   static constexpr bool kWarpgroupKeyRange = false;
+  // K/V loads marked evict-first in L2 (l2_policy.cuh): the forward's query blocks read each key tile again; only
+  // the TMA decode kernel's stream (DecodeTmaTileTraits) reads a tile once.
+  static constexpr bool kKvReadOnce = false;
 };
 
 template <>
@@ -96,6 +99,7 @@ struct FwdTraitsSm90<128> {
   static constexpr bool kWorkCounter = false;  // (FwdTraitsSm90<64>)
   static constexpr bool kSkewedRounds = false;  // (FwdTraitsSm90<64>)
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
+  static constexpr bool kKvReadOnce = false;         // (FwdTraitsSm90<64>)
 };
 
 // A second tile choice for attention without a causal or window mask (every key tile but the last unmasked), used
@@ -193,6 +197,7 @@ struct FwdTraitsSm90<256> {
   static constexpr bool kWorkCounter = false;        // (FwdTraitsSm90<64>)
   static constexpr bool kSkewedRounds = false;       // (FwdTraitsSm90<64>)
   static constexpr bool kWarpgroupKeyRange = false;  // (FwdTraitsSm90<64>)
+  static constexpr bool kKvReadOnce = false;         // (FwdTraitsSm90<64>)
 };
 
 // The TMA decode kernel (flash_decode_tma_sm90.cuh) of head-dim class kD: the forward's tiles (128 packed rows in
@@ -203,6 +208,7 @@ struct DecodeTmaTileTraits : FwdTraitsSm90<kD> {
   static_assert(kD <= 128 && FwdTraitsSm90<kD>::kConsumerWarpgroups == 2);
   static constexpr bool kStoreOSmem = false;
   static constexpr bool kPersistent = false;
+  static constexpr bool kKvReadOnce = true;  // a unit's tiles are the only reads of its keys' rows
 };
 
 template <typename T, typename Base>

@@ -163,9 +163,11 @@ struct FwdMainloop {
                                                int hk, int b) const {
     const int s = kv.slot();
     smem.k_ring.producer_acquire(kv, Traits::kKVBytes);
-    load_key_block_rows<kBN, Traits::kColBlocks>(smem.k[s], tm_k, smem.k_ring.full_barrier(kv), n0, hk, b);
+    load_key_block_rows<kBN, Traits::kColBlocks, Traits::kKvReadOnce>(smem.k[s], tm_k, smem.k_ring.full_barrier(kv), n0,
+                                                                      hk, b);
     smem.v_ring.producer_acquire(kv, Traits::kKVBytes);
-    load_key_block_rows<kBN, Traits::kColBlocks>(smem.v[s], tm_v, smem.v_ring.full_barrier(kv), n0, hk, b);
+    load_key_block_rows<kBN, Traits::kColBlocks, Traits::kKvReadOnce>(smem.v[s], tm_v, smem.v_ring.full_barrier(kv), n0,
+                                                                      hk, b);
   }
 
   // ---- consumer role: the key-tile loop of one tile ----------------------------------------------------------
