@@ -14,7 +14,7 @@ spills: per kernel, registers and spill bytes from two compile logs, the kernels
 descs: every uniform register an instruction reads inside a memory operand (an address addend, a load's memory
 descriptor desc[UR]) must be written somewhere in its kernel; a register that never is means ptxas lost its
 definition (CUDA 13.0's ptxas did so for the d64 paged cp.async wgmma decode kernels' copies with an L2 cache hint:
-an illegal instruction at run time, NOTES session 72). Exit status 1 if any kernel has one.
+an illegal instruction at run time, NOTES session 72). Exit status 3 if any kernel has one (1: the tool failed).
 waits: for each kernel matching REGEX, the wgmma issues and waits in order with the MUFU operations (EX2, TANH)
 between them: where the assembler placed a softmax against the products it is meant to overlap (NOTES, session 40).
 """
@@ -54,21 +54,29 @@ def _demangle(names):
 
 
 def sass(obj):
-    """{demangled kernel: [instructions]} of an object file."""
+    """{demangled kernel: [instructions]} of an object file (or a library's fatbinary). Where it holds code for more
+    than one architecture (a wheel built for sm_80 and sm_90a), each kernel appears once per architecture, its name
+    followed by " [sm_XX]"."""
     env = dict(os.environ, PATH=os.path.dirname(_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
     text = subprocess.run([_tool("cuobjdump"), "-sass", obj], capture_output=True, text=True, check=True,
                           env=env).stdout
-    funcs, current = {}, None
+    funcs, current, arch = {}, None, ""
     for line in text.split("\n"):
+        m = re.match(r"arch = (\S+)", line)
+        if m:
+            arch = m.group(1)
+            continue
         m = re.match(r"\s+Function : (\S+)", line)
         if m:
-            current = m.group(1)
+            current = (m.group(1), arch)
             funcs[current] = []
             continue
         m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
         if m and current:
             funcs[current].append(re.sub(r"\s+", " ", m.group(1)).strip())
-    return dict(zip(_demangle(list(funcs)), funcs.values()))
+    names = _demangle([name for name, _ in funcs])
+    several = len({a for _, a in funcs}) > 1
+    return {f"{name} [{a}]" if several else name: ins for name, (_, a), ins in zip(names, funcs, funcs.values())}
 
 
 def _opcode(ins):
@@ -129,18 +137,39 @@ def spills(args):
               f"{mark} {name[:150]}")
 
 
+# Opcodes (or their prefixes) whose first operand, when a uniform register, is written: the uniform datapath's own
+# (U...), the moves into it, warp votes and reductions into a uniform register. (Other first operands, e.g. BRA.DIV's,
+# are read.) ELECT writes its second operand.
+_UNIFORM_WRITERS = ("U", "S2UR", "R2UR", "LDCU", "VOTEU", "REDUX")
+
+
 def _uniform_writes(ins):
-    """Uniform registers an instruction writes: its first operand when that is one (two for 64-bit and wide forms)."""
-    words = ins.split(None, 2)
+    """Uniform registers an instruction writes (two for 64-bit and wide forms)."""
+    words = ins.split(None, 1)
     if words[0].startswith("@"):
-        words = words[1:2] + (words[2].split(None, 1) if len(words) > 2 else [])
+        words = words[1].split(None, 1) if len(words) > 1 else []
     if len(words) < 2:
         return []
-    m = re.match(r"UR(\d+)\b", words[1])
+    opcode, operands = words[0], [x.strip() for x in words[1].split(",")]
+    if opcode.startswith("ELECT"):
+        target = operands[1] if len(operands) > 1 else ""
+    elif opcode.startswith(_UNIFORM_WRITERS):
+        target = operands[0]
+    else:
+        return []
+    m = re.fullmatch(r"UR(\d+)", target)
     if not m:
         return []
     n = int(m.group(1))
-    return [n, n + 1] if re.search(r"\.(64|WIDE)\b", words[0]) else [n]
+    return [n, n + 1] if re.search(r"\.(64|WIDE)\b", opcode) else [n]
+
+
+def _uniform_memory_reads(ins):
+    """Uniform registers an instruction reads inside its memory operands: address addends, and both halves of a
+    memory descriptor desc[URn]."""
+    read = {int(n) for mem in re.findall(r"\[([^\]]*)\]", ins) for n in re.findall(r"\bUR(\d+)\b", mem)}
+    read |= {int(n) + 1 for n in re.findall(r"desc\[UR(\d+)\]", ins)}
+    return read
 
 
 def descs(args):
@@ -149,15 +178,13 @@ def descs(args):
         kernels, bad = sass(obj), 0
         for name, ins in kernels.items():
             written = {n for x in ins for n in _uniform_writes(x)}
-            read = {int(n) for x in ins for mem in re.findall(r"\[([^\]]*)\]", x)
-                    for n in re.findall(r"\bUR(\d+)\b", mem)}
-            missing = sorted(read - written)
+            missing = sorted({n for x in ins for n in _uniform_memory_reads(x)} - written)
             if missing:
                 bad += 1
                 print(f"never written: {', '.join(f'UR{n}' for n in missing)}  {name[:150]}")
         print(f"{obj}: {len(kernels)} kernels, {bad} with a memory operand's uniform register never written")
         total += bad
-    return 1 if total else 0
+    return 3 if total else 0
 
 
 def waits(args):

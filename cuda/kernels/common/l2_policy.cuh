@@ -1,7 +1,8 @@
 // L2 eviction priority for loads whose bytes nothing later in the call reads again: the decode kernels' K and V
 // (each key's row of a kv head is read once a call, by the one unit whose tile packs every query head that shares
 // it). Marked evict-first, that stream no longer pushes out of L2 the lines that are read again: the kernel's code
-// (fetched by every SM as it starts a unit), Q, the page table and the split partials the combine reads back.
+// (fetched by every SM as it starts a unit), Q, the page table and the split partials the combine reads back. (A
+// paged cache whose tables share pages between sequences reads those rows again; the policy does not know that.)
 // createpolicy needs sm_80 (as cp.async does).
 #pragma once
 
