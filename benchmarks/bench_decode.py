@@ -32,7 +32,9 @@ Timing (`--timing`, the median over `--reps` repetitions of a time divided by th
 
 Matrix (issue 19): (Hq, Hkv, D) in {(32, 8, 128), (64, 8, 128), (8, 1, 128), (16, 8, 256)} x Tq in {1, 4, 16} x
 B in {1, 8, 64, 256} x S in {1k, 8k, 32k, 128k} (caches over --max-cache-gb skipped), each with equal lengths (the
-full cache) and ragged ones (uniform in [1, S]), dense and paged (pages of 16 and 64 keys, in shuffled order).
+full cache) and ragged ones (uniform in [1, S]; `--ragged-order longest-first` hands the same lengths over sorted
+longest first, which measures what the batch's order costs a grid), dense and paged (pages of 16 and 64 keys, in
+shuffled order).
 `--preset core` takes a subset (every head configuration, Tq 1 and 16, four (B, S) pairs); `--preset smoke` is a
 tiny CPU-sized run (the default without a GPU: not performance numbers).
 
@@ -314,6 +316,8 @@ def rows_for_shape(args, meta, hq, hkv, d, tq, b, s, progress):
             n = jnp.full((b,), s, jnp.int32)
         else:
             n = jax.random.randint(kl, (b,), max(tq, 1), s + 1, jnp.int32)
+            if args.ragged_order == "longest-first":  # the same lengths, bytes and kernels; only the order differs
+                n = -jnp.sort(-n)
         kv_bytes = int(np.asarray(n, np.int64).sum()) * hkv * d * 2 * jnp.dtype(dtype).itemsize
         for layout in args.layouts:
             page_size = int(layout[5:]) if layout != "dense" else None
@@ -468,6 +472,8 @@ def main(argv=None):
     parser.add_argument("--tq", default=None, help="subset of Tq, e.g. 1,16")
     parser.add_argument("--layouts", default=None, help="dense,paged16,paged64")
     parser.add_argument("--lengths", default=None, help="equal,ragged")
+    parser.add_argument("--ragged-order", choices=("drawn", "longest-first"), default="drawn",
+                        help="ragged lengths as drawn (default) or sorted longest first")
     parser.add_argument("--max-cache-gb", type=float, default=40.0, help="skip shapes whose K + V exceed this")
     parser.add_argument("--calls", type=int, default=20, help="calls per timed repetition")
     parser.add_argument("--timing", choices=("device", "program", "pipelined"), default=None,
@@ -502,7 +508,7 @@ def main(argv=None):
                 date=datetime.date.today().isoformat(), peak_gbps=peak_gbps(device.device_kind),
                 preset=args.preset or ("full" if platform == "gpu" else "smoke"), timing=args.timing,
                 calls=args.calls, reps=args.reps, warmup_s=args.warmup, min_rep_s=MIN_REP_S,
-                xla_flags=os.environ.get("XLA_FLAGS", ""))
+                xla_flags=os.environ.get("XLA_FLAGS", ""), ragged_order=args.ragged_order)
     missing = {name: why for name, (fn, why) in (("fa3_jax", _fa3()), ("tokamax", _tokamax()))
                if name in args.impls and fn is None and platform == "gpu"}
     meta["not_installed"] = missing

@@ -44,6 +44,19 @@ def test_smoke_run_writes_rows_and_table(tmp_path):
     assert "Medians of chained calls in one program" in md
 
 
+def test_ragged_order_longest_first_keeps_the_lengths(tmp_path):
+    drawn, longest = tmp_path / "drawn", tmp_path / "longest"
+    drawn.mkdir()
+    longest.mkdir()
+    args = ("--lengths", "ragged", "--layouts", "dense", "--impls", "jax_flash")
+    runs = [_run(drawn, *args), _run(longest, *args, "--ragged-order", "longest-first")]
+    assert all(r.returncode == 0 for r in runs), [r.stdout + r.stderr for r in runs]
+    rows = [json.loads((d / "run.json").read_text()) for d in (drawn, longest)]
+    assert [m["meta"]["ragged_order"] for m in rows] == ["drawn", "longest-first"]
+    # the same lengths (so the same bytes) on every row, only in another order
+    assert [r["kv_bytes"] for r in rows[0]["rows"]] == [r["kv_bytes"] for r in rows[1]["rows"]]
+
+
 def test_targets_check_each_way_of_passing_lengths():
     """The targets' check (>= 80 % of the peak at >= 64 MB, at or above every peer) covers jax_flash's rows and, in
     a section of its own, the equal-length rows with one length (jax_flash_1len), naming which missed."""

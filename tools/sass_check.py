@@ -209,7 +209,7 @@ def main():
                              ("waits", waits, ("obj", "regex"))):
         p = sub.add_parser(name)
         for param in params:
-            p.add_argument(param, nargs="+") if param == "objs" else p.add_argument(param)
+            p.add_argument(param, **({"nargs": "+"} if param == "objs" else {}))
         p.set_defaults(fn=fn)
     args = parser.parse_args()
     sys.exit(args.fn(args) or 0)
