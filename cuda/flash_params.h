@@ -109,6 +109,11 @@ struct FlashParams {
   // raised until the splits fit batch * num_splits / 2 blocks (decode/split_mainloop.cuh split_tiles).
   // Otherwise each element's key range splits into num_splits equal shares.
   bool balance_splits;
+  // Every kv_lens entry is the same (the caller gave one length): the launchers rank no batch.
+  bool equal_lengths;
+  // Each block ranks the batch's lengths and takes the sequences longest first (decode/split_mainloop.cuh
+  // batch_element); the decode launchers set it for the kernel they launch (decode::RankBatch).
+  bool rank_batch;
   float* o_partial;
   float* lse_partial;
 

@@ -439,7 +439,7 @@ def balanced_split_plan(splits):
 
 
 def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, num_splits, scale, is_causal,
-                 window_left, window_right, softcap=None, balance_splits=False):
+                 window_left, window_right, softcap=None, balance_splits=False, equal_lengths=False):
     """Runs the decode target (CUDA only): the split-KV kernel and, with more than one split, its combine.
 
     Args:
@@ -448,7 +448,9 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
       kv_lens: int32 [B]: valid keys of each sequence (clamped to the capacity); query row t sits at position
         kv_lens[b] - Tq + t (bottom-right causal; windows from there).
       sinks: float32 [B, Hq] (broadcast from [Hq]) or None. num_splits: parts of the key range across blocks (each
-        sequence's, or with balance_splits the most a sequence takes, see decode_split_plan).
+        sequence's, or with balance_splits the most a sequence takes, see decode_split_plan). equal_lengths: every
+        kv_lens entry is the same (the caller gave one length): the kernels skip the longest-first ranking, and the
+        TMA kernel of one split a sequence loads Q and the first key tile before it reads the length.
 
     Returns:
       (o, lse): o like q; lse float32 [B, Hq, Tq], +inf for rows that see no key (as flash_fwd).
@@ -473,5 +475,6 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
     o, lse, _, _ = call(*inputs, scale=np.float32(scale), is_causal=bool(is_causal),
                         window_left=np.int64(window_left), window_right=np.int64(window_right),
                         softcap=np.float32(0.0 if softcap is None else softcap), paged=paged, has_sinks=has_sinks,
-                        balance_splits=bool(balance_splits), kernel=_kernel_choice())
+                        balance_splits=bool(balance_splits), equal_lengths=bool(equal_lengths),
+                        kernel=_kernel_choice())
     return _varying_like((o, lse), inputs)

@@ -179,7 +179,7 @@ def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks
     def decode_kernel(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets):
         splits, balance = _ffi.decode_split_plan(q.shape, k.shape[2], k.shape[1], uniform=cfg.decode_uniform)
         return _ffi.flash_decode(q, k, v, kv_lens, None, sinks, num_splits=splits, balance_splits=balance,
-                                 **cfg.attrs())
+                                 equal_lengths=cfg.decode_uniform, **cfg.attrs())
 
     branches = {platform: kernel for platform in cfg.kernel_platforms}
     if ("cuda" in branches and cfg.decode and q_offsets is None and q_seg is None and q.ndim == 4

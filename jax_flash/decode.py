@@ -131,7 +131,7 @@ def _local_decode(cfg, num_splits, uniform, q, k_cache, v_cache, lengths, page_t
                            else _ffi.decode_split_plan(q.shape, k_cache.shape[2], capacity, page_table is not None,
                                                        uniform=uniform))
         return _ffi.flash_decode(q, k_cache, v_cache, lengths, page_table, sinks, num_splits=splits,
-                                 balance_splits=balance, **cfg.attrs())
+                                 balance_splits=balance, equal_lengths=uniform, **cfg.attrs())
 
     def other(q, k_cache, v_cache, lengths, page_table, sinks):
         k, v = ((_gather_pages(c, page_table) for c in (k_cache, v_cache)) if page_table is not None

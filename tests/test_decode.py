@@ -35,20 +35,21 @@ def _reference(q, k, v, lengths, *, is_causal=True, window=None, sinks=None, sof
     outs, lses = [], []
     for i in range(b):
         n = int(lengths[i])
+        keys = min(max(n, 1), k.shape[1])  # keys at or past n are never seen: the reference reads the first `keys`
         pos = n - rows + np.arange(rows)[:, None]
-        j = np.arange(k.shape[1])[None, :]
-        vis = np.broadcast_to(j < n, (rows, k.shape[1])).copy()
+        j = np.arange(keys)[None, :]
+        vis = np.broadcast_to(j < n, (rows, keys)).copy()
         if is_causal:
             vis &= j <= pos
         if window is not None:
             vis &= (j >= pos - window[0]) & (j <= pos + window[1])
         vis = vis[None, None]
-        o = numpy_attention_fwd_bwd(q[i:i + 1], k[i:i + 1], v[i:i + 1], np.zeros_like(q[i:i + 1]), vis,
+        o = numpy_attention_fwd_bwd(q[i:i + 1], k[i:i + 1, :keys], v[i:i + 1, :keys], np.zeros_like(q[i:i + 1]), vis,
                                     sinks=sinks, logits_soft_cap=softcap)[0]
         outs.append(o[0])
         # lse from the same logits
         group = hq // k.shape[2]
-        kr = np.repeat(k[i], group, axis=1)
+        kr = np.repeat(k[i, :keys], group, axis=1)
         logits = np.einsum("tnh,snh->nts", q[i], kr) / np.sqrt(d)
         if softcap is not None:
             logits = softcap * np.tanh(logits / softcap)
@@ -218,10 +219,11 @@ KERNEL_CASES = {
                              window=(400, 0)),
     "rows128_long_one_sequence": dict(batch=1, rows=16, hq=16, hkv=2, d=128, capacity=20000, lengths=(19999,)),
     "rows128_short_sequences": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(5, 300)),
-    # one split a sequence in batch order (past the longest-first limit, or one sequence): the TMA kernel loads Q and
-    # tile 0 before it reads the length, so sequences of 0, 1, 127-129 keys and a cache shorter than the tile (TMA
-    # zero-fills past its end) meet keys past the range in that early tile; two kv heads over 65 sequences (the
-    # unit's kv head and sequence from its grid index); capped with sinks at d64; non-causal
+    # one split a sequence in batch order (more than 64 sequences in a grid of at most one wave of the TMA kernel's
+    # 132 CTAs on an H100/H200 SXM, or one sequence; decode::RankBatch): the TMA kernel loads Q and tile 0 before it
+    # reads the length, so sequences of 0, 1, 127-129 keys and a cache shorter than the tile (TMA zero-fills past its
+    # end) meet keys past the range in that early tile; two kv heads over 65 sequences (the unit's kv head and
+    # sequence from its grid index); capped with sinks at d64; non-causal
     "rows128_early_tile_b70": dict(batch=70, rows=16, hq=8, hkv=1, d=128, capacity=300, splits=1,
                                    lengths=tuple((0, 1, 127, 128, 129, 300)[i % 6] if i < 12 else 1 + (i * 41) % 300
                                                  for i in range(70))),
@@ -246,18 +248,27 @@ KERNEL_CASES = {
     "rows128_paged8_window": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=400, lengths=(400, 203),
                                   page_size=8, window=(150, 0)),
     # more of the TMA kernel's units (CTAs) than the GPU runs at once: one split per sequence of a ragged batch
-    # taken longest first (48 x 4 units, sequences of 1 to 200 keys, some shorter than Tq), a paged batch past the
-    # longest-first limit (80 x 2), and balanced splits over a ragged batch at d64 (40 sequences x 6 splits, half
-    # of them empty)
+    # taken longest first (48 x 4 units, sequences of 1 to 200 keys, some shorter than Tq), a paged batch of 80 x 2
+    # units and dense ones of 200 x 1 and 100 x 2 (past 64 sequences, ranked as grids of a few waves:
+    # decode::RankBatch; 200 sequences of at most 3 tiles, each its own bucket, and 100 of up to 36 tiles, most of
+    # them short, several a bucket of the ranking: the float64 reference of 100 x 16 rows of 6000 keys took minutes
+    # on the GPU host), and balanced splits over a ragged batch at d64 (40 sequences x 6 splits, half of them empty,
+    # ranked too)
     "rows128_units_ranked_b48": dict(batch=48, rows=16, hq=32, hkv=4, d=128, capacity=200,
                                      lengths=tuple(1 + (i * 37) % 200 for i in range(48))),
     "rows128_units_paged16_b80": dict(batch=80, rows=16, hq=16, hkv=2, d=128, capacity=160, page_size=16,
                                       lengths=tuple(160 - (i * 23) % 160 for i in range(80))),
+    "rows128_units_ranked_b200": dict(batch=200, rows=16, hq=8, hkv=1, d=128, capacity=300,
+                                      lengths=tuple((0, 1, 300)[i % 3] if i < 9 else 1 + (i * 67) % 300
+                                                    for i in range(200))),
+    "rows72_units_ranked_b100_buckets": dict(batch=100, rows=9, hq=16, hkv=2, d=128, capacity=4500, splits=1,
+                                             lengths=tuple(1 + (i * 613) % 4500 if i % 4 == 0 else 1 + (i * 37) % 600
+                                                           for i in range(100))),
     "rows72_d64_units_balanced_b40": dict(batch=40, rows=9, hq=8, hkv=1, d=64, capacity=2000,
                                           lengths=tuple(2000 - (i * 331) % 1990 for i in range(40))),
     # one split per sequence (a capacity under 256 keys): ragged batches whose blocks take the sequences longest
     # first (ties in batch order; the mma.sync kernel, and the wgmma one at 64 packed rows; up to 64 sequences, the
-    # longest-first limit), and larger ones, which keep the batch order
+    # longest-first limit), and larger ones, which keep the batch order (a 128-thread kernel ranks at most 64)
     "one_split_ragged_b40": dict(batch=40, rows=1, hq=4, hkv=2, d=64, capacity=200,
                                  lengths=tuple(1 + (i * 7) % 13 * 15 for i in range(40))),
     "one_split_rows64_ragged_b24": dict(batch=24, rows=8, hq=16, hkv=2, d=128, capacity=250,
@@ -293,6 +304,7 @@ TMA_ROWS = ["rows128_softcap_ragged", "rows72_d64_window_sinks", "rows112_d96_no
             "rows128_paged64_window", "rows80_d64_paged16_softcap_sinks", "rows72_d64_paged256_window",
             "rows128_paged48", "rows128_paged12_window", "rows96_d80_paged12", "rows128_paged4",
             "rows128_paged8_window", "rows128_units_ranked_b48", "rows128_units_paged16_b80",
+            "rows128_units_ranked_b200", "rows72_units_ranked_b100_buckets",
             "rows72_d64_units_balanced_b40"]
 
 
@@ -699,8 +711,9 @@ def test_split_count_fills_one_wave(monkeypatch):
 
 def test_one_length_reaches_the_split_plan(monkeypatch):
     """kv_lengths given as one scalar (and jax.nn-style calls without key_value_seq_lengths) plan the CUDA decode
-    call's splits for equal lengths: lowered for CUDA (also without a GPU), 16 sequences x 8 kv heads of 4160 keys
-    take one split (no combine workspace rows beyond one), against 4 with a length per sequence."""
+    call's splits for equal lengths and tell the kernels so (equal_lengths: no longest-first ranking): lowered for
+    CUDA (also without a GPU), 16 sequences x 8 kv heads of 4160 keys take one split (no combine workspace rows
+    beyond one), against 4 with a length per sequence."""
     from jax_flash import _ffi
 
     _fake_h100_launch_shapes(monkeypatch)
@@ -708,18 +721,20 @@ def test_one_length_reaches_the_split_plan(monkeypatch):
     q = jax.ShapeDtypeStruct((16, 1, 32, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((16, 4160, 8, 128), jnp.bfloat16)
 
-    def workspace_splits(f, *args):
+    def decode_call(f, *args):
+        """(workspace splits, equal_lengths) of the lowered decode call."""
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         call = next(line for line in text.splitlines() if "jax_flash_decode" in line)
-        return int(re.search(r"tensor<(\d+)x16x1x32x128xf32>", call).group(1))
+        equal = re.search(r"equal_lengths = (true|false)", call).group(1) == "true"
+        return int(re.search(r"tensor<(\d+)x16x1x32x128xf32>", call).group(1)), equal
 
     per_sequence = jax.ShapeDtypeStruct((16,), jnp.int32)
     one = jax.ShapeDtypeStruct((), jnp.int32)
-    assert workspace_splits(lambda q, k, n: jax_flash.decode_attention(q, k, k, n), q, k, per_sequence) == 4
-    assert workspace_splits(lambda q, k, n: jax_flash.decode_attention(q, k, k, n), q, k, one) == 1
-    assert workspace_splits(lambda q, k: jax_flash.dot_product_attention(q, k, k), q, k) == 1
-    assert workspace_splits(lambda q, k, n: jax_flash.dot_product_attention(q, k, k, key_value_seq_lengths=n),
-                            q, k, per_sequence) == 4
+    assert decode_call(lambda q, k, n: jax_flash.decode_attention(q, k, k, n), q, k, per_sequence) == (4, False)
+    assert decode_call(lambda q, k, n: jax_flash.decode_attention(q, k, k, n), q, k, one) == (1, True)
+    assert decode_call(lambda q, k: jax_flash.dot_product_attention(q, k, k), q, k) == (1, True)
+    assert decode_call(lambda q, k, n: jax_flash.dot_product_attention(q, k, k, key_value_seq_lengths=n),
+                       q, k, per_sequence) == (4, False)
 
 
 def test_sharded_calls_partition_as_dot_product_attention():

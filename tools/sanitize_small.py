@@ -123,7 +123,7 @@ DECODE_CASES = [
     (3, 16, 8, 1, 128, 1000, 16, None, dict(logits_soft_cap=20.0, sinks=True)),
     (2, 9, 8, 1, 64, 1024, 256, 3, dict(local_window_size=(300, 0))),
     # more TMA-kernel units (CTAs) than the GPU runs at once: 48 x 4 units of one split each, ranked longest first;
-    # 80 x 2 paged units in batch order
+    # 80 x 2 paged units, ranked as a grid of a few waves (decode::RankBatch)
     (48, 16, 32, 4, 128, 200, None, 1, dict()),
     (80, 16, 16, 2, 128, 160, 16, 1, dict()),
     # one split a sequence in batch order, dense (the TMA kernel's Q and tile 0 loaded before the length is read):
@@ -145,6 +145,10 @@ DECODE_CASES = [
     # lengths (half of the splits empty)
     (16, 2, 8, 4, 64, 512, None, None, dict()),
     (16, 2, 8, 4, 64, 512, None, None, dict(equal_lengths=True)),
+    # TMA-kernel grids of a few waves, ranked (decode::RankBatch): 200 ragged sequences, one of no key (the largest
+    # scratch the ranking uses), and 100 x 2 of up to 47 tiles (several a bucket of the ranking)
+    (200, 16, 8, 1, 128, 300, None, 1, dict(one_empty=True)),
+    (100, 16, 16, 2, 128, 6000, None, 1, dict()),
 ]
 
 

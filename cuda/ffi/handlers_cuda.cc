@@ -96,16 +96,16 @@ ffi::Error FlashDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                                ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> sinks, float scale,
                                bool is_causal, int64_t window_left, int64_t window_right, float softcap, bool paged,
-                               bool has_sinks, bool balance_splits, int32_t kernel, ffi::Result<ffi::AnyBuffer> o,
-                               ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                               bool has_sinks, bool balance_splits, bool equal_lengths, int32_t kernel,
+                               ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                ffi::Result<ffi::Buffer<ffi::F32>> o_partial,
                                ffi::Result<ffi::Buffer<ffi::F32>> lse_partial) {
   KernelChoice choice;
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
   if (auto e = FillDecodeParams(q, k_cache, v_cache, kv_lens, page_table, sinks, scale, is_causal, window_left,
-                                window_right, softcap, paged, has_sinks, balance_splits, o, lse, o_partial,
-                                lse_partial, &p);
+                                window_right, softcap, paged, has_sinks, balance_splits, equal_lengths, o, lse,
+                                o_partial, lse_partial, &p);
       e.failure()) {
     return e;
   }

@@ -329,7 +329,8 @@ inline constexpr int64_t kMaxDecodeQueryRows = 16;
 inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                                    ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> sinks, float scale,
                                    bool is_causal, int64_t window_left, int64_t window_right, float softcap,
-                                   bool paged, bool has_sinks, bool balance_splits, ffi::Result<ffi::AnyBuffer>& o,
+                                   bool paged, bool has_sinks, bool balance_splits, bool equal_lengths,
+                                   ffi::Result<ffi::AnyBuffer>& o,
                                    ffi::Result<ffi::Buffer<ffi::F32>>& lse,
                                    ffi::Result<ffi::Buffer<ffi::F32>>& o_partial,
                                    ffi::Result<ffi::Buffer<ffi::F32>>& lse_partial, FlashParams* p) {
@@ -419,6 +420,7 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   p->num_pages = paged ? static_cast<int>(kd[0]) : 0;
   p->num_splits = static_cast<int>(splits);
   p->balance_splits = balance_splits;
+  p->equal_lengths = equal_lengths;
   p->o = o->untyped_data();
   p->lse = lse->typed_data();
   p->o_partial = o_partial->typed_data();
@@ -559,6 +561,7 @@ auto BindDecode(Binding b) {
       .template Attr<bool>("paged")                    // the caches are pages addressed through page_table
       .template Attr<bool>("has_sinks")                // the sinks operand holds sinks (else a placeholder)
       .template Attr<bool>("balance_splits")           // splits of one size across the batch (FlashParams)
+      .template Attr<bool>("equal_lengths")            // every kv_lens entry the same (FlashParams)
       .template Attr<int32_t>("kernel")                // KernelChoice: 0 auto, 1 / 2 the sm_80-class kernel
       .template Ret<ffi::AnyBuffer>()                  // o [B, Tq, Hq, D]
       .template Ret<ffi::Buffer<ffi::F32>>()           // lse [B, Hq, Tq]

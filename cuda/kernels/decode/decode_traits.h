@@ -2,6 +2,8 @@
 // host-visible: the launchers, the handler's support check and the split count (shared memory, threads) read them.
 #pragma once
 
+#include <cstdint>
+
 namespace jax_flash::cuda::decode {
 
 // Packed query rows (query heads per kv head x Tq) -> 16-row MMA tiles per CTA (1, 2, 4 or 8; 0: too many).
@@ -12,13 +14,32 @@ constexpr int RowTiles(int rows) {
 // Splits of a key range the combine kernel merges (its weights sit in shared memory).
 inline constexpr int kMaxDecodeSplits = 1024;
 
-// Batches of one split per sequence take their sequences longest first up to this many sequences (each block ranks
-// the batch's lengths: batch^2 / threads comparisons; split_mainloop.cuh batch_element). dec16 ranked up to 256:
-// on an H200 the ragged B 64 rows gained 8-33 % but the B 256 ones lost 18-37 % to the ranking every block redoes.
+// Which calls' blocks take the batch's sequences longest first (each block ranks the batch's tile counts in shared
+// memory by buckets: split_mainloop.cuh batch_element), decided by the launchers for the kernel they launch
+// (FlashParams::rank_batch):
+//   - one split per sequence, up to kLongestFirstMaxBatch sequences (dec16 ranked up to 256 whatever the grid,
+//     pairwise: on an H200 the ragged B 64 rows gained 8-33 % but the B 256 ones lost 18-37 % to the ranking);
+//   - in kernels of kRankFewWavesMinThreads threads or more (the TMA kernel), any grid of more than one and at most
+//     kRankMaxWaves waves of its resident blocks, up to kRankMaxBatch sequences. The same ragged lengths handed over
+//     longest first ran 8/1 at Tq 16 256 x 1024 x1.24 (two waves) and 8/1 64 x 8192 x1.12-1.16 (two waves of
+//     splits), but 64/8 256 x 1024 (8-16 waves) x0.96 (NOTES, session 73); ranked in the kernel, 8/1 Tq 16
+//     64 x 8192 ragged ran x1.11 and 64/8 Tq 16 8 x 32768 ragged x1.02-1.03, while the mma.sync kernel's split grids
+//     of the same rule lost x0.97 on paged ragged rows at Tq 1 (NOTES, session 74).
 inline constexpr int kLongestFirstMaxBatch = 64;
-// Whether a call's blocks rank its sequences (else block z computes batch element z).
-constexpr bool LongestFirst(int num_splits, int batch) {
-  return num_splits == 1 && batch >= 2 && batch <= kLongestFirstMaxBatch;
+inline constexpr int kRankFewWavesMinThreads = 384;
+inline constexpr int kRankMaxWaves = 4;
+inline constexpr int kRankMaxBatch = 256;
+// batch_element's shared-memory scratch (ints): the buckets' histogram (a warp's lanes), each warp's longest
+// sequence, the sequence found, and each sequence's key.
+inline constexpr int kRankBuckets = 32;
+inline constexpr int kRankMaxWarps = 32;
+constexpr int RankScratchInts(int batch) { return kRankBuckets + kRankMaxWarps + 1 + batch; }
+// units: the grid's blocks; resident: blocks of the kernel the GPU holds at once; threads: the kernel's block size.
+constexpr bool RankBatch(int num_splits, int batch, int64_t units, int64_t resident, int threads) {
+  if (batch < 2) return false;
+  if (num_splits == 1 && batch <= kLongestFirstMaxBatch) return true;
+  return threads >= kRankFewWavesMinThreads && batch <= kRankMaxBatch && units > resident &&
+         units <= kRankMaxWaves * resident;
 }
 
 // Keys per K/V tile and pipeline depth by head-dim class.

@@ -69,37 +69,70 @@ __device__ __forceinline__ int range_tiles(const DecodeRange& r) {
 }
 
 // The batch element that the blocks of grid index z (blockIdx.z) compute. In launch order z is the slowest index, so
-// with one split per sequence (num_splits == 1: the grid's blocks are whole sequences, more blocks than the GPU
-// holds at once) a long sequence late in a ragged batch would start when most blocks are done and leave a tail. For
-// batches of 2 to kLongestFirstMaxBatch sequences the blocks take the sequences longest first (by key tiles; ties in
-// batch order, so equal lengths keep it): each block ranks the batch's tile counts from shared memory
-// (batch^2 / kThreads comparisons per thread; skipped when every sequence has as many tiles) and takes the sequence
-// of rank z. Otherwise z itself. Every thread calls this; `scratch` holds batch + 1 ints of shared memory that
-// nothing else uses until the call returns.
+// a long sequence late in a ragged batch would start when most blocks are done and leave a tail. Where the launcher
+// asks for it (FlashParams::rank_batch, decode::RankBatch) the blocks take the sequences longest first, and
+// otherwise z itself. Every block ranks the batch alike from its key tiles, coarsely: a sequence of t tiles falls in
+// bucket t kRankBuckets / (most + 1) of a batch whose longest has `most`, so that a bucket spans 1/kRankBuckets of
+// the longest sequence (the longest-first order's error in a unit's start: at most that much); buckets are taken
+// from the highest, and a bucket's sequences in batch order (so equal lengths keep it, and the order is a
+// permutation). The tile counts go to shared memory, one atomic each to the buckets' histogram, then one warp scans
+// the histogram for the bucket of rank z and ballots over the batch (batch / 32 steps) for its sequence. (Ranked
+// pairwise, batch^2 / kThreads steps a thread, 256 sequences cost the TMA kernel ~1.5-3 us a block: NOTES, session
+// 74.) Skipped when every sequence has as many tiles. Every thread calls this; `scratch` holds
+// decode::RankScratchInts(batch) ints of shared memory that nothing else uses until the call returns.
 template <int kBlockN, int kThreads>
 __device__ __forceinline__ int batch_element(const FlashParams& p, int z, int* scratch, int tid) {
-  if (!LongestFirst(p.num_splits, p.batch)) return z;
+  static_assert(kThreads % kWarpSize == 0 && kThreads / kWarpSize <= kRankMaxWarps && kRankBuckets == kWarpSize);
+  if (!p.rank_batch) return z;
+  int* hist = scratch;                       // sequences per bucket
+  int* warp_most = hist + kRankBuckets;      // each warp's longest
+  int* found = warp_most + kRankMaxWarps;    // the sequence of rank z
+  int* key = found + 1;                      // each sequence's tiles, then its bucket
   const int first = range_tiles<kBlockN>(decode_range(p, 0));
   bool uniform = true;
+  int most = 0;
   for (int j = tid; j < p.batch; j += kThreads) {
-    scratch[j] = range_tiles<kBlockN>(decode_range(p, j));
-    uniform = uniform && scratch[j] == first;
+    const int t = range_tiles<kBlockN>(decode_range(p, j));
+    key[j] = t;
+    uniform = uniform && t == first;
+    most = max(most, t);
   }
+  if (tid < kRankBuckets) hist[tid] = 0;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) most = max(most, __shfl_xor_sync(0xffffffff, most, offset));
+  if (tid % kWarpSize == 0) warp_most[tid / kWarpSize] = most;
   if (__syncthreads_and(uniform)) return z;  // equal lengths: the batch order is the longest-first order
-  int found = -1;
-  for (int i = tid; i < p.batch; i += kThreads) {
-    const int mine = scratch[i];
-    int rank = 0;  // sequences before i: more tiles, or as many and earlier in the batch
-    for (int j = 0; j < p.batch; ++j) {
-      const int other = scratch[j];
-      rank += int(other > mine) + int(other == mine && j < i);
-    }
-    if (rank == z) found = i;  // ranks are a permutation of 0 .. batch - 1: one thread finds it
+#pragma unroll
+  for (int w = 0; w < kThreads / kWarpSize; ++w) most = max(most, warp_most[w]);
+  for (int j = tid; j < p.batch; j += kThreads) {
+    const int bucket = int(unsigned(key[j]) * kRankBuckets / (unsigned(most) + 1));  // tiles < 2^26: no wrap
+    key[j] = bucket;
+    atomicAdd(&hist[bucket], 1);
   }
-  __syncthreads();  // every read of the tile counts is done before the one write below
-  if (found >= 0) scratch[0] = found;
   __syncthreads();
-  const int b = scratch[0];
+  if (tid < kWarpSize) {
+    // Lane l counts bucket kRankBuckets - 1 - l (the longest first): ranks [before, before + count) are its.
+    const int count = hist[kRankBuckets - 1 - tid];
+    int upto = count;  // ranks before the next lane's bucket
+#pragma unroll
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const int below = __shfl_up_sync(0xffffffff, upto, offset);
+      if (tid >= offset) upto += below;
+    }
+    const int lane = __ffs(__ballot_sync(0xffffffff, z < upto)) - 1;  // z < batch = the last lane's upto
+    const int bucket = kRankBuckets - 1 - lane;
+    int nth = z - __shfl_sync(0xffffffff, upto - count, lane);  // z's place among its bucket's sequences
+    for (int base = 0; base < p.batch; base += kWarpSize) {  // nth is warp-uniform: the warp leaves together
+      const int j = base + tid;
+      const bool in = j < p.batch && key[j] == bucket;
+      const unsigned ins = __ballot_sync(0xffffffff, in);
+      if (in && __popc(ins & ((1u << tid) - 1)) == nth) *found = j;
+      if (nth < __popc(ins)) break;
+      nth -= __popc(ins);
+    }
+  }
+  __syncthreads();
+  const int b = *found;
   __syncthreads();  // scratch is free again
   return b;
 }
@@ -244,7 +277,7 @@ struct SplitSmem {
         k(q + Traits::kRows * Traits::kD),
         v(k + Traits::kStages * Traits::kBlockN * Traits::kD),
         pool_row(reinterpret_cast<int(*)[Traits::kBlockN]>(v + Traits::kStages * Traits::kBlockN * Traits::kD)) {}
-  static_assert(Traits::kStages * Traits::kBlockN * Traits::kD * int(sizeof(T)) >= (kLongestFirstMaxBatch + 1) * 4,
+  static_assert(Traits::kStages * Traits::kBlockN * Traits::kD * int(sizeof(T)) >= RankScratchInts(kRankMaxBatch) * 4,
                 "batch_element's scratch lies in the K ring");
   __device__ __forceinline__ T* k_stage(int s) const { return k + s * Traits::kBlockN * Traits::kD; }
   __device__ __forceinline__ T* v_stage(int s) const { return v + s * Traits::kBlockN * Traits::kD; }

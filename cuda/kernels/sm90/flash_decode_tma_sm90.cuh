@@ -36,8 +36,8 @@ namespace jax_flash::cuda::sm90 {
 
 // A decode work unit, and the grid's order (CTA u takes unit u, and the hardware starts CTAs in that order): the kv
 // head fastest, the split slowest, so a balanced grid's splits past those a sequence needs (half of it at equal
-// lengths) come last and exit at once; with one split per sequence, a batch of up to kLongestFirstMaxBatch takes its
-// sequences longest first (decode::batch_element: every thread calls this; `scratch` as that function's).
+// lengths) come last and exit at once; where the launcher ranks the batch (FlashParams::rank_batch), the sequences
+// come longest first (decode::batch_element: every thread calls this; `scratch` as that function's).
 struct DecodeTile {
   int split;
   int hk;
@@ -239,8 +239,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // would not be uniform by construction, and the main loop's state and wgmma descriptors, which derive from them,
   // would leave the uniform datapath (NOTES, sessions 26 and 31).
   static_assert(Traits::kStages >= 2, "kEarly's scratch is a V slot that tile 0 does not use");
+  static_assert(sizeof(smem.k[0]) >= decode::RankScratchInts(decode::kRankMaxBatch) * sizeof(int),
+                "batch_element's scratch");
   int* scratch = reinterpret_cast<int*>(kEarly ? smem.v[Traits::kStages - 1] : smem.k[0]);  // not an early load's
-  const DecodeTile u = decode_tile<kBN, Traits::kThreads>(p, blockIdx.x, scratch, tid);
+  // (kEarly calls are never ranked: the launcher takes the early form only without FlashParams::rank_batch.)
+  const DecodeTile u = kEarly ? unranked_one_split_tile(p, blockIdx.x)
+                              : decode_tile<kBN, Traits::kThreads>(p, blockIdx.x, scratch, tid);
   const DecodeTile unit{warp_uniform(u.split), warp_uniform(u.hk), warp_uniform(u.b)};
   const int64_t share = decode::split_share<kBN, Traits::kThreads, true>(p, scratch, tid);
   const decode::DecodeRange range = decode::decode_range(p, unit.b);

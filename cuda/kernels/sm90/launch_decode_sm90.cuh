@@ -29,7 +29,11 @@ cudaError_t launch_decode_wgmma(const FlashParams& p, cudaStream_t stream) {
           constexpr auto kernel =
               flash_decode_wgmma_kernel<T, Traits, decltype(paged)::value, decltype(soft_cap)::value>;
           if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
-          kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(p);
+          FlashParams q = p;
+          if (cudaError_t e = decode::set_rank_batch<kernel>(&q, Traits::kThreads, kSmemBytes); e != cudaSuccess) {
+            return e;
+          }
+          kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(q);
           return cudaGetLastError();
         },
         p.page_table != nullptr, SoftCap(p).enabled());
@@ -64,21 +68,35 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
   const int64_t units = int64_t(p.num_splits) * p.heads_kv * p.batch;
   if (units > INT_MAX) return cudaErrorInvalidConfiguration;
   // One split a sequence, no left window and no ranking: each unit's first key tile is tile 0 of the sequence of its
-  // grid index whatever the lengths, and the kernel loads it before reading them (kEarly; dense caches).
-  const bool early = !paged && p.window_left < 0 && p.num_splits == 1 && !decode::LongestFirst(p.num_splits, p.batch);
+  // grid index whatever the lengths, and the kernel loads it before reading them (kEarly; dense caches). The ranking
+  // (decode::RankBatch) is decided from the grid's waves of this kernel, which the early form shares.
   const cudaError_t e = with_static_flags(
-      [&](auto is_paged, auto soft_cap, auto is_early) -> cudaError_t {
-        if constexpr (decltype(is_paged)::value && decltype(is_early)::value) {
-          return cudaErrorInvalidValue;  // unreachable: early is dense only
-        } else {
-          constexpr auto kernel = flash_decode_tma_kernel<T, Traits, decltype(is_paged)::value,
-                                                          decltype(soft_cap)::value, decltype(is_early)::value>;
-          if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-          kernel<<<int(units), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
-          return cudaGetLastError();
+      [&](auto is_paged, auto soft_cap) -> cudaError_t {
+        constexpr bool kPagedCall = decltype(is_paged)::value;
+        constexpr bool kSoftCapCall = decltype(soft_cap)::value;
+        constexpr auto unranked = flash_decode_tma_kernel<T, Traits, kPagedCall, kSoftCapCall, false>;
+        if (cudaError_t e = ensure_smem_limit<unranked>(Traits::kSmemBytes); e != cudaSuccess) return e;
+        FlashParams q = p;
+        if (cudaError_t e = decode::set_rank_batch<unranked>(&q, Traits::kThreads, Traits::kSmemBytes);
+            e != cudaSuccess) {
+          return e;
         }
+        const bool early = !kPagedCall && p.window_left < 0 && p.num_splits == 1 && !q.rank_batch;
+        return with_static_flags(
+            [&](auto is_early) -> cudaError_t {
+              if constexpr (kPagedCall && decltype(is_early)::value) {
+                return cudaErrorInvalidValue;  // unreachable: early is dense only
+              } else {
+                constexpr auto kernel =
+                    flash_decode_tma_kernel<T, Traits, kPagedCall, kSoftCapCall, decltype(is_early)::value>;
+                if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+                kernel<<<int(units), Traits::kThreads, Traits::kSmemBytes, stream>>>(q, tm_q, tm_k, tm_v);
+                return cudaGetLastError();
+              }
+            },
+            early);
       },
-      paged, SoftCap(p).enabled(), early);
+      paged, SoftCap(p).enabled());
   if (e != cudaSuccess) return e;
   return p.num_splits > 1 ? launch_decode_combine<T>(p, stream) : cudaSuccess;  // one split writes O itself
 }
