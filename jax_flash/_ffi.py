@@ -450,7 +450,8 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
       sinks: float32 [B, Hq] (broadcast from [Hq]) or None. num_splits: parts of the key range across blocks (each
         sequence's, or with balance_splits the most a sequence takes, see decode_split_plan). equal_lengths: every
         kv_lens entry is the same (the caller gave one length): the kernels skip the longest-first ranking, and the
-        TMA kernel of one split a sequence loads Q and the first key tile before it reads the length.
+        TMA kernel of one split a sequence (dense cache, no left window) loads Q and the first key tile before it
+        reads the length.
 
     Returns:
       (o, lse): o like q; lse float32 [B, Hq, Tq], +inf for rows that see no key (as flash_fwd).

@@ -268,7 +268,7 @@ KERNEL_CASES = {
                                           lengths=tuple(2000 - (i * 331) % 1990 for i in range(40))),
     # one split per sequence (a capacity under 256 keys): ragged batches whose blocks take the sequences longest
     # first (ties in batch order; the mma.sync kernel, and the wgmma one at 64 packed rows; up to 64 sequences, the
-    # longest-first limit), and larger ones, which keep the batch order (a 128-thread kernel ranks at most 64)
+    # longest-first limit), and larger ones, which keep the batch order (kernels under 384 threads rank at most 64)
     "one_split_ragged_b40": dict(batch=40, rows=1, hq=4, hkv=2, d=64, capacity=200,
                                  lengths=tuple(1 + (i * 7) % 13 * 15 for i in range(40))),
     "one_split_rows64_ragged_b24": dict(batch=24, rows=8, hq=16, hkv=2, d=128, capacity=250,

@@ -109,8 +109,8 @@ DECODE_CASES = [
     # 128 key tiles: empty splits) over 8 column chunks
     (1, 1, 32, 8, 128, 8192, None, 100, dict(sinks=True)),
     (1, 1, 8, 1, 128, 8192, None, 256, dict(sinks=True)),
-    # one split per sequence: ragged batches taken longest first (mma.sync; wgmma at 64 packed rows), and past 256
-    # sequences in batch order
+    # one split per sequence: ragged batches taken longest first (mma.sync; wgmma at 64 packed rows), and past 64
+    # sequences in batch order (those kernels rank at most 64)
     (40, 1, 4, 2, 64, 200, None, 1, dict()),
     (24, 8, 16, 2, 128, 250, 16, 1, dict()),
     (300, 1, 2, 1, 64, 64, None, 1, dict()),
@@ -145,8 +145,8 @@ DECODE_CASES = [
     # lengths (half of the splits empty)
     (16, 2, 8, 4, 64, 512, None, None, dict()),
     (16, 2, 8, 4, 64, 512, None, None, dict(equal_lengths=True)),
-    # TMA-kernel grids of a few waves, ranked (decode::RankBatch): 200 ragged sequences, one of no key (the largest
-    # scratch the ranking uses), and 100 x 2 of up to 47 tiles (several a bucket of the ranking)
+    # TMA-kernel grids of a few waves, ranked (decode::RankBatch): 200 ragged sequences, one of no key, and 100 x 2
+    # of up to 47 tiles (several a bucket of the ranking)
     (200, 16, 8, 1, 128, 300, None, 1, dict(one_empty=True)),
     (100, 16, 16, 2, 128, 6000, None, 1, dict()),
 ]

@@ -29,8 +29,8 @@ inline constexpr int kLongestFirstMaxBatch = 64;
 inline constexpr int kRankFewWavesMinThreads = 384;
 inline constexpr int kRankMaxWaves = 4;
 inline constexpr int kRankMaxBatch = 256;
-// batch_element's shared-memory scratch (ints): the buckets' histogram (a warp's lanes), each warp's longest
-// sequence, the sequence found, and each sequence's key.
+// batch_element's shared-memory scratch (ints): the buckets' histogram (a warp's lanes), each warp's most tiles,
+// the sequence found, and each sequence's key.
 inline constexpr int kRankBuckets = 32;
 inline constexpr int kRankMaxWarps = 32;
 constexpr int RankScratchInts(int batch) { return kRankBuckets + kRankMaxWarps + 1 + batch; }

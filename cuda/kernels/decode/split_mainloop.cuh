@@ -105,7 +105,7 @@ __device__ __forceinline__ int batch_element(const FlashParams& p, int z, int* s
 #pragma unroll
   for (int w = 0; w < kThreads / kWarpSize; ++w) most = max(most, warp_most[w]);
   for (int j = tid; j < p.batch; j += kThreads) {
-    const int bucket = int(unsigned(key[j]) * kRankBuckets / (unsigned(most) + 1));  // tiles < 2^26: no wrap
+    const int bucket = int(unsigned(key[j]) * kRankBuckets / (unsigned(most) + 1));  // tiles <= 2^26: no wrap
     key[j] = bucket;
     atomicAdd(&hist[bucket], 1);
   }
