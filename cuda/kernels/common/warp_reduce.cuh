@@ -32,5 +32,9 @@ __device__ __forceinline__ float warp_sum(float x) {
   for (int d = kWarpSize / 2; d > 0; d /= 2) x += __shfl_xor_sync(0xffffffff, x, d);
   return x;
 }
+__device__ __forceinline__ int warp_max(int x) {
+  for (int d = kWarpSize / 2; d > 0; d /= 2) x = max(x, __shfl_xor_sync(0xffffffff, x, d));
+  return x;
+}
 
 }  // namespace jax_flash::cuda

@@ -98,8 +98,7 @@ __device__ __forceinline__ int batch_element(const FlashParams& p, int z, int* s
     most = max(most, t);
   }
   if (tid < kRankBuckets) hist[tid] = 0;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) most = max(most, __shfl_xor_sync(0xffffffff, most, offset));
+  most = warp_max(most);
   if (tid % kWarpSize == 0) warp_most[tid / kWarpSize] = most;
   if (__syncthreads_and(uniform)) return z;  // equal lengths: the batch order is the longest-first order
 #pragma unroll
