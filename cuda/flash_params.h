@@ -116,6 +116,9 @@ struct FlashParams {
   bool rank_batch;
   float* o_partial;
   float* lse_partial;
+  // Workspace: the work counter of the TMA decode kernel's persistent grids (sm90/flash_decode_tma_sm90.cuh
+  // DecodeTmaGrid; launch_decode_tma zeroes it on the stream before the kernel).
+  int32_t* decode_counter;
 
   // Forward.
   const void* q;

@@ -464,6 +464,7 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
             jax.ShapeDtypeStruct((batch, heads_q, rows), jnp.float32),
             jax.ShapeDtypeStruct((num_splits, batch, rows, heads_q, head_dim), jnp.float32),  # workspace
             jax.ShapeDtypeStruct((num_splits, batch, heads_q, rows), jnp.float32),  # workspace
+            jax.ShapeDtypeStruct((1,), jnp.int32),  # workspace: the TMA kernel's work counter
         ),
         vmap_method="sequential",  # a paged cache is not batched like the query; vmap loops
     )
@@ -473,9 +474,9 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
     sinks = (_placeholder((batch,), np.float32) if sinks is None
              else jnp.broadcast_to(sinks.astype(jnp.float32), (batch, heads_q)))
     inputs = (q, k_cache, v_cache, kv_lens, table, sinks)
-    o, lse, _, _ = call(*inputs, scale=np.float32(scale), is_causal=bool(is_causal),
-                        window_left=np.int64(window_left), window_right=np.int64(window_right),
-                        softcap=np.float32(0.0 if softcap is None else softcap), paged=paged, has_sinks=has_sinks,
-                        balance_splits=bool(balance_splits), equal_lengths=bool(equal_lengths),
-                        kernel=_kernel_choice())
+    o, lse, *_ = call(*inputs, scale=np.float32(scale), is_causal=bool(is_causal),
+                      window_left=np.int64(window_left), window_right=np.int64(window_right),
+                      softcap=np.float32(0.0 if softcap is None else softcap), paged=paged, has_sinks=has_sinks,
+                      balance_splits=bool(balance_splits), equal_lengths=bool(equal_lengths),
+                      kernel=_kernel_choice())
     return _varying_like((o, lse), inputs)

@@ -266,6 +266,19 @@ KERNEL_CASES = {
                                                            for i in range(100))),
     "rows72_d64_units_balanced_b40": dict(batch=40, rows=9, hq=8, hkv=1, d=64, capacity=2000,
                                           lengths=tuple(2000 - (i * 331) % 1990 for i in range(40))),
+    # more than four waves of the TMA kernel's units, unranked (past 256 sequences, or split): its persistent grid on
+    # an H100/H200 (132 CTAs taking units from the work counter; DecodeTmaGrid): 300 x 2 units of one split, some
+    # sequences without keys (empty units among the others), dense and paged; and 40 sequences x 16 equal splits at
+    # d64, the short sequences' later splits empty
+    "rows128_persistent_b300": dict(batch=300, rows=16, hq=16, hkv=2, d=128, capacity=200, splits=1,
+                                    lengths=tuple((0, 1, 200)[i % 3] if i < 9 else 1 + (i * 53) % 200
+                                                  for i in range(300))),
+    "rows128_persistent_paged16_b300": dict(batch=300, rows=16, hq=16, hkv=2, d=128, capacity=192, splits=1,
+                                            page_size=16,
+                                            lengths=tuple((0, 1, 192)[i % 3] if i < 9 else 1 + (i * 53) % 192
+                                                          for i in range(300))),
+    "rows72_d64_persistent_splits16_b40": dict(batch=40, rows=9, hq=8, hkv=1, d=64, capacity=4000, splits=16,
+                                               lengths=tuple(1 + (i * 977) % 4000 for i in range(40))),
     # one split per sequence (a capacity under 256 keys): ragged batches whose blocks take the sequences longest
     # first (ties in batch order; the mma.sync kernel, and the wgmma one at 64 packed rows; up to 64 sequences, the
     # longest-first limit), and larger ones, which keep the batch order (kernels under 384 threads rank at most 64)

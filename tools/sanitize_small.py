@@ -149,6 +149,11 @@ DECODE_CASES = [
     # of up to 47 tiles (several a bucket of the ranking)
     (200, 16, 8, 1, 128, 300, None, 1, dict(one_empty=True)),
     (100, 16, 16, 2, 128, 6000, None, 1, dict()),
+    # TMA-kernel grids of more than four waves, unranked: the persistent grid (DecodeTmaGrid::kPersistent), dense
+    # with a sequence of no key, paged, and 40 x 16 equal splits at d64 (empty units among the others)
+    (300, 16, 16, 2, 128, 200, None, 1, dict(one_empty=True)),
+    (300, 16, 16, 2, 128, 192, 16, 1, dict()),
+    (40, 9, 8, 1, 64, 4000, None, 16, dict()),
 ]
 
 

@@ -99,13 +99,14 @@ ffi::Error FlashDecodeCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
                                bool has_sinks, bool balance_splits, bool equal_lengths, int32_t kernel,
                                ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                ffi::Result<ffi::Buffer<ffi::F32>> o_partial,
-                               ffi::Result<ffi::Buffer<ffi::F32>> lse_partial) {
+                               ffi::Result<ffi::Buffer<ffi::F32>> lse_partial,
+                               ffi::Result<ffi::Buffer<ffi::S32>> counter) {
   KernelChoice choice;
   if (auto e = ToKernelChoice(kernel, &choice); e.failure()) return e;
   FlashParams p{};
   if (auto e = FillDecodeParams(q, k_cache, v_cache, kv_lens, page_table, sinks, scale, is_causal, window_left,
                                 window_right, softcap, paged, has_sinks, balance_splits, equal_lengths, o, lse,
-                                o_partial, lse_partial, &p);
+                                o_partial, lse_partial, counter, &p);
       e.failure()) {
     return e;
   }

@@ -324,7 +324,8 @@ inline ffi::Error FillBackwardParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
 // Decode (CUDA only): q [B, Tq, Hq, D]; caches dense [B, S, Hkv, D] or, when paged, [num_pages, page_size, Hkv, D]
 // with page_table int32 [B, max_pages]; kv_lens int32 [B]; sinks float32 [B, Hq] when has_sinks; results o like q,
 // lse [B, Hq, Tq], and the splits' workspace o_partial [splits, B, Tq, Hq, D] and lse_partial [splits, B, Hq, Tq]
-// (float32; the number of splits is their leading dimension). Fills every field the decode kernels read.
+// (float32; the number of splits is their leading dimension) and the work counter int32 [1] (workspace). Fills
+// every field the decode kernels read.
 inline constexpr int64_t kMaxDecodeQueryRows = 16;
 inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                                    ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> sinks, float scale,
@@ -333,7 +334,8 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                                    ffi::Result<ffi::AnyBuffer>& o,
                                    ffi::Result<ffi::Buffer<ffi::F32>>& lse,
                                    ffi::Result<ffi::Buffer<ffi::F32>>& o_partial,
-                                   ffi::Result<ffi::Buffer<ffi::F32>>& lse_partial, FlashParams* p) {
+                                   ffi::Result<ffi::Buffer<ffi::F32>>& lse_partial,
+                                   ffi::Result<ffi::Buffer<ffi::S32>>& counter, FlashParams* p) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   if (qd.size() != 4) return Invalid("decode query must have shape [batch, rows, heads, head_dim], got " + ShapeString(qd));
@@ -393,6 +395,8 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   }
   if (auto e = ExpectShape(*o_partial, ffi::AnyBuffer::Dimensions(o_part, 5), "o_partial"); e.failure()) return e;
   if (auto e = ExpectShape(*lse_partial, ffi::AnyBuffer::Dimensions(lse_part, 4), "lse_partial"); e.failure()) return e;
+  const int64_t one = 1;
+  if (auto e = ExpectShape(*counter, ffi::AnyBuffer::Dimensions(&one, 1), "decode work counter"); e.failure()) return e;
 
   p->batch = static_cast<int>(batch);
   p->seqlen_q = static_cast<int>(rows);
@@ -425,6 +429,7 @@ inline ffi::Error FillDecodeParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   p->lse = lse->typed_data();
   p->o_partial = o_partial->typed_data();
   p->lse_partial = lse_partial->typed_data();
+  p->decode_counter = counter->typed_data();
   // Soft cap and sinks as the attention targets (no segment ids in decode).
   ffi::Buffer<ffi::S32> none = kv_lens;
   if (auto e = FillScoreModifiers(none, none, none, none, none, none, false, softcap, p); e.failure()) return e;
@@ -566,7 +571,8 @@ auto BindDecode(Binding b) {
       .template Ret<ffi::AnyBuffer>()                  // o [B, Tq, Hq, D]
       .template Ret<ffi::Buffer<ffi::F32>>()           // lse [B, Hq, Tq]
       .template Ret<ffi::Buffer<ffi::F32>>()           // o_partial [splits, B, Tq, Hq, D]: workspace
-      .template Ret<ffi::Buffer<ffi::F32>>();          // lse_partial [splits, B, Hq, Tq]: workspace
+      .template Ret<ffi::Buffer<ffi::F32>>()           // lse_partial [splits, B, Hq, Tq]: workspace
+      .template Ret<ffi::Buffer<ffi::S32>>();          // work counter [1]: workspace (persistent TMA decode grids)
 }
 
 template <typename Binding>

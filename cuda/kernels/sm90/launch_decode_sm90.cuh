@@ -3,7 +3,8 @@
 //   launch_decode_wgmma: the cp.async wgmma kernel (flash_decode_wgmma_sm90.cuh), a block per split of one warpgroup
 //     (up to 64 packed rows) or two (65-128);
 //   launch_decode_tma: the TMA kernel (flash_decode_tma_sm90.cuh) for 65-128 rows (dense caches by TMA, paged ones
-//     gathered by cp.async), a CTA per (split, kv head, batch element) unit.
+//     gathered by cp.async), a CTA per (split, kv head, batch element) unit, or a persistent grid of them for many
+//     waves of units (DecodeTmaGrid).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -67,34 +68,53 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
   }
   const int64_t units = int64_t(p.num_splits) * p.heads_kv * p.batch;
   if (units > INT_MAX) return cudaErrorInvalidConfiguration;
-  // One split a sequence, no left window and no ranking: each unit's first key tile is tile 0 of the sequence of its
-  // grid index whatever the lengths, and the kernel loads it before reading them (kEarly; dense caches). The ranking
-  // (decode::RankBatch) is decided from the grid's waves of this kernel, which the early form shares.
+  // The grid's form (DecodeTmaGrid): one split a sequence, no left window and no ranking, each unit's first key tile
+  // is tile 0 of the sequence of its grid index whatever the lengths, and the kernel loads it before reading them
+  // (kUnitEarly; dense caches); an unranked grid of more than Traits::kPersistentMinWaves waves runs persistent, a
+  // CTA per resident slot taking units from the work counter; otherwise a CTA per unit. The ranking
+  // (decode::RankBatch) is decided from the grid's waves of this kernel, which every form shares.
   const cudaError_t e = with_static_flags(
       [&](auto is_paged, auto soft_cap) -> cudaError_t {
         constexpr bool kPagedCall = decltype(is_paged)::value;
         constexpr bool kSoftCapCall = decltype(soft_cap)::value;
-        constexpr auto unranked = flash_decode_tma_kernel<T, Traits, kPagedCall, kSoftCapCall, false>;
-        if (cudaError_t e = ensure_smem_limit<unranked>(Traits::kSmemBytes); e != cudaSuccess) return e;
+        constexpr auto per_unit = flash_decode_tma_kernel<T, Traits, kPagedCall, kSoftCapCall, DecodeTmaGrid::kUnit>;
+        if (cudaError_t e = ensure_smem_limit<per_unit>(Traits::kSmemBytes); e != cudaSuccess) return e;
         FlashParams q = p;
-        if (cudaError_t e = decode::set_rank_batch<unranked>(&q, Traits::kThreads, Traits::kSmemBytes);
+        if (cudaError_t e = decode::set_rank_batch<per_unit>(&q, Traits::kThreads, Traits::kSmemBytes);
             e != cudaSuccess) {
           return e;
         }
-        const bool early = !kPagedCall && p.window_left < 0 && p.num_splits == 1 && !q.rank_batch;
-        return with_static_flags(
-            [&](auto is_early) -> cudaError_t {
-              if constexpr (kPagedCall && decltype(is_early)::value) {
-                return cudaErrorInvalidValue;  // unreachable: early is dense only
-              } else {
-                constexpr auto kernel =
-                    flash_decode_tma_kernel<T, Traits, kPagedCall, kSoftCapCall, decltype(is_early)::value>;
-                if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-                kernel<<<int(units), Traits::kThreads, Traits::kSmemBytes, stream>>>(q, tm_q, tm_k, tm_v);
-                return cudaGetLastError();
-              }
-            },
-            early);
+        int resident = 0;
+        if (cudaError_t e = resident_ctas<per_unit>(Traits::kThreads, Traits::kSmemBytes, &resident);
+            e != cudaSuccess) {
+          return e;
+        }
+        // (units + resident within INT_MAX: the kernel's counter runs up to units + resident - 1.)
+        const bool persistent = !q.rank_batch && resident > 0 &&
+                                units > int64_t(Traits::kPersistentMinWaves) * resident && units + resident <= INT_MAX;
+        const bool early = !persistent && !kPagedCall && p.window_left < 0 && p.num_splits == 1 && !q.rank_batch;
+        if (persistent) {
+          if (p.decode_counter == nullptr) return cudaErrorInvalidValue;
+          if (cudaError_t e = cudaMemsetAsync(p.decode_counter, 0, sizeof(int32_t), stream); e != cudaSuccess) {
+            return e;
+          }
+        }
+        auto launch = [&](auto grid) -> cudaError_t {
+          constexpr DecodeTmaGrid kGrid = decltype(grid)::value;
+          if constexpr (kPagedCall && kGrid == DecodeTmaGrid::kUnitEarly) {
+            return cudaErrorInvalidValue;  // unreachable: early is dense only
+          } else {
+            constexpr auto kernel = flash_decode_tma_kernel<T, Traits, kPagedCall, kSoftCapCall, kGrid>;
+            if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+            const int ctas = kGrid == DecodeTmaGrid::kPersistent ? resident : int(units);
+            kernel<<<ctas, Traits::kThreads, Traits::kSmemBytes, stream>>>(q, tm_q, tm_k, tm_v);
+            return cudaGetLastError();
+          }
+        };
+        using Grid = DecodeTmaGrid;
+        if (persistent) return launch(std::integral_constant<Grid, Grid::kPersistent>{});
+        if (early) return launch(std::integral_constant<Grid, Grid::kUnitEarly>{});
+        return launch(std::integral_constant<Grid, Grid::kUnit>{});
       },
       paged, SoftCap(p).enabled());
   if (e != cudaSuccess) return e;
