@@ -2,14 +2,16 @@
 the PATH or in $CUDA_BIN; PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels hold them).
 
     python3 tools/sass_check.py compile cuda/kernels/sm90/flash_sm90_hdim128.cu /tmp/new.o   # + /tmp/new.o.log
-    python3 tools/sass_check.py compare /tmp/base.o /tmp/new.o [--filter REGEX]
+    python3 tools/sass_check.py compare /tmp/base.o /tmp/new.o [--filter REGEX] [--rename OLD=NEW ...]
     python3 tools/sass_check.py spills /tmp/base.o.log /tmp/new.o.log
     python3 tools/sass_check.py descs /tmp/new.o [more.o ...]
     python3 tools/sass_check.py waits /tmp/new.o REGEX
 
 compile: one translation unit with the project's CUDA flags (CMakeLists.txt) and ptxas -v, the log beside the object.
 compare: per kernel (demangled), instruction and LDG counts of two objects and whether the code is the same (branch
-targets ignored): a change meant for some kernels leaves the others identical, which needs no GPU to confirm.
+targets ignored): a change meant for some kernels leaves the others identical, which needs no GPU to confirm;
+--rename (a regex and its replacement, repeatable) maps the second object's demangled names to the first's where a
+template argument changed type.
 spills: per kernel, registers and spill bytes from two compile logs, the kernels that differ marked.
 descs: every uniform register an instruction reads inside a memory operand (an address addend, a load's memory
 descriptor desc[UR]) must be written somewhere in its kernel; a register that never is means ptxas lost its
@@ -95,6 +97,9 @@ def compile_tu(args):
 
 def compare(args):
     a, b = sass(args.a), sass(args.b)
+    for rule in args.rename or []:  # the second object's names as the first's (a template argument's type changed)
+        old, new = rule.split("=", 1)
+        b = {re.sub(old, new, name): ins for name, ins in b.items()}
     same = 0
     for name in sorted(set(a) | set(b)):
         if args.filter and not re.search(args.filter, name):
@@ -204,12 +209,13 @@ def waits(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name, fn, params in (("compile", compile_tu, ("source", "out")), ("compare", compare, ("a", "b", "--filter")),
+    for name, fn, params in (("compile", compile_tu, ("source", "out")), ("compare", compare, ("a", "b", "--filter", "--rename")),
                              ("spills", spills, ("a", "b")), ("descs", descs, ("objs",)),
                              ("waits", waits, ("obj", "regex"))):
         p = sub.add_parser(name)
         for param in params:
-            p.add_argument(param, **({"nargs": "+"} if param == "objs" else {}))
+            p.add_argument(param, **({"nargs": "+"} if param == "objs" else {"action": "append"} if param == "--rename"
+                                     else {}))
         p.set_defaults(fn=fn)
     args = parser.parse_args()
     sys.exit(args.fn(args) or 0)
