@@ -202,7 +202,9 @@ struct FwdTraitsSm90<256> {
 
 // The TMA decode kernel (flash_decode_tma_sm90.cuh) of head-dim class kD: the forward's tiles (128 packed rows in
 // two consumer warpgroups, 128-key K/V tiles), O kept out of shared memory (its epilogue writes from registers), a
-// CTA per unit (a persistent grid's static share of a ragged batch's units left SMs idle: NOTES, session 30).
+// CTA per unit, or for many waves of units a persistent grid taking them from a work counter (DecodeTmaGrid; a
+// static share of a ragged batch's units left SMs idle: NOTES, sessions 30 and 69). kPersistent (the forward's
+// static walk) stays false.
 template <int kD>
 struct DecodeTmaTileTraits : FwdTraitsSm90<kD> {
   static_assert(kD <= 128 && FwdTraitsSm90<kD>::kConsumerWarpgroups == 2);
