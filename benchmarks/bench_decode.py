@@ -36,7 +36,8 @@ full cache) and ragged ones (uniform in [1, S]; `--ragged-order longest-first` h
 longest first, which measures what the batch's order costs a grid), dense and paged (pages of 16 and 64 keys, in
 shuffled order).
 `--preset core` takes a subset (every head configuration, Tq 1 and 16, four (B, S) pairs); `--preset smoke` is a
-tiny CPU-sized run (the default without a GPU: not performance numbers).
+tiny CPU-sized run (the default without a GPU: not performance numbers). `--bs` replaces a preset's (B, S) pairs
+(any, e.g. `--bs 256x8192,300x4096`).
 
 Implementations (those that apply to a row; a failure is recorded with its error):
   jax_flash     jax_flash.decode_attention (bottom-right causal), num_splits chosen by jax_flash
@@ -472,6 +473,7 @@ def main(argv=None):
     parser.add_argument("--tq", default=None, help="subset of Tq, e.g. 1,16")
     parser.add_argument("--layouts", default=None, help="dense,paged16,paged64")
     parser.add_argument("--lengths", default=None, help="equal,ragged")
+    parser.add_argument("--bs", default=None, help="(B, S) pairs instead of the preset's, e.g. 256x8192,300x4096")
     parser.add_argument("--ragged-order", choices=("drawn", "longest-first"), default="drawn",
                         help="ragged lengths as drawn (default) or sorted longest first")
     parser.add_argument("--max-cache-gb", type=float, default=40.0, help="skip shapes whose K + V exceed this")
@@ -498,6 +500,13 @@ def main(argv=None):
     args.layouts = preset["layouts"] if args.layouts is None else tuple(args.layouts.split(","))
     args.lengths = preset["lengths"] if args.lengths is None else tuple(args.lengths.split(","))
     args.impls = tuple(args.impls.split(","))
+    try:
+        bs = preset["bs"] if args.bs is None else tuple((int(b), int(s)) for b, s in
+                                                        (pair.split("x") for pair in args.bs.split(",")))
+    except ValueError:
+        parser.error(f"--bs: pairs BxS of positive integers, e.g. 256x8192,64x8192; got {args.bs!r}")
+    if any(b < 1 or s < 1 for b, s in bs):
+        parser.error(f"--bs: pairs BxS of positive integers; got {args.bs!r}")
     for name, values, allowed in (("--impls", args.impls, ALL_IMPLS),
                                   ("--layouts", args.layouts, ("dense", "paged16", "paged64")),
                                   ("--lengths", args.lengths, ("equal", "ragged"))):
@@ -516,7 +525,7 @@ def main(argv=None):
         print(f"{name} is not installed here ({why}): no {name} rows", flush=True)
     if platform != "gpu":
         print("No GPU: a smoke run (tiny shapes; not performance numbers)", flush=True)
-    shapes = [(hq, hkv, d, tq, b, s) for (hq, hkv, d) in heads for tq in tqs for (b, s) in preset["bs"]
+    shapes = [(hq, hkv, d, tq, b, s) for (hq, hkv, d) in heads for tq in tqs for (b, s) in bs
               if b * s * hkv * d * 2 * 2 <= args.max_cache_gb * 2**30]
     out = args.out or (RESULTS_DIR if platform == "gpu" else SMOKE_OUT)
     os.makedirs(out, exist_ok=True)

@@ -200,3 +200,17 @@ def test_pipelined_timing_runs(tmp_path):
 def test_unknown_layout_is_an_error(tmp_path):
     result = _run(tmp_path, "--layouts", "paged32")
     assert result.returncode != 0 and "--layouts: unknown ['paged32']" in result.stderr
+
+
+def test_bs_replaces_the_presets_pairs(tmp_path):
+    result = _run(tmp_path, "--bs", "3x40", "--tq", "1", "--layouts", "dense", "--lengths", "equal",
+                  "--impls", "jax_flash")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert [(r["B"], r["Sk"]) for r in rows] == [(3, 40)]
+
+
+@pytest.mark.parametrize("bad", ["3", "3x", "0x40", "3x40x2"])
+def test_bad_bs_is_an_error(tmp_path, bad):
+    result = _run(tmp_path, "--bs", bad)
+    assert result.returncode != 0 and "--bs: pairs BxS of positive integers" in result.stderr
