@@ -341,10 +341,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // then V(i): the consumers' next S = Q K^T is issued before this tile's P V, and K's copy does not wait for
         // V's slot); from the third tile on, a tile's page-table lookup is loaded two copies before its K copy
         // needs it.
-        // A copy: the gather's copy, called out of line, takes the range by address, and a member of the CTA's
-        // DecodeUnitKeys would keep that whole struct in local memory, stored by every thread before the roles split
-        // (the paged per-unit rows x0.97-0.99: NOTES, session 75).
-        const decode::DecodeRange range = keys.range;
+        const decode::DecodeRange range = keys.range;  // a copy, out of local memory (docs/design.md, "Decode")
         const PagedKVGather<T, Traits> gather(p, unit.hk, tid);
         auto n0_of = [&](int i) { return (keys.n_begin + i) * kBN; };
         auto copy_k = [&](const KVState& at, int i, int row0) {
