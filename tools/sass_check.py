@@ -98,6 +98,8 @@ def compile_tu(args):
 def compare(args):
     a, b = sass(args.a), sass(args.b)
     for rule in args.rename or []:  # the second object's names as the first's (a template argument's type changed)
+        if "=" not in rule:
+            sys.exit(f"--rename takes OLD=NEW (a regex and its replacement), got {rule!r}")
         old, new = rule.split("=", 1)
         b = {re.sub(old, new, name): ins for name, ins in b.items()}
     same = 0
