@@ -219,11 +219,14 @@ KERNEL_CASES = {
                              window=(400, 0)),
     "rows128_long_one_sequence": dict(batch=1, rows=16, hq=16, hkv=2, d=128, capacity=20000, lengths=(19999,)),
     "rows128_short_sequences": dict(batch=2, rows=16, hq=8, hkv=1, d=128, capacity=300, lengths=(5, 300)),
-    # one split a sequence in batch order (more than 64 sequences in a grid of at most one wave of the TMA kernel's
-    # 132 CTAs on an H100/H200 SXM, or one sequence; decode::RankBatch): the TMA kernel loads Q and tile 0 before it
+    # one split a sequence in batch order (a grid of at most one wave of the TMA kernel's 132 CTAs on an H100/H200
+    # SXM, of up to 64 sequences too, or one sequence; decode::RankBatch): the TMA kernel loads Q and tile 0 before it
     # reads the length, so sequences of 0, 1, 127-129 keys and a cache shorter than the tile (TMA zero-fills past its
     # end) meet keys past the range in that early tile; two kv heads over 65 sequences (the unit's kv head and
     # sequence from its grid index); capped with sinks at d64; non-causal
+    "rows128_early_tile_b40": dict(batch=40, rows=16, hq=8, hkv=1, d=128, capacity=300, splits=1,
+                                   lengths=tuple((0, 1, 129, 300)[i % 4] if i < 8 else 1 + (i * 53) % 300
+                                                 for i in range(40))),
     "rows128_early_tile_b70": dict(batch=70, rows=16, hq=8, hkv=1, d=128, capacity=300, splits=1,
                                    lengths=tuple((0, 1, 127, 128, 129, 300)[i % 6] if i < 12 else 1 + (i * 41) % 300
                                                  for i in range(70))),

@@ -154,6 +154,9 @@ DECODE_CASES = [
     (300, 16, 16, 2, 128, 200, None, 1, dict(one_empty=True)),
     (300, 16, 16, 2, 128, 192, 16, 1, dict()),
     (40, 9, 8, 1, 64, 4000, None, 16, dict()),
+    # one split a sequence over at most 64 sequences in one wave of the TMA kernel: unranked, so the early first tile
+    # (a sequence of no key among them)
+    (40, 16, 8, 1, 128, 300, None, 1, dict(one_empty=True)),
 ]
 
 

@@ -18,7 +18,9 @@ inline constexpr int kMaxDecodeSplits = 1024;
 // memory by buckets: split_mainloop.cuh batch_element), decided by the launchers for the kernel they launch
 // (FlashParams::rank_batch):
 //   - one split per sequence, up to kLongestFirstMaxBatch sequences (dec16 ranked up to 256 whatever the grid,
-//     pairwise: on an H200 the ragged B 64 rows gained 8-33 % but the B 256 ones lost 18-37 % to the ranking);
+//     pairwise: on an H200 the ragged B 64 rows gained 8-33 % but the B 256 ones lost 18-37 % to the ranking), but
+//     in the TMA kernel only past one wave: within one wave no order starts a unit sooner, and an unranked grid
+//     keeps that kernel's early Q and first tile (kUnitEarly);
 //   - in kernels of kRankFewWavesMinThreads threads or more (the TMA kernel), any grid of more than one and at most
 //     kRankMaxWaves waves of its resident blocks, up to kRankMaxBatch sequences. The same ragged lengths handed over
 //     longest first ran 8/1 at Tq 16 256 x 1024 x1.24 (two waves) and 8/1 64 x 8192 x1.12-1.16 (two waves of
@@ -37,9 +39,9 @@ constexpr int RankScratchInts(int batch) { return kRankBuckets + kRankMaxWarps +
 // units: the grid's blocks; resident: blocks of the kernel the GPU holds at once; threads: the kernel's block size.
 constexpr bool RankBatch(int num_splits, int batch, int64_t units, int64_t resident, int threads) {
   if (batch < 2) return false;
-  if (num_splits == 1 && batch <= kLongestFirstMaxBatch) return true;
-  return threads >= kRankFewWavesMinThreads && batch <= kRankMaxBatch && units > resident &&
-         units <= kRankMaxWaves * resident;
+  const bool tma = threads >= kRankFewWavesMinThreads;
+  if (num_splits == 1 && batch <= kLongestFirstMaxBatch && (!tma || units > resident)) return true;
+  return tma && batch <= kRankMaxBatch && units > resident && units <= kRankMaxWaves * resident;
 }
 
 // Keys per K/V tile and pipeline depth by head-dim class.
