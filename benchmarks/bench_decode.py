@@ -503,10 +503,10 @@ def main(argv=None):
     try:
         bs = preset["bs"] if args.bs is None else tuple((int(b), int(s)) for b, s in
                                                         (pair.split("x") for pair in args.bs.split(",")))
+        if any(b < 1 or s < 1 for b, s in bs):
+            raise ValueError
     except ValueError:
         parser.error(f"--bs: pairs BxS of positive integers, e.g. 256x8192,64x8192; got {args.bs!r}")
-    if any(b < 1 or s < 1 for b, s in bs):
-        parser.error(f"--bs: pairs BxS of positive integers; got {args.bs!r}")
     for name, values, allowed in (("--impls", args.impls, ALL_IMPLS),
                                   ("--layouts", args.layouts, ("dense", "paged16", "paged64")),
                                   ("--lengths", args.lengths, ("equal", "ragged"))):

@@ -117,7 +117,7 @@ struct FlashParams {
   float* o_partial;
   float* lse_partial;
   // Workspace: the work counter of the TMA decode kernel's persistent grids (sm90/flash_decode_tma_sm90.cuh
-  // DecodeTmaGrid; launch_decode_tma zeroes it on the stream before the kernel).
+  // DecodeTmaGrid; launch_decode_tma zeroes it on the stream before such a grid, and no other launch touches it).
   int32_t* decode_counter;
 
   // Forward.

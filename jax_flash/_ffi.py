@@ -449,9 +449,9 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
         kv_lens[b] - Tq + t (bottom-right causal; windows from there).
       sinks: float32 [B, Hq] (broadcast from [Hq]) or None. num_splits: parts of the key range across blocks (each
         sequence's, or with balance_splits the most a sequence takes, see decode_split_plan). equal_lengths: every
-        kv_lens entry is the same (the caller gave one length): the kernels skip the longest-first ranking, and the
-        TMA kernel of one split a sequence (dense cache, no left window) loads Q and the first key tile before it
-        reads the length.
+        kv_lens entry is the same (the caller gave one length): the launchers skip the longest-first ranking, which
+        keeps the TMA kernel's unranked forms (an early Q and first key tile, or a persistent grid: see
+        cuda/kernels/sm90/launch_decode_sm90.cuh).
 
     Returns:
       (o, lse): o like q; lse float32 [B, Hq, Tq], +inf for rows that see no key (as flash_fwd).
@@ -464,7 +464,7 @@ def flash_decode(q, k_cache, v_cache, kv_lens, page_table=None, sinks=None, *, n
             jax.ShapeDtypeStruct((batch, heads_q, rows), jnp.float32),
             jax.ShapeDtypeStruct((num_splits, batch, rows, heads_q, head_dim), jnp.float32),  # workspace
             jax.ShapeDtypeStruct((num_splits, batch, heads_q, rows), jnp.float32),  # workspace
-            jax.ShapeDtypeStruct((1,), jnp.int32),  # workspace: the TMA kernel's work counter
+            jax.ShapeDtypeStruct((1,), jnp.int32),  # workspace: a persistent TMA grid's work counter (else unused)
         ),
         vmap_method="sequential",  # a paged cache is not batched like the query; vmap loops
     )

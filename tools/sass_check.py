@@ -101,7 +101,10 @@ def compare(args):
         if "=" not in rule:
             sys.exit(f"--rename takes OLD=NEW (a regex and its replacement), got {rule!r}")
         old, new = rule.split("=", 1)
-        b = {re.sub(old, new, name): ins for name, ins in b.items()}
+        renamed = {re.sub(old, new, name): ins for name, ins in b.items()}
+        if len(renamed) < len(b):
+            sys.exit(f"--rename {rule!r} maps two kernels of {args.b} to one name")
+        b = renamed
     same = 0
     for name in sorted(set(a) | set(b)):
         if args.filter and not re.search(args.filter, name):

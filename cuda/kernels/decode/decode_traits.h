@@ -21,25 +21,23 @@ inline constexpr int kMaxDecodeSplits = 1024;
 //     pairwise: on an H200 the ragged B 64 rows gained 8-33 % but the B 256 ones lost 18-37 % to the ranking), but
 //     in the TMA kernel only past one wave: within one wave no order starts a unit sooner, and an unranked grid
 //     keeps that kernel's early Q and first tile (kUnitEarly);
-//   - in kernels of kRankFewWavesMinThreads threads or more (the TMA kernel), any grid of more than one and at most
-//     kRankMaxWaves waves of its resident blocks, up to kRankMaxBatch sequences. The same ragged lengths handed over
-//     longest first ran 8/1 at Tq 16 256 x 1024 x1.24 (two waves) and 8/1 64 x 8192 x1.12-1.16 (two waves of
+//   - in the TMA kernel, any grid of more than one and at most kRankMaxWaves waves of its resident blocks, up to
+//     kRankMaxBatch sequences. The same ragged lengths handed over longest first ran 8/1 at Tq 16 256 x 1024 x1.24 (two waves) and 8/1 64 x 8192 x1.12-1.16 (two waves of
 //     splits), but 64/8 256 x 1024 (8-16 waves) x0.96 (NOTES, session 73); ranked in the kernel, 8/1 Tq 16
 //     64 x 8192 ragged ran x1.11 and 64/8 Tq 16 8 x 32768 ragged x1.02-1.03, while the mma.sync kernel's split grids
 //     of the same rule lost x0.97 on paged ragged rows at Tq 1 (NOTES, session 74).
 inline constexpr int kLongestFirstMaxBatch = 64;
-inline constexpr int kRankFewWavesMinThreads = 384;
 inline constexpr int kRankMaxWaves = 4;
 inline constexpr int kRankMaxBatch = 256;
 // batch_element's shared-memory scratch (ints): the buckets' histogram (a warp's lanes), each warp's most tiles,
 // the sequence found, and each sequence's key.
+static_assert(kLongestFirstMaxBatch <= kRankMaxBatch, "batch_element's scratch holds kRankMaxBatch sequences");
 inline constexpr int kRankBuckets = 32;
 inline constexpr int kRankMaxWarps = 32;
 constexpr int RankScratchInts(int batch) { return kRankBuckets + kRankMaxWarps + 1 + batch; }
-// units: the grid's blocks; resident: blocks of the kernel the GPU holds at once; threads: the kernel's block size.
-constexpr bool RankBatch(int num_splits, int batch, int64_t units, int64_t resident, int threads) {
+// units: the grid's blocks; resident: blocks of the kernel the GPU holds at once; tma: the launch is the TMA kernel's.
+constexpr bool RankBatch(int num_splits, int batch, int64_t units, int64_t resident, bool tma) {
   if (batch < 2) return false;
-  const bool tma = threads >= kRankFewWavesMinThreads;
   if (num_splits == 1 && batch <= kLongestFirstMaxBatch && (!tma || units > resident)) return true;
   return tma && batch <= kRankMaxBatch && units > resident && units <= kRankMaxWaves * resident;
 }

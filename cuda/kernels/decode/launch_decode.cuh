@@ -14,14 +14,16 @@
 namespace jax_flash::cuda {
 
 namespace decode {
-// FlashParams::rank_batch for a launch of `kernel` over (split, kv head, batch element) units (RankBatch), from the
-// blocks of it the device holds at once (queried once per kernel and device; call after ensure_smem_limit).
+// FlashParams::rank_batch for a launch of `kernel` over (split, kv head, batch element) units (RankBatch; tma: the TMA
+// kernel's launch), from the blocks of it the device holds at once (queried once per kernel and device, and passed
+// back in *resident when asked for; call after ensure_smem_limit).
 template <auto kernel>
-cudaError_t set_rank_batch(FlashParams* p, int threads, int smem_bytes) {
-  int resident = 0;
-  if (cudaError_t e = resident_ctas<kernel>(threads, smem_bytes, &resident); e != cudaSuccess) return e;
-  p->rank_batch = !p->equal_lengths && RankBatch(p->num_splits, p->batch,
-                                                 int64_t(p->num_splits) * p->heads_kv * p->batch, resident, threads);
+cudaError_t set_rank_batch(FlashParams* p, int threads, int smem_bytes, bool tma = false, int* resident = nullptr) {
+  int ctas = 0;
+  if (cudaError_t e = resident_ctas<kernel>(threads, smem_bytes, &ctas); e != cudaSuccess) return e;
+  p->rank_batch = !p->equal_lengths &&
+                  RankBatch(p->num_splits, p->batch, int64_t(p->num_splits) * p->heads_kv * p->batch, ctas, tma);
+  if (resident != nullptr) *resident = ctas;
   return cudaSuccess;
 }
 }  // namespace decode
@@ -53,11 +55,11 @@ cudaError_t launch_decode(const FlashParams& p, cudaStream_t stream) {
           constexpr auto kernel =
               decode::flash_decode_split_kernel<T, Traits, decltype(paged)::value, decltype(soft_cap)::value>;
           if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
-          FlashParams q = p;
-          if (cudaError_t e = decode::set_rank_batch<kernel>(&q, Traits::kThreads, kSmemBytes); e != cudaSuccess) {
+          FlashParams kp = p;  // with rank_batch
+          if (cudaError_t e = decode::set_rank_batch<kernel>(&kp, Traits::kThreads, kSmemBytes); e != cudaSuccess) {
             return e;
           }
-          kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(q);
+          kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(kp);
           return cudaGetLastError();
         },
         p.page_table != nullptr, SoftCap(p).enabled());

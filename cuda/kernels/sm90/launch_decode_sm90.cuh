@@ -30,11 +30,11 @@ cudaError_t launch_decode_wgmma(const FlashParams& p, cudaStream_t stream) {
           constexpr auto kernel =
               flash_decode_wgmma_kernel<T, Traits, decltype(paged)::value, decltype(soft_cap)::value>;
           if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
-          FlashParams q = p;
-          if (cudaError_t e = decode::set_rank_batch<kernel>(&q, Traits::kThreads, kSmemBytes); e != cudaSuccess) {
+          FlashParams kp = p;  // with rank_batch
+          if (cudaError_t e = decode::set_rank_batch<kernel>(&kp, Traits::kThreads, kSmemBytes); e != cudaSuccess) {
             return e;
           }
-          kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(q);
+          kernel<<<dim3(p.num_splits, p.heads_kv, p.batch), Traits::kThreads, kSmemBytes, stream>>>(kp);
           return cudaGetLastError();
         },
         p.page_table != nullptr, SoftCap(p).enabled());
@@ -79,20 +79,18 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
         constexpr bool kSoftCapCall = decltype(soft_cap)::value;
         constexpr auto per_unit = flash_decode_tma_kernel<T, Traits, kPagedCall, kSoftCapCall, DecodeTmaGrid::kUnit>;
         if (cudaError_t e = ensure_smem_limit<per_unit>(Traits::kSmemBytes); e != cudaSuccess) return e;
-        FlashParams q = p;
-        if (cudaError_t e = decode::set_rank_batch<per_unit>(&q, Traits::kThreads, Traits::kSmemBytes);
+        FlashParams kp = p;  // with rank_batch
+        int resident = 0;  // (at least one: resident_ctas fails otherwise)
+        if (cudaError_t e = decode::set_rank_batch<per_unit>(&kp, Traits::kThreads, Traits::kSmemBytes, true,
+                                                             &resident);
             e != cudaSuccess) {
           return e;
         }
-        int resident = 0;
-        if (cudaError_t e = resident_ctas<per_unit>(Traits::kThreads, Traits::kSmemBytes, &resident);
-            e != cudaSuccess) {
-          return e;
-        }
-        // (units + resident within INT_MAX: the kernel's counter runs up to units + resident - 1.)
-        const bool persistent = !q.rank_batch && resident > 0 &&
-                                units > int64_t(Traits::kPersistentMinWaves) * resident && units + resident <= INT_MAX;
-        const bool early = !persistent && !kPagedCall && p.window_left < 0 && p.num_splits == 1 && !q.rank_batch;
+        // (units + resident within INT_MAX: a persistent CTA's next unit index, gridDim.x + the counter, runs up to
+        // units + resident - 1.)
+        const bool persistent = !kp.rank_batch && units > int64_t(Traits::kPersistentMinWaves) * resident &&
+                                units + resident <= INT_MAX;
+        const bool early = !persistent && !kPagedCall && p.window_left < 0 && p.num_splits == 1 && !kp.rank_batch;
         if (persistent) {
           if (p.decode_counter == nullptr) return cudaErrorInvalidValue;
           if (cudaError_t e = cudaMemsetAsync(p.decode_counter, 0, sizeof(int32_t), stream); e != cudaSuccess) {
@@ -107,7 +105,7 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
             constexpr auto kernel = flash_decode_tma_kernel<T, Traits, kPagedCall, kSoftCapCall, kGrid>;
             if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
             const int ctas = kGrid == DecodeTmaGrid::kPersistent ? resident : int(units);
-            kernel<<<ctas, Traits::kThreads, Traits::kSmemBytes, stream>>>(q, tm_q, tm_k, tm_v);
+            kernel<<<ctas, Traits::kThreads, Traits::kSmemBytes, stream>>>(kp, tm_q, tm_k, tm_v);
             return cudaGetLastError();
           }
         };
