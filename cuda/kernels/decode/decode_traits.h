@@ -22,16 +22,17 @@ inline constexpr int kMaxDecodeSplits = 1024;
 //     in the TMA kernel only past one wave: within one wave no order starts a unit sooner, and an unranked grid
 //     keeps that kernel's early Q and first tile (kUnitEarly);
 //   - in the TMA kernel, any grid of more than one and at most kRankMaxWaves waves of its resident blocks, up to
-//     kRankMaxBatch sequences. The same ragged lengths handed over longest first ran 8/1 at Tq 16 256 x 1024 x1.24 (two waves) and 8/1 64 x 8192 x1.12-1.16 (two waves of
-//     splits), but 64/8 256 x 1024 (8-16 waves) x0.96 (NOTES, session 73); ranked in the kernel, 8/1 Tq 16
-//     64 x 8192 ragged ran x1.11 and 64/8 Tq 16 8 x 32768 ragged x1.02-1.03, while the mma.sync kernel's split grids
-//     of the same rule lost x0.97 on paged ragged rows at Tq 1 (NOTES, session 74).
+//     kRankMaxBatch sequences. The same ragged lengths handed over longest first ran 8/1 at Tq 16 256 x 1024 x1.24
+//     (two waves) and 8/1 64 x 8192 x1.12-1.16 (two waves of splits), but 64/8 256 x 1024 (8-16 waves) x0.96 (NOTES,
+//     session 73); ranked in the kernel, 8/1 Tq 16 64 x 8192 ragged ran x1.11 and 64/8 Tq 16 8 x 32768 ragged
+//     x1.02-1.03, while the mma.sync kernel's split grids of the same rule lost x0.97 on paged ragged rows at Tq 1
+//     (NOTES, session 74).
 inline constexpr int kLongestFirstMaxBatch = 64;
 inline constexpr int kRankMaxWaves = 4;
 inline constexpr int kRankMaxBatch = 256;
+static_assert(kLongestFirstMaxBatch <= kRankMaxBatch, "batch_element's scratch holds kRankMaxBatch sequences");
 // batch_element's shared-memory scratch (ints): the buckets' histogram (a warp's lanes), each warp's most tiles,
 // the sequence found, and each sequence's key.
-static_assert(kLongestFirstMaxBatch <= kRankMaxBatch, "batch_element's scratch holds kRankMaxBatch sequences");
 inline constexpr int kRankBuckets = 32;
 inline constexpr int kRankMaxWarps = 32;
 constexpr int RankScratchInts(int batch) { return kRankBuckets + kRankMaxWarps + 1 + batch; }
