@@ -214,13 +214,14 @@ def waits(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name, fn, params in (("compile", compile_tu, ("source", "out")), ("compare", compare, ("a", "b", "--filter", "--rename")),
+    extra = {"objs": {"nargs": "+"}, "--rename": {"action": "append"}}  # the parameters that are not one value
+    for name, fn, params in (("compile", compile_tu, ("source", "out")),
+                             ("compare", compare, ("a", "b", "--filter", "--rename")),
                              ("spills", spills, ("a", "b")), ("descs", descs, ("objs",)),
                              ("waits", waits, ("obj", "regex"))):
         p = sub.add_parser(name)
         for param in params:
-            p.add_argument(param, **({"nargs": "+"} if param == "objs" else {"action": "append"} if param == "--rename"
-                                     else {}))
+            p.add_argument(param, **extra.get(param, {}))
         p.set_defaults(fn=fn)
     args = parser.parse_args()
     sys.exit(args.fn(args) or 0)
