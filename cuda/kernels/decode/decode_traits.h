@@ -28,7 +28,7 @@ inline constexpr int kMaxDecodeSplits = 1024;
 //     x1.02-1.03, while the mma.sync kernel's split grids of the same rule lost x0.97 on paged ragged rows at Tq 1
 //     (NOTES, session 74).
 inline constexpr int kLongestFirstMaxBatch = 64;
-inline constexpr int kRankMaxWaves = 4;
+inline constexpr int kRankMaxWaves = 4;  // (unranked TMA grids past it run persistent: launch_decode_sm90.cuh)
 inline constexpr int kRankMaxBatch = 256;
 static_assert(kLongestFirstMaxBatch <= kRankMaxBatch, "batch_element's scratch holds kRankMaxBatch sequences");
 // batch_element's shared-memory scratch (ints): the buckets' histogram (a warp's lanes), each warp's most tiles,

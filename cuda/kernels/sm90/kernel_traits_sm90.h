@@ -214,9 +214,6 @@ struct DecodeTmaTileTraits : FwdTraitsSm90<kD> {
   // The persistent grid (DecodeTmaGrid::kPersistent) publishes each unit it takes in smem.unit; a CTA per unit leaves
   // that ring unused (64 bytes).
   static constexpr bool kWorkCounter = true;
-  // Unranked grids of more than this many waves of resident CTAs run persistent (launch_decode_tma): at a few waves
-  // the ranked order of a CTA per unit pays (decode::RankBatch), and one wave has no next unit to overlap.
-  static constexpr int kPersistentMinWaves = 4;
 };
 
 template <typename T, typename Base>

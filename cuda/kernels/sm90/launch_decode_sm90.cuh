@@ -70,8 +70,9 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
   if (units > INT_MAX) return cudaErrorInvalidConfiguration;
   // The grid's form (DecodeTmaGrid): one split a sequence, no left window and no ranking, each unit's first key tile
   // is tile 0 of the sequence of its grid index whatever the lengths, and the kernel loads it before reading them
-  // (kUnitEarly; dense caches); an unranked grid of more than Traits::kPersistentMinWaves waves runs persistent, a
-  // CTA per resident slot taking units from the work counter; otherwise a CTA per unit. The ranking
+  // (kUnitEarly; dense caches); an unranked grid of more than decode::kRankMaxWaves waves (past the ranking's reach:
+  // at a few waves the ranked order of a CTA per unit pays, and one wave has no next unit to overlap) runs
+  // persistent, a CTA per resident slot taking units from the work counter; otherwise a CTA per unit. The ranking
   // (decode::RankBatch) is decided from the grid's waves of this kernel, which every form shares.
   const cudaError_t e = with_static_flags(
       [&](auto is_paged, auto soft_cap) -> cudaError_t {
@@ -88,7 +89,7 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
         }
         // (units + resident within INT_MAX: a persistent CTA's next unit index, gridDim.x + the counter, runs up to
         // units + resident - 1.)
-        const bool persistent = !kp.rank_batch && units > int64_t(Traits::kPersistentMinWaves) * resident &&
+        const bool persistent = !kp.rank_batch && units > int64_t(decode::kRankMaxWaves) * resident &&
                                 units + resident <= INT_MAX;
         const bool early = !persistent && !kPagedCall && p.window_left < 0 && p.num_splits == 1 && !kp.rank_batch;
         if (persistent) {
