@@ -31,6 +31,7 @@
 #include "kernels/sm90/mainloop_fwd_sm90.cuh"
 #include "kernels/sm90/named_barriers.h"
 #include "kernels/sm90/utils_sm90.cuh"
+#include "kernels/sm90/work_counter.cuh"
 #include "mask.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -380,7 +381,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         FwdTile published;  // (split, kv head, batch element) in FwdTile's (m_block, h, b); m_block -1: none left
         if (tid == 0) {  // takes the next unit once its slot is free to publish it
           smem.unit_ring.producer_wait_empty(us);
-          const int next = us.count == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(p.decode_counter, 1);
+          const int next = next_counted_unit(us.count, p.decode_counter);
           const DecodeTile t = next < units ? unranked_decode_tile(p, next) : DecodeTile{-1, 0, 0};
           published = FwdTile{t.split, t.hk, t.b};
           smem.unit[us.slot()] = published;

@@ -25,6 +25,7 @@
 #include "kernels/sm90/mainloop_fwd_sm90.cuh"
 #include "kernels/sm90/tile_scheduler_fwd.cuh"
 #include "kernels/sm90/utils_sm90.cuh"
+#include "kernels/sm90/work_counter.cuh"
 #include "mask.h"
 
 namespace jax_flash::cuda::sm90 {
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         FwdTile tile;
         if constexpr (decltype(producer)::value) {  // a unit is taken only once its slot is free to publish it
           smem.unit_ring.producer_wait_empty(us);
-          const int u = us.count == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(p.fwd_counter, 1);
+          const int u = next_counted_unit(us.count, p.fwd_counter);
           tile = u < sched.units ? sched.tile(u, 0) : FwdTile{-1, 0, 0};
           smem.unit[us.slot()] = tile;
           mbar_arrive(smem.unit_ring.full_barrier(us));  // (release: the consumers read it after their wait)

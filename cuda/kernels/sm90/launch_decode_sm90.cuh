@@ -16,6 +16,7 @@
 #include "kernels/sm90/flash_decode_tma_sm90.cuh"
 #include "kernels/sm90/flash_decode_wgmma_sm90.cuh"
 #include "kernels/sm90/tensor_maps.h"
+#include "kernels/sm90/work_counter.cuh"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -93,10 +94,7 @@ cudaError_t launch_decode_tma(const FlashParams& p, cudaStream_t stream) {
                                 units + resident <= INT_MAX;
         const bool early = !persistent && !kPagedCall && p.window_left < 0 && p.num_splits == 1 && !kp.rank_batch;
         if (persistent) {
-          if (p.decode_counter == nullptr) return cudaErrorInvalidValue;
-          if (cudaError_t e = cudaMemsetAsync(p.decode_counter, 0, sizeof(int32_t), stream); e != cudaSuccess) {
-            return e;
-          }
+          if (cudaError_t e = zero_work_counter(p.decode_counter, stream); e != cudaSuccess) return e;
         }
         auto launch = [&](auto grid) -> cudaError_t {
           constexpr DecodeTmaGrid kGrid = decltype(grid)::value;

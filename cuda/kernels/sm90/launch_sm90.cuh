@@ -13,6 +13,7 @@
 #include "kernels/sm90/flash_bwd_sm90_tma_wgmma_ws.cuh"
 #include "kernels/sm90/flash_fwd_sm90_tma_wgmma_ws.cuh"
 #include "kernels/sm90/tensor_maps.h"
+#include "kernels/sm90/work_counter.cuh"
 
 namespace jax_flash::cuda::sm90 {
 
@@ -50,8 +51,7 @@ cudaError_t launch_fwd_sm90_tiles(const FlashParams& p, cudaStream_t stream) {
     grid = imin(units, ctas);
   }
   if constexpr (Traits::kWorkCounter) {
-    if (p.fwd_counter == nullptr) return cudaErrorInvalidValue;
-    if (cudaError_t e = cudaMemsetAsync(p.fwd_counter, 0, sizeof(int32_t), stream); e != cudaSuccess) return e;
+    if (cudaError_t e = zero_work_counter(p.fwd_counter, stream); e != cudaSuccess) return e;
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_o);
   return cudaGetLastError();

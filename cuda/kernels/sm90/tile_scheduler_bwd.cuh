@@ -35,6 +35,9 @@
 #include <cstdint>
 
 #include "flash_params.h"
+#if defined(__CUDACC__)
+#include "kernels/sm90/work_counter.cuh"  // (device code only: host C++ checks include this file)
+#endif
 
 namespace jax_flash::cuda::sm90 {
 
@@ -180,9 +183,8 @@ struct BwdTileScheduler {
   // timed again without the preprocess, would find the previous call's count and leave units undone.
   template <bool kPersistent>
   __device__ __forceinline__ int next_unit(const FlashParams& p, int k) const {
-    if (k == 0) return int(blockIdx.x);
-    if constexpr (kPersistent) return int(gridDim.x) + atomicAdd(p.dq_semaphore, 1);
-    return units;
+    if constexpr (kPersistent) return next_counted_unit(k, p.dq_semaphore);
+    return k == 0 ? int(blockIdx.x) : units;
   }
 #endif
 };
