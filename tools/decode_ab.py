@@ -1,24 +1,25 @@
 """Summary of tools/decode_ab.sh's runs: per build, the geometric mean over rounds and shapes of jax_flash's time
 relative to the first build (the order decode_ab.sh was given, kept in OUT_DIR/builds), by (Tq, layout), and the
 paged / dense ratio; with --table also a markdown table of every shape's median time and share of the HBM peak per
-build and the last build's speed over the first.
-    python3 tools/decode_ab.py OUT_DIR [--table]"""
+build and the last build's speed over the first. --impl: the implementation whose rows are compared (default
+jax_flash; e.g. jax_flash_1len when decode_ab.sh was given --impls jax_flash_1len).
+    python3 tools/decode_ab.py OUT_DIR [--table] [--impl NAME]"""
 
+import argparse
 import collections
 import glob
 import json
 import os
 import statistics
-import sys
 
 
-def load(out):
-    """(builds in decode_ab.sh's order, {(build, shape key): [(us, pct_peak) per round]})."""
+def load(out, impl="jax_flash"):
+    """(builds in decode_ab.sh's order, {(build, shape key): [(us, pct_peak) per round]}) of impl's rows."""
     runs = collections.defaultdict(list)
     for path in glob.glob(os.path.join(out, "*-r*", "ab-*.json")):
         build = os.path.basename(os.path.dirname(path)).rsplit("-r", 1)[0]
         for r in json.load(open(path))["rows"]:
-            if r["impl"] == "jax_flash" and r["us"]:
+            if r["impl"] == impl and r["us"]:
                 key = (r["Hq"], r["Hkv"], r["D"], r["Tq"], r["B"], r["Sk"], r["ragged"], r["page_size"])
                 runs[(build, key)].append((r["us"], r["pct_peak"]))
     found = sorted({b for b, _ in runs})
@@ -27,8 +28,8 @@ def load(out):
     return [b for b in order if b in found], runs
 
 
-def main(out, table=False):
-    builds, runs = load(out)
+def main(out, table=False, impl="jax_flash"):
+    builds, runs = load(out, impl)
     med = {k: statistics.median(x[0] for x in v) for k, v in runs.items()}
     base = builds[0]
     groups = collections.defaultdict(list)
@@ -62,4 +63,9 @@ def main(out, table=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], table="--table" in sys.argv[2:])
+    ap = argparse.ArgumentParser(description="summary of tools/decode_ab.sh's runs")
+    ap.add_argument("out")
+    ap.add_argument("--table", action="store_true", help="also a markdown table of every shape")
+    ap.add_argument("--impl", default="jax_flash", help="the implementation compared (default jax_flash)")
+    a = ap.parse_args()
+    main(a.out, table=a.table, impl=a.impl)

@@ -5,7 +5,7 @@
 # differ there; AB_WHEEL_PYTHON=0: the working tree's over each, but for the files a pending build's patches change,
 # tools/python_overlay.sh, so that an older dist/main runs main's Python; a build whose dist/<name>/env exists runs
 # with its lines, NAME=value, in the environment). Summaries:
-# python3 tools/decode_ab.py $OUT [--table].
+# python3 tools/decode_ab.py $OUT [--table] [--impl NAME] (NAME: the jax_flash implementation run, default jax_flash).
 #   bash tools/decode_ab.sh "a b" ROUNDS [bench_decode.py arguments...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
