@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# A/B of decode builds in one device call: for each round, each carried wheel dist/<name>/ in turn (the first
-# build changes each round) runs bench_decode.py with the given arguments (jax_flash only, or the one jax_flash
-# implementation a later --impls names, e.g. jax_flash_1len: decode_ab.py --impl); results under $OUT/<name>-r<round>/; each build runs with its own Python (WHEEL_PYTHON=1: builds of tools/build_pending.sh may
-# differ there; AB_WHEEL_PYTHON=0: the working tree's over each, but for the files a pending build's patches change,
-# tools/python_overlay.sh, so that an older dist/main runs main's Python; a build whose dist/<name>/env exists runs
-# with its lines, NAME=value, in the environment). Summaries:
+# A/B of decode builds in one device call: for each round, each carried wheel dist/<name>/ in turn (the first build
+# changes each round) runs bench_decode.py with the given arguments (jax_flash only, or the one jax_flash implementation
+# a later --impls names, e.g. jax_flash_1len: decode_ab.py --impl); results under $OUT/<name>-r<round>/; each build runs
+# with its own Python (WHEEL_PYTHON=1: builds of tools/build_pending.sh may differ there; AB_WHEEL_PYTHON=0: the working
+# tree's over each, but for the files a pending build's patches change, tools/python_overlay.sh, so that an older
+# dist/main runs main's Python; a build whose dist/<name>/env exists runs with its lines, NAME=value, in the
+# environment). Summaries:
 # python3 tools/decode_ab.py $OUT [--table] [--impl NAME] (NAME: the jax_flash implementation run, default jax_flash).
 #   bash tools/decode_ab.sh "a b" ROUNDS [bench_decode.py arguments...]
 set -uo pipefail
