@@ -13,13 +13,28 @@ import shutil
 import subprocess
 import types
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
 
-import jax_flash
-from jax_flash.reference import numpy_attention_fwd_bwd
+def _share_cores_among_workers():
+    """Under pytest-xdist (``-n N``) each worker is a process whose BLAS and OpenMP pools default to a thread per
+    core, N x cores threads in all: with 8 workers on the GPU machine's 16 cores, run queues of ~100 and a GPU suite
+    2.3x slower (NOTES, session 77). Gives each worker its share of the cores unless the caller chose. Runs before
+    numpy is imported, which is when OpenBLAS reads these variables."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, threads)
+
+
+_share_cores_among_workers()
+
+import jax  # noqa: E402 (after the thread counts)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import jax_flash  # noqa: E402
+from jax_flash.reference import numpy_attention_fwd_bwd  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
