@@ -21,7 +21,8 @@ def _share_cores_among_workers():
     numpy is imported, which is when OpenBLAS reads these variables."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = str(max(1, cores // workers))
         for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(name, threads)
 
