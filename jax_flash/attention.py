@@ -407,6 +407,12 @@ def _check_sinks(sinks, num_heads):
     sinks = jnp.asarray(sinks)
     if sinks.shape != (num_heads,):
         raise ValueError(f"sinks must have shape (num_query_heads,) = ({num_heads},), got {sinks.shape}")
+    try:  # values known now (not traced): a sink's logit must be finite
+        values = np.asarray(sinks)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None
+    if values is not None and not np.isfinite(values).all():
+        raise ValueError(f"sinks must be finite, got {values.tolist()}")
     return sinks
 
 
@@ -516,8 +522,9 @@ def dot_product_attention(
       logits_soft_cap: optional static float c > 0: logits become ``c * tanh(scale * q.k / c)`` before masking
         (Gemma 2).
 
-    Segment ids and soft-capping run a materialised float32 softmax in plain JAX (O(T * S) memory) until the
-    kernels take them, and warn once; sinks run through the kernels.
+    Segment ids, sinks and soft-capping run in the kernels, forward and backward. Where no jax_flash kernel runs
+    (another accelerator, or float32 on a GPU), calls with them take a materialised float32 softmax in plain JAX
+    (O(T * S) memory), since jax.nn has none of them.
 
     Returns:
       The attention output with the shape and dtype of ``query``, or ``(output, residual)`` if
@@ -547,7 +554,8 @@ def dot_product_attention(
 
     Raises:
       ValueError: inconsistent shapes or dtypes between query, key and value; a head dim the kernels do not take;
-        length arrays that are not int32 (B,); segment ids or sinks of the wrong shape; a negative window,
+        length arrays that are not int32 (B,); segment ids or sinks of the wrong shape, sinks whose values are
+        known and not finite; a bias or mask that does not broadcast to (B, N, T, S); a negative window,
         non-finite scale or a soft cap that is not finite and > 0; an unknown implementation; segment ids, sinks
         or a soft cap with ``implementation="xla"``/``"cudnn"`` or with ``bias``/``mask``.
       TypeError: an unsupported dtype; segment ids that are not int32 or sinks that are not float32; a non-bool
@@ -579,6 +587,14 @@ def dot_product_attention(
 
     for name, array in (("bias", bias), ("mask", mask)):
         if array is not None:
+            # jax.nn's shapes: (B, N, T, S) for rank-4 inputs, (N, T, S) for rank 3, or dims of 1 that broadcast
+            target = (*q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3])
+            shape = jnp.shape(array)
+            if len(shape) > len(target) or any(d not in (1, t) for d, t in zip(shape[::-1], target[::-1])):
+                raise ValueError(f"{name} must broadcast to (batch, heads, query rows, keys) = {target}, got shape "
+                                 f"{shape}")
+            if not jnp.issubdtype(q.dtype, jnp.floating):
+                raise TypeError(f"query, key and value must be floating-point, got {q.dtype}")
             _warn_once(name, f"jax_flash.dot_product_attention: the kernels take no dense {name}; running "
                              "jax.nn.dot_product_attention(implementation='xla') instead", stacklevel=2)
             return jax.nn.dot_product_attention(

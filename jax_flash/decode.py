@@ -78,6 +78,9 @@ def _validate(q, k_cache, v_cache, kv_lengths, page_table):
         if dtype != jnp.int32 or page_table.ndim != 2 or page_table.shape[0] != batch:
             raise ValueError(f"page_table must be int32 of shape (batch, max_pages) = ({batch}, ...), got shape "
                              f"{page_table.shape} and dtype {dtype}")
+        if k_cache.shape[0] < 1 or k_cache.shape[1] < 1:
+            raise ValueError(f"a paged cache (num_pages, page_size, kv_heads, head_dim) needs at least one page of at "
+                             f"least one key, got shape {k_cache.shape}")
         capacity = page_table.shape[1] * k_cache.shape[1]
         if k_cache.shape[0] * k_cache.shape[1] > np.iinfo(np.int32).max:  # the kernels' int32 pool rows
             raise ValueError(f"a paged cache holds at most 2**31 - 1 keys (num_pages x page_size), got shape "
@@ -91,12 +94,14 @@ def _validate(q, k_cache, v_cache, kv_lengths, page_table):
     lengths = _concrete(kv_lengths)
     if lengths is not None and ((lengths < 0).any() or (lengths > capacity).any()):
         raise ValueError(f"kv_lengths must lie in [0, {capacity}] (the cache's capacity), got {lengths.tolist()}")
-    if page_table is not None:
+    # The pages a sequence uses follow from its length: where the lengths are traced, unused entries (often -1
+    # padding) cannot be told from used ones, and the kernels clamp page ids, so only concrete pairs are checked.
+    if page_table is not None and lengths is not None:
         table = _concrete(page_table)
         if table is not None:
             num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
             for b in range(batch):
-                used = table[b, :math.ceil((lengths[b] if lengths is not None else capacity) / page_size)]
+                used = table[b, :math.ceil(lengths[b] / page_size)]
                 if ((used < 0) | (used >= num_pages)).any():
                     raise ValueError(f"page_table[{b}] holds page ids outside [0, {num_pages}) among the pages its "
                                      f"kv_length uses: {used.tolist()}")
@@ -221,7 +226,7 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
     if q.dtype not in _attention._KERNEL_DTYPES:
         raise TypeError(f"query and the caches must be bfloat16, float16 or float32, got {q.dtype}")
     head_dim = q.shape[-1]
-    if head_dim > _attention.MAX_HEAD_DIM or head_dim % _attention.HEAD_DIM_MULTIPLE:
+    if head_dim == 0 or head_dim > _attention.MAX_HEAD_DIM or head_dim % _attention.HEAD_DIM_MULTIPLE:
         raise ValueError(f"head_dim must be a positive multiple of {_attention.HEAD_DIM_MULTIPLE} up to "
                          f"{_attention.MAX_HEAD_DIM}, got {head_dim}")
     q, k_cache, v_cache = _forward_only((q, k_cache, v_cache))
@@ -259,11 +264,22 @@ def combine(outputs: ArrayLike, lses: ArrayLike, axis: int = 0):
     """Merges partial attention results over parts of the keys (for example ``decode_attention`` over the pages of
     two caches, or over shards of one): ``outputs`` (..., B, Tq, Hq, D) and ``lses`` (..., B, Tq, Hq) stacked along
     ``axis``; returns (output, lse) as one call over all the keys would give them. Parts whose rows see no key
-    (lse -inf) weigh nothing; a row that no part lets see a key gives 0 and -inf."""
-    outputs, lses = jnp.asarray(outputs), jnp.asarray(lses, jnp.float32)
-    axis = axis % lses.ndim
-    if outputs.shape[:-1] != lses.shape:
-        raise ValueError(f"outputs {outputs.shape} and lses {lses.shape} must agree but for the outputs' last dim")
+    (lse -inf) weigh nothing; a row that no part lets see a key gives 0 and -inf.
+
+    Raises TypeError for arrays that are not floating-point, ValueError for shapes that do not agree or an ``axis``
+    outside lses' dims."""
+    outputs, lses = jnp.asarray(outputs), jnp.asarray(lses)
+    if not (jnp.issubdtype(outputs.dtype, jnp.floating) and jnp.issubdtype(lses.dtype, jnp.floating)):
+        raise TypeError(f"outputs and lses must be floating-point, got {outputs.dtype} and {lses.dtype}")
+    if lses.ndim < 1 or outputs.shape[:-1] != lses.shape:
+        raise ValueError(f"outputs {outputs.shape} and lses {lses.shape} must agree but for the outputs' last dim, "
+                         "with the parts stacked along an axis")
+    if (isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral)
+            or not -lses.ndim <= axis < lses.ndim):
+        raise ValueError(f"axis must be an int in [{-lses.ndim}, {lses.ndim}) (an axis of lses, shape {lses.shape}), "
+                         f"got {axis!r}")
+    axis = int(axis) % lses.ndim
+    lses = lses.astype(jnp.float32)
     total = jax.nn.logsumexp(lses, axis=axis, keepdims=True)
     safe = jnp.where(jnp.isfinite(total), total, 0.0)
     weights = jnp.where(jnp.isneginf(lses), 0.0, jnp.exp(lses - safe))

@@ -39,6 +39,7 @@ This module needs ``flax`` (``pip install ".[flax]"`` in the repository installs
 
 import functools
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -51,7 +52,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jax_flash import attention as attention_module
 from jax_flash.attention import Implementation, dot_product_attention
-from jax_flash.decode import MAX_QUERY_ROWS, decode_attention
+from jax_flash.decode import MAX_QUERY_ROWS, _concrete, decode_attention
 
 __all__ = ["Attention", "KVCache", "apply_rope", "attention_fn", "make_attention_fn"]
 
@@ -325,6 +326,20 @@ def apply_rope(x: jax.Array, positions: ArrayLike, theta: float = 10000.0) -> ja
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _prompt_lengths(lengths, batch, seqlen):
+    """prefill's ``lengths`` as int32 [batch], each in [0, seqlen] where the values are known."""
+    dtype = attention_module._dtype_of(lengths)
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"lengths must be int32, got {dtype}")
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (batch,):
+        raise ValueError(f"lengths must have shape (batch,) = ({batch},), got {lengths.shape}")
+    values = _concrete(lengths)
+    if values is not None and ((values < 0) | (values > seqlen)).any():
+        raise ValueError(f"lengths must lie in [0, {seqlen}] (the prompt's length), got {values.tolist()}")
+    return lengths.astype(jnp.int32)
+
+
 class KVCache(NamedTuple):
     """One attention layer's key/value cache (a pytree): ``k``, ``v`` [batch, max_len, num_kv_heads, head_dim] and
     ``lengths`` int32 [batch], the valid entries of each sequence (the next token's position), or int32 [] when
@@ -491,6 +506,11 @@ class Attention(nnx.Module):
         (sequence, kv head) pairs fill the GPU, as at batch 16 of LLaMA-3-8B)."""
         if not isinstance(equal_lengths, (bool, np.bool_)):
             raise TypeError(f"equal_lengths must be a bool, got {type(equal_lengths).__name__}")
+        for name, n in (("batch", batch), ("max_len", max_len)):
+            if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {n!r}")
+            if n < 0:
+                raise ValueError(f"{name} must be >= 0, got {n}")
         dtype = dtype or self.q_proj.dtype or jnp.bfloat16
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
         lengths = jnp.zeros((), jnp.int32) if equal_lengths else jnp.zeros((batch,), jnp.int32)
@@ -531,7 +551,7 @@ class Attention(nnx.Module):
         if equal and lengths is not None:
             raise ValueError("a cache of equal_lengths (init_cache(..., equal_lengths=True)) takes prompts of one "
                              "length: prefill without `lengths`")
-        lengths = jnp.full((batch,), seqlen, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        lengths = jnp.full((batch,), seqlen, jnp.int32) if lengths is None else _prompt_lengths(lengths, batch, seqlen)
         q, k, v = self._project(x, jnp.arange(seqlen))
         out = dot_product_attention(
             q, k, v, is_causal=True, local_window_size=self.local_window_size, query_seq_lengths=lengths,
@@ -554,6 +574,10 @@ class Attention(nnx.Module):
         batch, rows, _ = x.shape
         if not 1 <= rows <= MAX_QUERY_ROWS:
             raise ValueError(f"decode takes 1 to {MAX_QUERY_ROWS} new tokens, got {rows}")
+        filled = _concrete(cache.lengths)  # (eager calls; under jit the caller keeps within max_len, as documented)
+        if filled is not None and (filled + rows > cache.k.shape[1]).any():
+            raise ValueError(f"the cache is full: cache.lengths + {rows} new tokens = {(filled + rows).tolist()} "
+                             f"exceed its max_len {cache.k.shape[1]}")
         positions = cache.lengths[..., None] + jnp.arange(rows, dtype=jnp.int32)  # [batch, rows], or [rows]
         q, k, v = self._project(x, positions)
         ck, cv = _write_cache(cache, k, v, cache.lengths)

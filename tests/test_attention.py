@@ -288,6 +288,12 @@ BAD_ARGUMENTS = {
     "scale_str": (dict(scale="0.5"), TypeError, "scale must be a static Python float"),
     "scale_huge": (dict(scale=3e38), ValueError, r"scale \* log2\(e\) must fit a float32 .* got 3e\+38"),
     "implementation": (dict(implementation="triton"), ValueError, "implementation must be None, 'xla' or 'cudnn'"),
+    "mask_shape": (dict(mask=jnp.ones((3, 3), bool)), ValueError,
+                   r"mask must broadcast to \(batch, heads, query rows, keys\) = \(2, 4, 8, 8\), got shape \(3, 3\)"),
+    "bias_rank": (dict(bias=jnp.ones((1, 2, 4, 8, 8))), ValueError, "bias must broadcast to"),
+    "mask_integer_inputs": (dict(query=jnp.ones((2, 8, 4, 32), jnp.int32), key=jnp.ones((2, 8, 2, 32), jnp.int32),
+                                 value=jnp.ones((2, 8, 2, 32), jnp.int32), mask=jnp.ones((8, 8), bool)), TypeError,
+                            "must be floating-point, got int32"),
 }
 
 

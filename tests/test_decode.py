@@ -608,23 +608,31 @@ BAD = {
     "heads": (dict(hq=3), ValueError, "multiple of the caches' key/value heads"),
     "splits": (dict(num_splits=0), ValueError, r"num_splits must be None or an int in \[1, 1024\]"),
     "splits_many": (dict(num_splits=1025), ValueError, r"num_splits must be None or an int in \[1, 1024\]"),
+    "head_dim_zero": (dict(head_dim=0), ValueError, "head_dim must be a positive multiple of 8"),
+    "page_size_zero": (dict(paged=True, pool=(4, 0), table=[[0, 1], [1, 2]]), ValueError,
+                       "needs at least one page of at least one key"),
+    "no_pages": (dict(paged=True, pool=(0, 16), table=[[0, 1], [1, 2]]), ValueError,
+                 "needs at least one page of at least one key"),
+    "sinks_inf": (dict(sinks=[0.0, np.inf, 0.0, 0.0]), ValueError, "sinks must be finite"),
 }
 
 
 @pytest.mark.parametrize("name", BAD)
 def test_bad_arguments(name):
     bad, error, message = BAD[name]
-    hq = bad.get("hq", 4)
-    q = jnp.zeros((2, bad.get("rows", 1), hq, 32), DTYPE)
+    hq, d = bad.get("hq", 4), bad.get("head_dim", 32)
+    q = jnp.zeros((2, bad.get("rows", 1), hq, d), DTYPE)
     lengths = bad.get("lengths", [3, 3])
     lengths = lengths if isinstance(lengths, (np.ndarray, np.generic)) else np.asarray(lengths, np.int32)
+    sinks = None if "sinks" not in bad else np.asarray(bad["sinks"], np.float32)
     if bad.get("paged"):
-        k = jnp.zeros((4, 16, 2, 32), DTYPE)
+        k = jnp.zeros((*bad.get("pool", (4, 16)), 2, d), DTYPE)
         table = np.asarray(bad["table"], np.int32)
         call = lambda: jax_flash.decode_attention(q, k, k, np.asarray([20, 20], np.int32), page_table=table)  # noqa
     else:
-        k = jnp.zeros((2, 32, 2, 32), DTYPE)
-        call = lambda: jax_flash.decode_attention(q, k, k, lengths, num_splits=bad.get("num_splits"))  # noqa
+        k = jnp.zeros((2, 32, 2, d), DTYPE)
+        call = lambda: jax_flash.decode_attention(q, k, k, lengths, num_splits=bad.get("num_splits"),  # noqa
+                                                  sinks=sinks)
     with pytest.raises(error, match=message):
         call()
 
@@ -639,6 +647,52 @@ def test_traced_bad_values_read_nothing_outside(rows, heads_q, head_dim, page_si
     f = jax.jit(lambda t, n: jax_flash.decode_attention(q, k, k, n, page_table=t))
     out = f(jnp.asarray([[5, -3]], jnp.int32), jnp.asarray([1000], jnp.int32))
     assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_page_table_padding_under_jit_with_traced_lengths():
+    """A constant page table padded with -1 past the pages its sequences use, with the lengths traced: nothing to
+    check (which entries are used depends on the lengths) and the results match the eager call."""
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 64)), DTYPE)
+    k, v = (jnp.asarray(rng.standard_normal((6, 16, 2, 64)), DTYPE) for _ in range(2))
+    table = np.asarray([[0, -1, -1], [3, 4, -1]], np.int32)
+    n = np.asarray([9, 30], np.int32)
+    eager = jax_flash.decode_attention(q, k, v, n, page_table=table)
+    traced = jax.jit(lambda n: jax_flash.decode_attention(q, k, v, n, page_table=table))(n)
+    np.testing.assert_array_equal(np.asarray(traced, np.float32), np.asarray(eager, np.float32))
+
+
+COMBINE_BAD = {
+    "axis_past_rank": (dict(axis=5), ValueError, r"axis must be an int in \[-4, 4\)"),
+    "axis_below": (dict(axis=-5), ValueError, r"axis must be an int in \[-4, 4\)"),
+    "axis_float": (dict(axis=1.0), ValueError, "axis must be an int"),
+    "integer_outputs": (dict(outputs_dtype=np.int32), TypeError, "must be floating-point"),
+    "scalar_lses": (dict(lses_shape=()), ValueError, "must agree"),
+    "shapes": (dict(lses_shape=(2, 2, 1, 3)), ValueError, "must agree"),
+}
+
+
+@pytest.mark.parametrize("name", COMBINE_BAD)
+def test_combine_bad_arguments(name):
+    """An axis outside lses' dims is an error, not wrapped around onto another axis (which would merge over the
+    batch); outputs that are not floating-point are refused, not truncated."""
+    bad, error, message = COMBINE_BAD[name]
+    outputs = np.zeros((2, 2, 1, 4, 8), bad.get("outputs_dtype", np.float32))
+    lses = np.zeros(bad.get("lses_shape", (2, 2, 1, 4)), np.float32)
+    with pytest.raises(error, match=message):
+        jax_flash.combine(outputs, lses, axis=bad.get("axis", 0))
+
+
+def test_combine_along_a_later_axis():
+    """The parts stacked along axis 1 (or -3) merge as along axis 0."""
+    rng = np.random.default_rng(5)
+    outputs = jnp.asarray(rng.standard_normal((3, 2, 1, 4, 8)), jnp.float32)
+    lses = jnp.asarray(rng.standard_normal((3, 2, 1, 4)), jnp.float32)
+    ref_out, ref_lse = jax_flash.combine(outputs, lses)
+    for axis in (1, -3):
+        out, lse = jax_flash.combine(jnp.moveaxis(outputs, 0, 1), jnp.moveaxis(lses, 0, 1), axis=axis)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
 
 
 def test_forward_only():

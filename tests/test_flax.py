@@ -697,6 +697,24 @@ def test_decode_rejects_bad_arguments():
         layer.prefill(jnp.zeros((2, 9, 64)), cache)
     with pytest.raises(ValueError, match="jax_flash options"):
         _cache_layer("xla", sinks=True).decode(jnp.zeros((2, 1, 64)), cache)
+    # prompt lengths past the prompt, negative, or not integers would leave the cache counting unwritten slots
+    x = jnp.zeros((2, 4, 64))
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 4\] \(the prompt's length\), got \[6, 4\]"):
+        layer.prefill(x, cache, lengths=jnp.asarray([6, 4], jnp.int32))
+    with pytest.raises(ValueError, match="lengths must lie in"):
+        layer.prefill(x, cache, lengths=jnp.asarray([-1, 4], jnp.int32))
+    with pytest.raises(TypeError, match="lengths must be int32, got float32"):
+        layer.prefill(x, cache, lengths=jnp.asarray([2.7, 4.0]))
+    with pytest.raises(ValueError, match=r"lengths must have shape \(batch,\) = \(2,\)"):
+        layer.prefill(x, cache, lengths=jnp.asarray(3, jnp.int32))
+    with pytest.raises(TypeError, match="max_len must be an int"):
+        layer.init_cache(2, 2.5)
+    with pytest.raises(ValueError, match="batch must be >= 0"):
+        layer.init_cache(-1, 8)
+    # eager decode into a full cache
+    _, full = layer.prefill(jnp.zeros((2, 8, 64)), cache)
+    with pytest.raises(ValueError, match=r"the cache is full: .* exceed its max_len 8"):
+        layer.decode(jnp.zeros((2, 1, 64)), full)
 
 
 def test_example_generate_smoke_run(tmp_path):

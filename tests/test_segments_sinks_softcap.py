@@ -587,6 +587,8 @@ BAD = {
     "kv_ids_alone": (dict(kv_segment_ids=np.zeros((2, 8), np.int32)), ValueError, "kv_segment_ids needs"),
     "sinks_dtype": (dict(sinks=np.zeros(4, np.float16)), TypeError, "sinks must be float32, got float16"),
     "sinks_shape": (dict(sinks=np.zeros(2, np.float32)), ValueError, "sinks must have shape (num_query_heads,) = (4,)"),
+    "sinks_inf": (dict(sinks=np.array([0, np.inf, 0, 0], np.float32)), ValueError, "sinks must be finite"),
+    "sinks_nan": (dict(sinks=np.array([0, 0, np.nan, 0], np.float32)), ValueError, "sinks must be finite"),
     "cap_zero": (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be finite and > 0, got 0.0"),
     "cap_negative": (dict(logits_soft_cap=-1), ValueError, "finite and > 0, got -1.0"),
     "cap_inf": (dict(logits_soft_cap=float("inf")), ValueError, "finite and > 0, got inf"),
