@@ -561,8 +561,9 @@ def dot_product_attention(
       TypeError: an unsupported dtype; segment ids that are not int32 or sinks that are not float32; a non-bool
         ``is_causal`` or ``deterministic``; a window, scale or soft cap that is not a static number.
     """
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    for name, flag in (("deterministic", deterministic), ("return_residual", return_residual)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     extras = [name for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids),
                                    ("sinks", sinks), ("logits_soft_cap", logits_soft_cap)) if x is not None]
     if extras and (implementation is not None or bias is not None or mask is not None):

@@ -217,8 +217,9 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
     uniform = jnp.ndim(kv_lengths) == 0
     kv_lengths, page_table, capacity = _validate(q, k_cache, v_cache, kv_lengths, page_table)
     num_splits = _check_num_splits(num_splits)
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     scale = _attention._check_scale(scale)
     window = _attention._check_window(local_window_size)
     sinks = _attention._check_sinks(sinks, q.shape[2])

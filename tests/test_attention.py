@@ -283,6 +283,7 @@ BAD_ARGUMENTS = {
     "causal_int": (dict(is_causal=1), TypeError, "is_causal must be a bool"),
     "causal_str": (dict(is_causal="yes"), TypeError, "is_causal must be a bool"),
     "deterministic_int": (dict(deterministic=1), TypeError, "deterministic must be a bool, got int"),
+    "residual_str": (dict(return_residual="no"), TypeError, "return_residual must be a bool, got str"),
     "scale_nan": (dict(scale=float("nan")), ValueError, "scale must be finite"),
     "scale_inf": (dict(scale=float("inf")), ValueError, "scale must be finite"),
     "scale_str": (dict(scale="0.5"), TypeError, "scale must be a static Python float"),

@@ -614,6 +614,7 @@ BAD = {
     "no_pages": (dict(paged=True, pool=(0, 16), table=[[0, 1], [1, 2]]), ValueError,
                  "needs at least one page of at least one key"),
     "sinks_inf": (dict(sinks=[0.0, np.inf, 0.0, 0.0]), ValueError, "sinks must be finite"),
+    "residual_str": (dict(return_residual="no"), TypeError, "return_residual must be a bool, got str"),
 }
 
 
@@ -632,7 +633,7 @@ def test_bad_arguments(name):
     else:
         k = jnp.zeros((2, 32, 2, d), DTYPE)
         call = lambda: jax_flash.decode_attention(q, k, k, lengths, num_splits=bad.get("num_splits"),  # noqa
-                                                  sinks=sinks)
+                                                  sinks=sinks, return_residual=bad.get("return_residual", False))
     with pytest.raises(error, match=message):
         call()
 
