@@ -558,8 +558,9 @@ def dot_product_attention(
         known and not finite; a bias or mask that does not broadcast to (B, N, T, S); a negative window,
         non-finite scale or a soft cap that is not finite and > 0; an unknown implementation; segment ids, sinks
         or a soft cap with ``implementation="xla"``/``"cudnn"`` or with ``bias``/``mask``.
-      TypeError: an unsupported dtype; segment ids that are not int32 or sinks that are not float32; a non-bool
-        ``is_causal`` or ``deterministic``; a window, scale or soft cap that is not a static number.
+      TypeError: an unsupported dtype (with a bias or mask: one that is not floating-point); segment ids that are
+        not int32 or sinks that are not float32; a non-bool ``is_causal``, ``deterministic`` or
+        ``return_residual``; a window, scale or soft cap that is not a static number.
     """
     for name, flag in (("deterministic", deterministic), ("return_residual", return_residual)):
         if not isinstance(flag, (bool, np.bool_)):
@@ -588,8 +589,8 @@ def dot_product_attention(
 
     for name, array in (("bias", bias), ("mask", mask)):
         if array is not None:
-            # jax.nn's shapes: (B, N, T, S) for rank-4 inputs, (N, T, S) for rank 3, or dims of 1 that broadcast
-            target = (*q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3])
+            # jax.nn's shapes: (B, N, T, S), B = 1 for rank-3 inputs, or fewer dims and dims of 1 that broadcast
+            target = (q.shape[0] if q.ndim == 4 else 1, q.shape[-2], q.shape[-3], k.shape[-3])
             shape = jnp.shape(array)
             if len(shape) > len(target) or any(d not in (1, t) for d, t in zip(shape[::-1], target[::-1])):
                 raise ValueError(f"{name} must broadcast to (batch, heads, query rows, keys) = {target}, got shape "
