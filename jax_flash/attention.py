@@ -413,6 +413,8 @@ def _check_sinks(sinks, num_heads):
         values = None
     if values is not None and not np.isfinite(values).all():
         raise ValueError(f"sinks must be finite, got {values.tolist()}")
+    if values is not None and (np.abs(values.astype(np.float64)) * math.log2(math.e) > np.finfo(np.float32).max).any():
+        raise ValueError(f"sinks * log2(e) must fit a float32 (|sinks| up to about 2.36e38), got {values.tolist()}")
     return sinks
 
 

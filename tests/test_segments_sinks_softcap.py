@@ -589,6 +589,7 @@ BAD = {
     "sinks_shape": (dict(sinks=np.zeros(2, np.float32)), ValueError, "sinks must have shape (num_query_heads,) = (4,)"),
     "sinks_inf": (dict(sinks=np.array([0, np.inf, 0, 0], np.float32)), ValueError, "sinks must be finite"),
     "sinks_nan": (dict(sinks=np.array([0, 0, np.nan, 0], np.float32)), ValueError, "sinks must be finite"),
+    "sinks_huge": (dict(sinks=np.array([0, 0, 3e38, 0], np.float32)), ValueError, "log2(e) must fit a float32"),
     "cap_zero": (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be finite and > 0, got 0.0"),
     "cap_negative": (dict(logits_soft_cap=-1), ValueError, "finite and > 0, got -1.0"),
     "cap_inf": (dict(logits_soft_cap=float("inf")), ValueError, "finite and > 0, got inf"),
