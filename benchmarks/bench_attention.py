@@ -116,9 +116,15 @@ def parse_shapes(spec):
         try:
             b, s, h, d = item.rstrip("c").split("x")
             hq, _, hkv = h.partition("/")
-            shapes.append(Shape(int(b), int(s), int(hq), int(hkv or hq), int(d), causal))
+            shape = Shape(int(b), int(s), int(hq), int(hkv or hq), int(d), causal)
+            if min(shape.batch, shape.seqlen, shape.heads_q, shape.heads_kv, shape.head_dim) < 1:
+                raise ValueError
+            shapes.append(shape)
         except ValueError:
-            raise SystemExit(f"--shapes: cannot read {item!r}; expected BxSxHq[/Hkv]xD[c], e.g. 2x4096x32/8x128c")
+            raise SystemExit(f"--shapes: cannot read {item!r}; expected BxSxHq[/Hkv]xD[c] of positive integers, "
+                             "e.g. 2x4096x32/8x128c")
+    if not shapes:
+        raise SystemExit(f"--shapes: no shape in {spec!r}")
     return shapes
 
 
@@ -392,8 +398,19 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.merge:
-        parts = [json.load(open(path)) for path in args.merge]
-        meta, rows = parts[0]["meta"], [r for part in parts for r in part["rows"]]
+        parts = []
+        for path in args.merge:
+            try:
+                with open(path) as f:
+                    parts.append(json.load(f))
+            except (OSError, ValueError) as e:
+                parser.error(f"--merge: cannot read {path}: {e}")
+        runs = {(p["meta"]["device"], p["meta"]["jax_version"], p["meta"]["dtype"]) for p in parts}
+        if len(runs) > 1:
+            parser.error(f"--merge: parts of different runs (device, jax version, dtype): {sorted(runs)}")
+        # one file: a stopped run's partial results, labelled so; several: the parts of one run, whole together
+        meta = parts[0]["meta"] if len(parts) == 1 else {k: v for k, v in parts[0]["meta"].items() if k != "partial"}
+        rows = [r for part in parts for r in part["rows"]]
         out = args.out or default_out(meta["platform"])
         return write_results(rows, meta, os.path.join(out, args.name or
                                                       f"{meta['device'].replace(' ', '_')}-{meta['date']}"))
@@ -401,6 +418,10 @@ def main(argv=None):
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     out = args.out or default_out(device.platform)
+    try:  # before any measurement, not after
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {out}: cannot create the results directory ({e.strerror or e})")
     impls = [i for i in args.impls.split(",") if i]
     unknown = [i for i in impls if i not in ALL_IMPLS]
     if unknown:
@@ -412,6 +433,10 @@ def main(argv=None):
             skipped[i] = why
             print(f"{i}: {why}; skipped", flush=True)
     impls = [i for i in impls if i not in skipped]
+    if not impls:
+        parser.error(f"--impls: nothing left to run here ({'; '.join(f'{i}: {w}' for i, w in skipped.items())})")
+    if args.iters < 1 or args.warmup < 0:
+        parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     dtype = jnp.dtype(args.dtype)
     date = datetime.date.today().isoformat()
     meta = dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__, date=date,
@@ -420,7 +445,10 @@ def main(argv=None):
                 "block_until_ready on the last) per call; latency = median of single blocking calls")
     shapes = parse_shapes(args.shapes) if args.shapes else shape_matrix(args.quick, on_gpu)
     if args.head_dims:
-        dims = {int(d) for d in args.head_dims.split(",")}
+        try:
+            dims = {int(d) for d in args.head_dims.split(",")}
+        except ValueError:
+            parser.error(f"--head-dims: comma-separated integers, e.g. 64,128; got {args.head_dims!r}")
         shapes = [sh for sh in shapes if sh.head_dim in dims]
         if not shapes:
             parser.error(f"--head-dims {args.head_dims}: no shape of the matrix has those head dims")

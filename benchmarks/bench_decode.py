@@ -494,9 +494,23 @@ def main(argv=None):
     args.timing = args.timing or ("device" if platform == "gpu" else "program")
     if args.timing == "device":
         check_device_timing()
-    heads = preset["heads"] if args.heads is None else tuple(tuple(int(x) for x in h.split("/"))
-                                                             for h in args.heads.split(","))
-    tqs = preset["tq"] if args.tq is None else tuple(int(x) for x in args.tq.split(","))
+    try:
+        heads = preset["heads"] if args.heads is None else tuple(tuple(int(x) for x in h.split("/"))
+                                                                 for h in args.heads.split(","))
+        if any(len(h) != 3 or min(h) < 1 or h[0] % h[1] for h in heads):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--heads: Hq/Hkv/D triples of positive integers, Hq a multiple of Hkv, e.g. 32/8/128; got "
+                     f"{args.heads!r}")
+    try:
+        tqs = preset["tq"] if args.tq is None else tuple(int(x) for x in args.tq.split(","))
+        if any(not 1 <= tq <= jax_flash.decode.MAX_QUERY_ROWS for tq in tqs):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--tq: query rows from 1 to {jax_flash.decode.MAX_QUERY_ROWS}, e.g. 1,16; got {args.tq!r}")
+    for name in ("calls", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     args.layouts = preset["layouts"] if args.layouts is None else tuple(args.layouts.split(","))
     args.lengths = preset["lengths"] if args.lengths is None else tuple(args.lengths.split(","))
     args.impls = tuple(args.impls.split(","))
@@ -507,6 +521,12 @@ def main(argv=None):
             raise ValueError
     except ValueError:
         parser.error(f"--bs: pairs BxS of positive integers, e.g. 256x8192,64x8192; got {args.bs!r}")
+    for layout in args.layouts:
+        page = int(layout[len("paged"):]) if layout.startswith("paged") and layout[len("paged"):].isdigit() else 0
+        uneven = [f"{b}x{s}" for b, s in bs if page and s % page]
+        if uneven:
+            parser.error(f"--bs: a paged cache of {page}-key pages ({layout}) needs S a multiple of {page}; got "
+                         f"{', '.join(uneven)}")
     for name, values, allowed in (("--impls", args.impls, ALL_IMPLS),
                                   ("--layouts", args.layouts, ("dense", "paged16", "paged64")),
                                   ("--lengths", args.lengths, ("equal", "ragged"))):
@@ -528,7 +548,10 @@ def main(argv=None):
     shapes = [(hq, hkv, d, tq, b, s) for (hq, hkv, d) in heads for tq in tqs for (b, s) in bs
               if b * s * hkv * d * 2 * 2 <= args.max_cache_gb * 2**30]
     out = args.out or (RESULTS_DIR if platform == "gpu" else SMOKE_OUT)
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {out}: cannot create the results directory ({e.strerror or e})")
     stem = os.path.join(out, args.name or f"decode-{device.device_kind.replace(' ', '_')}-{meta['date']}")
     t0 = time.perf_counter()
     rows = []

@@ -246,7 +246,8 @@ def main(argv=None):
     parser.add_argument("--min-time", type=float)
     parser.add_argument("--rounds", type=int, help="modifiers table: rounds over the implementations")
     parser.add_argument("--tables", default="packed,modifiers")
-    parser.add_argument("--doc-lengths", default="equal,random", help="equal, random or both (comma-separated)")
+    parser.add_argument("--doc-lengths", default="equal,random",
+                        help="packed table: documents of equal or random lengths (equal,random: both tables)")
     parser.add_argument("--impls", default="jax_flash,cudnn,xla",
                         help="packed table: the implementations whose rows run (comma-separated)")
     args = parser.parse_args(argv)
@@ -256,7 +257,32 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.out is None:
-        args.out = "benchmarks/results" if on_gpu else SMOKE_OUT
+        args.out = _ATTENTION.default_out(device.platform)
+    tables = args.tables.split(",")
+    doc_lengths = args.doc_lengths.split(",")
+    impls = args.impls.split(",")
+    for name, values, allowed in (("--tables", tables, ("packed", "modifiers")),
+                                  ("--doc-lengths", doc_lengths, ("equal", "random")),
+                                  ("--impls", impls, ("jax_flash", "cudnn", "xla"))):
+        bad = [x for x in values if x not in allowed]
+        if bad or not values:
+            parser.error(f"{name}: unknown {bad}; choose from {list(allowed)} (comma-separated)")
+    try:
+        mod_shape = [int(x) for x in args.mod_shape.split("x")]
+        if len(mod_shape) != 4 or min(mod_shape) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--mod-shape: BxTxHxD of positive integers, e.g. 4x4096x16x128; got {args.mod_shape!r}")
+    for name in ("batch", "tokens", "docs", "heads", "head_dim", "iters", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if "packed" in tables and "equal" in doc_lengths and args.tokens % args.docs:
+        parser.error(f"--tokens ({args.tokens}) must be a multiple of --docs ({args.docs}) for documents of equal "
+                     "lengths")
+    try:  # before any measurement, not after
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {args.out}: cannot create the results directory ({e.strerror or e})")
     if not on_gpu:
         print(f"No GPU: a smoke run on the {device.platform.upper()} (timings are not performance numbers), "
               f"results in {args.out}", flush=True)
@@ -266,13 +292,11 @@ def main(argv=None):
     t0 = time.perf_counter()
     progress = lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)  # noqa: E731
     rows = []
-    tables = args.tables.split(",")
     if "packed" in tables:
-        for lengths in args.doc_lengths.split(","):
+        for lengths in doc_lengths:
             rows += packed_rows(args, rng, progress, lengths)
     if "modifiers" in tables:
         rows += modifier_rows(args, rng, progress)
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name or f"packed-{device.device_kind.replace(' ', '_')}-{meta['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -1282,6 +1282,9 @@ def finish_args(args, error, on_gpu):
         if len(args.attention) != 1:
             error("--mode train takes one --attention")
         args.steps = args.steps or 30
+        if args.steps < 6:
+            error(f"--mode train needs --steps >= 6 (it compares the mean loss of the first and last three steps), "
+                  f"got {args.steps}")
         args.batch, args.seq = args.batch or 4, args.seq or 128
         for name in ("dry_run", "out", "name"):
             if getattr(args, name):
@@ -1335,6 +1338,11 @@ def finish_args(args, error, on_gpu):
             error("--devices must be positive")
     if args.mode != "bench" and not args.isolate:
         error("--no-isolate applies to --mode bench only")
+    if args.out is not None and not args.dry_run:  # before any measurement, not after
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            error(f"--out {args.out}: cannot create the results directory ({e.strerror or e})")
 
 
 def main(argv=None):

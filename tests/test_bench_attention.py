@@ -152,3 +152,48 @@ def test_peer_that_does_not_import_is_reported(bench, monkeypatch):
     assert bench.missing_peer("jax_flash") is None
     shape = bench.Shape(1, 512, 8, 8, 64, False)
     assert not bench.applies("fa3_jax", shape) and bench.applies("tokamax", shape)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--shapes=-1x64x2x64"], "--shapes: cannot read '-1x64x2x64'"),
+    (["--shapes", ","], "--shapes: no shape in ','"),
+    (["--head-dims", "64,x"], "--head-dims: comma-separated integers"),
+    (["--iters", "0"], "--iters must be >= 1"),
+    (["--impls", "cudnn"], "--impls: nothing left to run here (cudnn: GPU only)"),
+])
+def test_bad_arguments_stop_before_any_measurement(bench, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as stop:
+        bench.main(ARGS + ["--out", str(tmp_path), "--name", "run"] + extra)
+    captured = capsys.readouterr()
+    assert message in f"{stop.value.code}{captured.err}" and not list(tmp_path.iterdir())
+
+
+def test_out_that_cannot_be_created_is_an_error_at_the_start(bench, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        bench.main(ARGS + ["--out", str(tmp_path / "file" / "x")])
+    err = capsys.readouterr().err
+    assert "cannot create the results directory" in err and "1x16x2x64" not in err
+
+
+def test_merge_of_parts_is_one_whole_run(bench, tmp_path):
+    """Parts of one run (each a subset of the shapes) merge into one table without a partial-run label."""
+    for name, shape in (("pa", "1x16x2x64"), ("pb", "1x24x2x64c")):
+        args = ARGS[:ARGS.index("--shapes")] + ["--shapes", shape] + ARGS[ARGS.index("--shapes") + 2:]
+        assert bench.main(args + ["--out", str(tmp_path), "--name", name]) == 0
+    parts = [str(tmp_path / f"{name}.json") for name in ("pa", "pb")]
+    assert bench.main(["--merge", *parts, "--out", str(tmp_path), "--name", "merged"]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert "partial" not in merged["meta"] and len(merged["rows"]) == 2
+
+
+def test_merge_refuses_parts_of_different_runs_and_missing_files(bench, tmp_path, capsys):
+    assert bench.main(ARGS + ["--out", str(tmp_path), "--name", "a"]) == 0
+    other = json.loads((tmp_path / "a.json").read_text())
+    other["meta"]["device"] = "another GPU"
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    for files, message in (([tmp_path / "a.json", tmp_path / "b.json"], "parts of different runs"),
+                           ([tmp_path / "missing.json"], "--merge: cannot read")):
+        with pytest.raises(SystemExit):
+            bench.main(["--merge", *map(str, files), "--out", str(tmp_path), "--name", "merged"])
+        assert message in capsys.readouterr().err

@@ -214,3 +214,24 @@ def test_bs_replaces_the_presets_pairs(tmp_path):
 def test_bad_bs_is_an_error(tmp_path, bad):
     result = _run(tmp_path, "--bs", bad)
     assert result.returncode != 0 and "--bs: pairs BxS of positive integers" in result.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--heads", "4/2"], "--heads: Hq/Hkv/D triples"),
+    (["--heads", "3/2/64"], "Hq a multiple of Hkv"),
+    (["--tq", "1,x"], "--tq: query rows from 1 to 16"),
+    (["--tq", "0"], "--tq: query rows from 1 to 16"),
+    (["--calls", "0"], "--calls must be >= 1"),
+    (["--bs", "1x100", "--layouts", "paged16"], "needs S a multiple of 16; got 1x100"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path, extra, message):
+    result = _run(tmp_path, *extra)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_out_that_cannot_be_created_is_a_usage_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    result = subprocess.run([sys.executable, "-B", str(_PATH), "--out", str(tmp_path / "file" / "x")], cwd=tmp_path,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "cannot create the results directory" in result.stderr, result.stderr

@@ -48,3 +48,26 @@ def test_sizes_given_on_the_command_line_win(bench, tmp_path):
     rows = json.loads((tmp_path / "run.json").read_text())["rows"]
     assert {(r["tokens"], r["docs"], r["batch"]) for r in rows} == {(96, 3, 1)}
     assert any("3 x 32 causal" in r["impl"] for r in rows)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--doc-lengths", "both"], "--doc-lengths: unknown ['both']"),
+    (["--tables", "modifier"], "--tables: unknown ['modifier']"),
+    (["--impls", "jax_flash,triton"], "--impls: unknown ['triton']"),
+    (["--mod-shape", "1x64"], "--mod-shape: BxTxHxD of positive integers"),
+    (["--docs", "0"], "--docs must be >= 1"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--tokens", "63"], "--tokens (63) must be a multiple of --docs (4)"),
+])
+def test_bad_arguments_stop_before_any_measurement(bench, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path), "--name", "run"] + extra)
+    assert message in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_out_that_cannot_be_created_is_an_error_at_the_start(bench, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path / "file" / "x")])
+    captured = capsys.readouterr()
+    assert "cannot create the results directory" in captured.err and "[" not in captured.out

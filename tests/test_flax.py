@@ -747,3 +747,16 @@ def test_example_bench_table_names_the_best_peer():
     assert "Not run: tokamax: not installed" in md
     assert example.unavailable("fa3_jax", on_gpu=False) == "GPU only"
     assert example.unavailable("xla", on_gpu=False) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "train", "--steps", "3"], "--mode train needs --steps >= 6"),
+    (["--mode", "generate", "--steps", "3", "--out", "{file}/x"], "cannot create the results directory"),
+])
+def test_example_argument_errors_come_before_any_work(tmp_path, args, message):
+    (tmp_path / "file").write_text("")
+    args = [a.replace("{file}", str(tmp_path / "file")) for a in args]
+    proc = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "step" not in proc.stdout
