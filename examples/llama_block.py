@@ -1304,7 +1304,8 @@ def finish_args(args, error, on_gpu):
             error("--dry-run does not apply to --mode generate")
     elif args.mode == "multi":
         args.config = args.config or ("llama3-8b" if on_gpu else "tiny")
-        args.attention = args.attention or (["jax_flash", "cudnn"] if on_gpu else ["jax_flash", "xla"])
+        args.attention = (choose_attentions(args, error, on_gpu, tuple(ATTENTION)) if args.attention
+                          else ["jax_flash", "cudnn"] if on_gpu else ["jax_flash", "xla"])
         if args.batch is None:
             args.batch, args.seq = 2, args.seq or (4096 if args.config == "llama3-8b" else 64)
         args.seq = args.seq or (4096 if args.config == "llama3-8b" else 64)

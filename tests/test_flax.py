@@ -752,6 +752,7 @@ def test_example_bench_table_names_the_best_peer():
 @pytest.mark.parametrize("args, message", [
     (["--mode", "train", "--steps", "3"], "--mode train needs --steps >= 6"),
     (["--mode", "generate", "--steps", "3", "--out", "{file}/x"], "cannot create the results directory"),
+    (["--mode", "multi", "--attention", "cudnn"], "--attention cudnn:"),
 ])
 def test_example_argument_errors_come_before_any_work(tmp_path, args, message):
     (tmp_path / "file").write_text("")
