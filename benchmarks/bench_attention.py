@@ -439,7 +439,8 @@ def main(argv=None):
         parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     dtype = jnp.dtype(args.dtype)
     date = datetime.date.today().isoformat()
-    meta = dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__, date=date,
+    meta = dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__,
+                jax_flash_version=jax_flash.__version__, date=date,
                 dtype=dtype.name, deterministic=args.deterministic, smoke=not on_gpu, skipped=skipped,
                 method="median over samples of back-to-back jit'd calls (wall clock to "
                 "block_until_ready on the last) per call; latency = median of single blocking calls")
@@ -474,6 +475,9 @@ def main(argv=None):
         write_partial(rows, meta, stem, n, len(shapes))
     status = write_results(rows, meta, stem)
     os.remove(stem + ".partial.json")
+    if rows and all(r["error"] for r in rows):
+        print("every row failed (see the error column)", file=sys.stderr)
+        return 1
     return status
 
 

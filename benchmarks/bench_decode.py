@@ -534,6 +534,7 @@ def main(argv=None):
         if bad:
             parser.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
     meta = dict(device=device.device_kind, platform=platform, jax_version=jax.__version__,
+                jax_flash_version=jax_flash.__version__,
                 date=datetime.date.today().isoformat(), peak_gbps=peak_gbps(device.device_kind),
                 preset=args.preset or ("full" if platform == "gpu" else "smoke"), timing=args.timing,
                 calls=args.calls, reps=args.reps, warmup_s=args.warmup, min_rep_s=MIN_REP_S,
@@ -569,6 +570,9 @@ def main(argv=None):
         wrote.append(stem + ".png")
     print(text)
     print("wrote " + ", ".join(wrote), flush=True)
+    if rows and all(r["error"] for r in rows):
+        print("every row failed (see the error column)", flush=True)
+        return 1
     return 0
 
 

@@ -286,7 +286,8 @@ def main(argv=None):
     if not on_gpu:
         print(f"No GPU: a smoke run on the {device.platform.upper()} (timings are not performance numbers), "
               f"results in {args.out}", flush=True)
-    meta = dict(device=device.device_kind, jax_version=jax.__version__, date=datetime.date.today().isoformat(),
+    meta = dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__,
+                jax_flash_version=jax_flash.__version__, date=datetime.date.today().isoformat(),
                 smoke=not on_gpu)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
@@ -304,8 +305,11 @@ def main(argv=None):
     with open(stem + ".md", "w") as f:
         f.write(text)
     print(text)
+    if rows and all(r.get("error") for r in rows):
+        print("every row failed (see the tables)", flush=True)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

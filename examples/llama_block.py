@@ -1161,7 +1161,8 @@ def generate(args):
         log(f"{attention:9s} decode {row['step_ms']:8.2f} ms/step, {row['tokens_per_s']:10,.0f} tokens/s "
             f"(prefill {prefill_s:.2f} s, the first includes compilation; tokens agreeing with {args.attention[0]}: {row['agree']:.1%})")
         del caches
-    meta = dict(device=kind, jax_version=jax.__version__, date=datetime.date.today().isoformat(),
+    meta = dict(device=kind, platform=jax.devices()[0].platform, jax_version=jax.__version__,
+                jax_flash_version=jax_flash.__version__, date=datetime.date.today().isoformat(),
                 config=args.config, dtype=dtype.name, params=int(n_params), smoke=not on_gpu,
                 cache_lengths=args.cache_lengths)
     best = max(rows, key=lambda r: r["tokens_per_s"] or 0)

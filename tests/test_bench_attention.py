@@ -197,3 +197,16 @@ def test_merge_refuses_parts_of_different_runs_and_missing_files(bench, tmp_path
         with pytest.raises(SystemExit):
             bench.main(["--merge", *map(str, files), "--out", str(tmp_path), "--name", "merged"])
         assert message in capsys.readouterr().err
+
+
+def test_run_whose_every_row_failed_exits_nonzero(bench, tmp_path, monkeypatch, capsys):
+    run_case = bench.run_case
+
+    def failing(shape, *args):
+        return dict(run_case(shape, *args), error="RuntimeError: out of memory")
+
+    monkeypatch.setattr(bench, "run_case", failing)
+    assert bench.main(ARGS + ["--out", str(tmp_path), "--name", "run"]) == 1
+    assert "every row failed" in capsys.readouterr().err
+    meta = json.loads((tmp_path / "run.json").read_text())["meta"]
+    assert meta["jax_flash_version"] and meta["platform"] == "cpu"
