@@ -1213,14 +1213,14 @@ def parse_args(argv):
                              f"smoke run, {SMOKE_OUT}, outside the source tree); check: also write the results as "
                              f"JSON there")
     parser.add_argument("--name", default=None, help="file stem (default llama_block-<device>-<date>)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="train: Adam learning rate")
+    parser.add_argument("--lr", type=float, default=None, help="train: Adam learning rate (default 3e-3)")
     parser.add_argument("--packed", type=int, default=1,
                         help="train: documents packed into each row (segment ids keep attention within each; "
                              "positions restart per document); 1 = one sequence per row")
-    parser.add_argument("--cache-lengths", choices=("equal", "per-sequence"), default="equal",
-                        help="generate: the KV caches' lengths: one for the batch (its prompts are of one length: "
-                             "init_cache(equal_lengths=True)) or one per sequence, as a batch of padded prompts "
-                             "keeps them")
+    parser.add_argument("--cache-lengths", choices=("equal", "per-sequence"), default=None,
+                        help="generate: the KV caches' lengths (default equal): one for the batch (its prompts are of "
+                             "one length: init_cache(equal_lengths=True)) or one per sequence, as a batch of padded "
+                             "prompts keeps them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=3, help="bench: untimed steps after compilation")
     parser.add_argument("--rounds", type=int, default=None,
@@ -1230,11 +1230,12 @@ def parse_args(argv):
                         help="bench: the device's dense peak for MFU (default: on a known GPU ("
                              f"{', '.join(sorted({m for _, m in GPU_PEAK_TFLOPS.values()}))}) its dense "
                              "bfloat16/float16 peak, for bfloat16 and float16 steps; no MFU otherwise)")
-    parser.add_argument("--check-tol", type=float, default=2e-2,
-                        help="check/bench: largest relative difference of the loss, and of all gradients together")
-    parser.add_argument("--check-group-tol", type=float, default=5e-2,
+    parser.add_argument("--check-tol", type=float, default=None,
+                        help="check/bench: largest relative difference of the loss, and of all gradients together "
+                             "(default 2e-2)")
+    parser.add_argument("--check-group-tol", type=float, default=None,
                         help="check/bench: largest relative difference of each gradient group (the q, k, v, o "
-                             "projections, the MLP matrices, the norms, the input)")
+                             "projections, the MLP matrices, the norms, the input; default 5e-2)")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                         help="bench: run each check and measurement in a child process (default) for per-"
                              "measurement peak memory")
@@ -1266,9 +1267,9 @@ def parse_args(argv):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else 'positive'}, got {value}")
-    if min(args.check_tol, args.check_group_tol, args.lr) <= 0 or (args.peak_tflops is not None
-                                                                   and args.peak_tflops <= 0):
-        error("--check-tol, --check-group-tol, --peak-tflops and --lr must be positive")
+    for name in ("check_tol", "check_group_tol", "peak_tflops", "lr"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args, error
 
 
@@ -1340,6 +1341,16 @@ def finish_args(args, error, on_gpu):
             error("--devices must be positive")
     if args.mode != "bench" and not args.isolate:
         error("--no-isolate applies to --mode bench only")
+    for name, modes in (("lr", ("train",)), ("cache_lengths", ("generate",)), ("peak_tflops", ("bench",)),
+                        ("check_tol", ("check", "bench")), ("check_group_tol", ("check", "bench"))):
+        if getattr(args, name) is not None and args.mode not in modes:
+            error(f"--{name.replace('_', '-')} applies to --mode {' / '.join(modes)} only")
+    if args.mode != "multi" and not args.latency_hiding:
+        error("--no-latency-hiding applies to --mode multi only")
+    args.lr = args.lr or 3e-3
+    args.cache_lengths = args.cache_lengths or "equal"
+    args.check_tol = args.check_tol or 2e-2
+    args.check_group_tol = args.check_group_tol or 5e-2
     if args.out is not None and not args.dry_run:  # before any measurement, not after
         try:
             os.makedirs(args.out, exist_ok=True)

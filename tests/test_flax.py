@@ -753,6 +753,11 @@ def test_example_bench_table_names_the_best_peer():
     (["--mode", "train", "--steps", "3"], "--mode train needs --steps >= 6"),
     (["--mode", "generate", "--steps", "3", "--out", "{file}/x"], "cannot create the results directory"),
     (["--mode", "multi", "--attention", "cudnn"], "--attention cudnn:"),
+    (["--mode", "train", "--check-tol", "0.1"], "--check-tol applies to --mode check / bench only"),
+    (["--mode", "generate", "--lr", "0.1"], "--lr applies to --mode train only"),
+    (["--mode", "train", "--cache-lengths", "equal"], "--cache-lengths applies to --mode generate only"),
+    (["--mode", "train", "--no-latency-hiding"], "--no-latency-hiding applies to --mode multi only"),
+    (["--mode", "train", "--lr", "0"], "--lr must be positive, got 0.0"),
 ])
 def test_example_argument_errors_come_before_any_work(tmp_path, args, message):
     (tmp_path / "file").write_text("")
