@@ -1201,8 +1201,9 @@ def parse_args(argv):
                              "without cudnn when there is no GPU)")
     parser.add_argument("--config", choices=tuple(CONFIGS), default=None,
                         help="model shape: train takes tiny (default); check/bench default to llama3-8b")
-    parser.add_argument("--steps", type=int, default=None, help="train: steps (default 30); bench: timed steps "
-                                                                "(default 10)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="train: steps (default 30, at least 6); bench and multi: timed steps (default 10); "
+                             "generate: decode steps (default 64 on a GPU, 6 otherwise; at least 3)")
     parser.add_argument("--batch", type=int, default=None, help="train default 4; check/bench: with --seq, the one "
                                                                 "shape to run (default 2x4096 and 1x8192)")
     parser.add_argument("--seq", type=int, default=None, help="train default 128; check/bench: see --batch")
@@ -1212,7 +1213,9 @@ def parse_args(argv):
                         help=f"bench: results directory (default: benchmarks/results/ on a GPU; without one, for a "
                              f"smoke run, {SMOKE_OUT}, outside the source tree); check: also write the results as "
                              f"JSON there")
-    parser.add_argument("--name", default=None, help="file stem (default llama_block-<device>-<date>)")
+    parser.add_argument("--name", default=None,
+                        help="file stem (default: bench llama_block-<device>-<date>, check llama_block-check-<device>, "
+                             "generate generate-<device>-<date>, multi llama_multi-<device>-x<devices>-<date>)")
     parser.add_argument("--lr", type=float, default=None, help="train: Adam learning rate (default 3e-3)")
     parser.add_argument("--packed", type=int, default=1,
                         help="train: documents packed into each row (segment ids keep attention within each; "
