@@ -398,6 +398,14 @@ def _check_segment_ids(q_segment_ids, kv_segment_ids, query, key):
     return tuple(ids)
 
 
+def _concrete(x):
+    """x as a numpy array when its value is known now (not a tracer), else None."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def _check_sinks(sinks, num_heads):
     if sinks is None:
         return None
@@ -407,10 +415,7 @@ def _check_sinks(sinks, num_heads):
     sinks = jnp.asarray(sinks)
     if sinks.shape != (num_heads,):
         raise ValueError(f"sinks must have shape (num_query_heads,) = ({num_heads},), got {sinks.shape}")
-    try:  # values known now (not traced): a sink's logit must be finite
-        values = np.asarray(sinks)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None
+    values = _concrete(sinks)  # known now (not traced): a sink's logit must be finite
     if values is not None and not np.isfinite(values).all():
         raise ValueError(f"sinks must be finite, got {values.tolist()}")
     if values is not None and (np.abs(values.astype(np.float64)) * math.log2(math.e) > np.finfo(np.float32).max).any():

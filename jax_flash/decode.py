@@ -31,14 +31,6 @@ __all__ = ["decode_attention", "combine", "MAX_QUERY_ROWS"]
 MAX_QUERY_ROWS = _ffi.MAX_DECODE_QUERY_ROWS
 
 
-def _concrete(x):
-    """x as a numpy array when its value is known now (not a tracer), else None."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def _check_num_splits(num_splits):
     if num_splits is None:
         return None
@@ -91,13 +83,13 @@ def _validate(q, k_cache, v_cache, kv_lengths, page_table):
         raise ValueError(f"kv_lengths must be int32 of shape (batch,) = ({batch},), or () for one length of every "
                          f"sequence, got shape {kv_lengths.shape} and dtype {dtype}")
     kv_lengths = jnp.broadcast_to(kv_lengths, (batch,))
-    lengths = _concrete(kv_lengths)
+    lengths = _attention._concrete(kv_lengths)
     if lengths is not None and ((lengths < 0).any() or (lengths > capacity).any()):
         raise ValueError(f"kv_lengths must lie in [0, {capacity}] (the cache's capacity), got {lengths.tolist()}")
     # The pages a sequence uses follow from its length: where the lengths are traced, unused entries (often -1
     # padding) cannot be told from used ones, and the kernels clamp page ids, so only concrete pairs are checked.
     if page_table is not None and lengths is not None:
-        table = _concrete(page_table)
+        table = _attention._concrete(page_table)
         if table is not None:
             num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
             for b in range(batch):

@@ -52,7 +52,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jax_flash import attention as attention_module
 from jax_flash.attention import Implementation, dot_product_attention
-from jax_flash.decode import MAX_QUERY_ROWS, _concrete, decode_attention
+from jax_flash.decode import MAX_QUERY_ROWS, decode_attention
 
 __all__ = ["Attention", "KVCache", "apply_rope", "attention_fn", "make_attention_fn"]
 
@@ -334,7 +334,7 @@ def _prompt_lengths(lengths, batch, seqlen):
     lengths = jnp.asarray(lengths)
     if lengths.shape != (batch,):
         raise ValueError(f"lengths must have shape (batch,) = ({batch},), got {lengths.shape}")
-    values = _concrete(lengths)
+    values = attention_module._concrete(lengths)
     if values is not None and ((values < 0) | (values > seqlen)).any():
         raise ValueError(f"lengths must lie in [0, {seqlen}] (the prompt's length), got {values.tolist()}")
     return lengths.astype(jnp.int32)
@@ -574,7 +574,8 @@ class Attention(nnx.Module):
         batch, rows, _ = x.shape
         if not 1 <= rows <= MAX_QUERY_ROWS:
             raise ValueError(f"decode takes 1 to {MAX_QUERY_ROWS} new tokens, got {rows}")
-        filled = _concrete(cache.lengths)  # (eager calls; under jit the caller keeps within max_len, as documented)
+        # (eager calls; under jit the caller keeps within max_len, as documented)
+        filled = attention_module._concrete(cache.lengths)
         if filled is not None and (filled + rows > cache.k.shape[1]).any():
             raise ValueError(f"the cache is full: cache.lengths + {rows} new tokens = {(filled + rows).tolist()} "
                              f"exceed its max_len {cache.k.shape[1]}")
