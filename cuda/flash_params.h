@@ -41,8 +41,9 @@ enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // Which CUDA kernel family a call may use (an FFI attribute, chosen per call from Python). kAuto: the sm_90a kernels
 // on compute capability 9.0, the sm_80-class ones elsewhere. kSm80 runs the sm_80-class kernels on any device;
-// kSm80SmallSmem also picks their backward as on a device with 99 KB of shared memory a block (sm_86, sm_89), so
-// both sm_80-class backwards can be tested on one GPU. kSm90DecodeCpAsync is kAuto but for decode calls that would
+// kSm80SmallSmem also picks their backward, and decides whether the decode kernel fits, as on a device with 99 KB
+// of shared memory a block (sm_86, sm_89), so both sm_80-class backwards and the decode fallback can be tested on
+// one GPU. kSm90DecodeCpAsync is kAuto but for decode calls that would
 // take the TMA decode kernel, which take the cp.async wgmma one instead (so both can be tested on one GPU). The CPU
 // has one kernel and ignores it.
 enum class KernelChoice : int { kAuto = 0, kSm80 = 1, kSm80SmallSmem = 2, kSm90DecodeCpAsync = 3 };

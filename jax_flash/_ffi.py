@@ -79,13 +79,13 @@ def force_kernel(kernel):
     """Runs the jax_flash calls traced inside the ``with`` block on one CUDA kernel family.
 
     ``kernel``: ``"auto"`` (the sm_90a kernels on compute capability 9.0, the sm_80-class ones elsewhere),
-    ``"sm80"`` (the sm_80-class kernels on any GPU), ``"sm80-small-smem"`` (also their backward as on a device
-    with 99 KB of shared memory a block) or ``"decode-cp-async"`` (``"auto"``, but decode calls that would run the
-    sm_90a TMA decode kernel run the cp.async one). For tests and comparisons of both paths in one process. The choice is
-    made when a call is traced: a function that ``jax.jit`` already compiled keeps the kernels it was traced with.
-    The CPU has one kernel and ignores it. Without this context the environment variable ``JAX_FLASH_FORCE_SM80``
-    decides, read at each trace: unset or ``0`` for ``"auto"``, ``small-smem`` for ``"sm80-small-smem"``, anything
-    else for ``"sm80"``.
+    ``"sm80"`` (the sm_80-class kernels on any GPU), ``"sm80-small-smem"`` (also their backward, and whether the
+    decode kernel fits, as on a device with 99 KB of shared memory a block) or ``"decode-cp-async"`` (``"auto"``,
+    but decode calls that would run the sm_90a TMA decode kernel run the cp.async one). For tests and comparisons of
+    both paths in one process. The choice is made when a call is traced: a function that ``jax.jit`` already
+    compiled keeps the kernels it was traced with. The CPU has one kernel and ignores it. Without this context the
+    environment variable ``JAX_FLASH_FORCE_SM80`` decides, read at each trace: unset or ``0`` for ``"auto"``,
+    ``small-smem`` for ``"sm80-small-smem"``, anything else for ``"sm80"``.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
@@ -335,6 +335,17 @@ def _decode_blocks_per_sm(head_dim, packed_rows):
     threads, cuda/kernels/decode/decode_traits.h; the runtime keeps 1 KB of shared memory per block)."""
     smem, threads = _jax_flash_cuda.decode_launch_shape(head_dim, packed_rows, int(_kernel_choice()))
     return max(1, min(_SMEM_PER_SM // (smem + 1024), 2048 // max(threads, 1)))
+
+
+def decode_fits_device(head_dim, packed_rows):
+    """Whether the decode kernel of `packed_rows` rows at `head_dim` fits the GPU's shared memory per block (above
+    head dim 64 the sm_80-class kernel needs more than the 99 KB of sm_86 / sm_89 GPUs); True where no GPU answers."""
+    return _decode_fits(head_dim, packed_rows, int(_kernel_choice()))
+
+
+@functools.cache
+def _decode_fits(head_dim, packed_rows, kernel):
+    return bool(_jax_flash_cuda.decode_fits_device(head_dim, packed_rows, kernel))
 
 
 def decode_splits(q_shape, heads_kv, capacity, paged=False):

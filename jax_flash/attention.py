@@ -182,8 +182,10 @@ def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks
                                  equal_lengths=cfg.decode_uniform, **cfg.attrs())
 
     branches = {platform: kernel for platform in cfg.kernel_platforms}
+    packed_rows = q.shape[2] // k.shape[2] * q.shape[1] if q.ndim == 4 else 0
+    # (a GPU whose shared memory the decode kernel does not fit, sm_86 / sm_89 above head dim 64, keeps the kernel)
     if ("cuda" in branches and cfg.decode and q_offsets is None and q_seg is None and q.ndim == 4
-            and q.shape[2] // k.shape[2] * q.shape[1] <= _ffi.MAX_DECODE_ROWS):
+            and packed_rows <= _ffi.MAX_DECODE_ROWS and _ffi.decode_fits_device(q.shape[3], packed_rows)):
         branches["cuda"] = decode_kernel
     return jax.lax.platform_dependent(q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks, q_offsets, default=fallback,
                                       **branches)

@@ -144,6 +144,11 @@ def _local_decode(cfg, num_splits, uniform, q, k_cache, v_cache, lengths, page_t
                               f"{q.shape[2] // k_cache.shape[2] * rows}); running the attention kernel instead",
                               stacklevel=3)
         return other(q, k_cache, v_cache, lengths, page_table, sinks)
+    if not _ffi.decode_fits_device(q.shape[3], q.shape[2] // k_cache.shape[2] * rows):
+        _attention._warn_once("decode:smem", f"jax_flash.decode_attention: the decode kernel at head dim {q.shape[3]} "
+                              "needs more shared memory per block than this GPU has (above head dim 64, more than "
+                              "the 99 KB of sm_86 / sm_89 GPUs); running the attention kernel instead", stacklevel=3)
+        return other(q, k_cache, v_cache, lengths, page_table, sinks)
     return jax.lax.platform_dependent(q, k_cache, v_cache, lengths, page_table, sinks, default=other, cuda=kernel)
 
 

@@ -696,6 +696,43 @@ def test_combine_along_a_later_axis():
         np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
 
 
+def test_decode_kernel_that_does_not_fit_the_gpu_runs_the_attention_kernel(monkeypatch, fresh_warnings):
+    """Where the decode kernel does not fit the GPU's shared memory per block (above head dim 64 on sm_86 / sm_89:
+    99 KB), decode_attention warns once and runs the attention kernel, and dot_product_attention's few-row calls keep
+    the attention kernel (no decode target in the program): results as the float64 reference. On a GPU the
+    "sm80-small-smem" choice decides the fit as on a 99 KB device; elsewhere the fit is patched."""
+    from jax_flash import _ffi
+
+    if not _ffi.CUDA_REGISTERED:
+        pytest.skip("needs jax_flash's CUDA targets (the check sits on the CUDA path)")
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((2, 4, 8, 128)), jnp.bfloat16)  # bfloat16: the CUDA path's dtype
+    k, v = (jnp.asarray(rng.standard_normal((2, 96, 2, 128)), jnp.bfloat16) for _ in range(2))
+    n = np.asarray([96, 37], np.int32)
+    ref_o, ref_lse = _reference(q, k, v, n)
+
+    def run():
+        with pytest.warns(RuntimeWarning, match="needs more shared memory per block than this GPU has"):
+            out, lse = jax_flash.decode_attention(q, k, v, n, return_residual=True)
+        _assert_matches(out, lse, ref_o, ref_lse) if ON_GPU else np.testing.assert_allclose(
+            np.asarray(out, np.float32), ref_o, atol=3e-2, rtol=3e-2)
+        # dot_product_attention at few rows: the decode target only where the kernel fits
+        program = str(jax.make_jaxpr(lambda q, k, v: jax_flash.dot_product_attention(q, k, v))(q, k, v))
+        assert "jax_flash_decode" not in program and "jax_flash_fwd" in program
+
+    if ON_GPU:
+        assert _ffi.decode_fits_device(128, 16)  # an H100 / H200 (the GPU suite's devices)
+        with jax_flash.force_kernel("sm80-small-smem"):
+            assert not _ffi.decode_fits_device(128, 16) and _ffi.decode_fits_device(64, 16)
+            run()
+    else:
+        monkeypatch.setattr(_ffi, "decode_fits_device", lambda head_dim, packed_rows: head_dim <= 64)
+        run()
+        fits = str(jax.make_jaxpr(lambda q, k, v: jax_flash.dot_product_attention(q, k, v))(q[..., :64], k[..., :64],
+                                                                                           v[..., :64]))
+        assert "jax_flash_decode" in fits
+
+
 def test_forward_only():
     q = jnp.ones((1, 1, 2, 32), DTYPE)
     k = jnp.ones((1, 8, 1, 32), DTYPE)
@@ -715,6 +752,10 @@ def _fake_h100_launch_shapes(monkeypatch):
         @staticmethod
         def decode_launch_shape(head_dim, packed_rows, kernel):
             return (226 * 1024, 256) if packed_rows > 64 else (102 * 1024, 128)
+
+        @staticmethod
+        def decode_fits_device(head_dim, packed_rows, kernel):
+            return True
 
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
     monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)

@@ -171,6 +171,12 @@ NB_MODULE(_jax_flash_cuda, m) {
     const auto shape = jax_flash::cuda::GetDecodeLaunchShape(head_dim, packed_rows, choice);
     return nb::make_tuple(shape.smem_bytes, shape.threads);
   });
+  // Whether that kernel fits the current device's shared memory per block (jax_flash._ffi.decode_fits_device).
+  m.def("decode_fits_device", [](int head_dim, int packed_rows, int kernel) {
+    jax_flash::KernelChoice choice;
+    if (jax_flash::ToKernelChoice(kernel, &choice).failure()) throw nb::value_error("unknown kernel choice");
+    return jax_flash::cuda::DecodeFitsDevice(head_dim, packed_rows, choice);
+  });
   m.def("device_count", []() {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;

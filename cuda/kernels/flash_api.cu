@@ -178,6 +178,15 @@ DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoi
   return {decode::SmemBytes(kd, row_tiles), decode::Threads(kd, row_tiles)};
 }
 
+bool DecodeFitsDevice(int head_dim, int packed_rows, KernelChoice choice) {
+  int smem = kSmallSmemOptinBytes;
+  if (choice != KernelChoice::kSm80SmallSmem &&
+      cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem) != cudaSuccess) {
+    return true;  // no device answers: nothing runs here
+  }
+  return GetDecodeLaunchShape(head_dim, packed_rows, choice).smem_bytes <= smem;
+}
+
 const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice) {
   if (const char* why = UnsupportedReason(p); why[0] != '\0') return why;
   const int rows = p.group_size() * p.seqlen_q;
@@ -185,12 +194,14 @@ const char* DecodeUnsupportedReason(const FlashParams& p, KernelChoice choice) {
     return "decode packs at most 128 query rows (query heads per kv head x query rows) per kv head";
   }
   int smem = 0;
-  if (cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem) != cudaSuccess) {
+  if (choice == KernelChoice::kSm80SmallSmem) {
+    smem = kSmallSmemOptinBytes;
+  } else if (cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem) != cudaSuccess) {
     return "could not query the CUDA device's shared memory";
   }
   if (GetDecodeLaunchShape(p.head_dim, rows, choice).smem_bytes > smem) {
-    return "decode with head_dim > 128 and more than 64 packed query rows (query heads per kv head x query rows) "
-           "needs 128 KB of shared memory per block, more than this GPU has";
+    return "the decode kernel at this head dim needs more shared memory per block than this GPU has (above head dim "
+           "64 more than the 99 KB of sm_86 / sm_89 GPUs)";
   }
   return "";
 }

@@ -30,6 +30,10 @@ struct DecodeLaunchShape {
   int threads;
 };
 DecodeLaunchShape GetDecodeLaunchShape(int head_dim, int packed_rows, KernelChoice choice);
+// Whether that split kernel fits the current device's shared memory per block (kSm80SmallSmem: as on a device of
+// 99 KB). Above head dim 64 the sm_80-class kernel's rings take more than sm_86 / sm_89 GPUs have, and the Python
+// side runs the attention kernel instead. True where no device answers (nothing runs there).
+bool DecodeFitsDevice(int head_dim, int packed_rows, KernelChoice choice);
 
 // Empty string when `p` can run on the current device; otherwise why not.
 const char* UnsupportedReason(const FlashParams& p);
