@@ -348,6 +348,18 @@ def _decode_fits(head_dim, packed_rows, kernel):
     return bool(_jax_flash_cuda.decode_fits_device(head_dim, packed_rows, kernel))
 
 
+def attention_fits_device(head_dim, backward):
+    """Whether the attention kernel of a forward (``backward=False``) or backward call at `head_dim` fits the GPU's
+    shared memory per block (the sm_80-class kernels at head dim 256: the forward's 128 KB exceeds the 99 KB of
+    sm_86 / sm_89 GPUs, the backward's 201 KB also sm_80's 163 KB); True where no GPU answers."""
+    return _attention_fits(head_dim, bool(backward), int(_kernel_choice()))
+
+
+@functools.cache
+def _attention_fits(head_dim, backward, kernel):
+    return bool(_jax_flash_cuda.attention_fits_device(head_dim, backward, kernel))
+
+
 def decode_splits(q_shape, heads_kv, capacity, paged=False):
     """Parts of the key range for the decode kernel of q [B, Tq, Hq, D] over caches of `capacity` keys per sequence: as
     many blocks (batch x kv heads x splits) as the GPU holds at once (from the shared memory and threads of the split

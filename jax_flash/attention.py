@@ -164,6 +164,22 @@ def _has_options(cfg, q_seg):
     return q_seg is not None or cfg.has_sinks or cfg.softcap is not None
 
 
+def _fitting_platforms(cfg, kernel, head_dim, backward):
+    """{platform: kernel} for the call's kernel platforms, less CUDA where the kernel does not fit the GPU's shared
+    memory per block (the sm_80-class kernels at head dim 256 on sm_80 / sm_86 / sm_89): warns once, and the call
+    runs its XLA path there."""
+    platforms = list(cfg.kernel_platforms)
+    if "cuda" in platforms and not _ffi.attention_fits_device(head_dim, backward):
+        platforms.remove("cuda")
+        direction = "backward" if backward else "forward"
+        _warn_once(f"smem:{direction}:{head_dim}", f"jax_flash.dot_product_attention: the {direction} kernel at head "
+                   f"dim {head_dim} needs more shared memory per block than this GPU has (the sm_80-class kernels "
+                   "at head dim 256: the forward 128 KB, the backward 201 KB); on cuda it runs "
+                   "jax.nn.dot_product_attention(implementation='xla') (or a materialised softmax) instead",
+                   stacklevel=3)
+    return {platform: kernel for platform in platforms}
+
+
 def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks=None, q_offsets=None):
     """(o, lse) of one device's block: the kernel on its platforms, elsewhere jax.nn's xla path (or a materialised
     softmax, for the options jax.nn lacks)."""
@@ -181,7 +197,7 @@ def _local_forward(cfg, q, k, v, q_lens, kv_lens, q_seg=None, kv_seg=None, sinks
         return _ffi.flash_decode(q, k, v, kv_lens, None, sinks, num_splits=splits, balance_splits=balance,
                                  equal_lengths=cfg.decode_uniform, **cfg.attrs())
 
-    branches = {platform: kernel for platform in cfg.kernel_platforms}
+    branches = _fitting_platforms(cfg, kernel, q.shape[-1], backward=False)
     packed_rows = q.shape[2] // k.shape[2] * q.shape[1] if q.ndim == 4 else 0
     # (a GPU whose shared memory the decode kernel does not fit, sm_86 / sm_89 above head dim 64, keeps the kernel)
     if ("cuda" in branches and cfg.decode and q_offsets is None and q_seg is None and q.ndim == 4
@@ -214,7 +230,7 @@ def _local_backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_seg=None, kv_se
         return _xla_attention_vjp(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_offsets)
 
     return jax.lax.platform_dependent(q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg, q_offsets,
-                                      default=fallback, **{platform: kernel for platform in cfg.kernel_platforms})
+                                      default=fallback, **_fitting_platforms(cfg, kernel, q.shape[-1], backward=True))
 
 
 def _backward(cfg, q, k, v, o, lse, do, q_lens, kv_lens, q_seg, kv_seg):

@@ -2,6 +2,8 @@
 time), so one process can test both the sm_90a and the sm_80-class kernels; bad values are refused by Python and
 again by the C++ handlers."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,3 +132,63 @@ def test_both_kernel_families_in_one_process(attention_checks):
             with jax_flash.force_kernel("sm80"), pytest.raises(Exception, match="deterministic=True needs"):
                 attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, deterministic=True,
                                          **case.kwargs())
+
+
+def test_sm80_shared_memory_sizes_decide_where_the_kernels_fit():
+    """The sm_80-class kernels' shared memory per block (cuda/kernels/sm80/launch_sm80.cuh): at head dim 256 the
+    forward's 128 KB exceeds sm_86 / sm_89's 99 KB and the backward's 201 KB (per-warp; the CTA-wide one 209 KB)
+    exceeds sm_80's 163 KB, while head dims up to 128 fit every sm_8x device."""
+    if _ffi._jax_flash_cuda is None:
+        pytest.skip("needs jax_flash's CUDA extension (built where nvcc is)")
+    sizes = _ffi._jax_flash_cuda.sm80_smem_bytes
+    sm80, sm86, sm90 = 163 * 1024, 99 * 1024, 227 * 1024
+    assert sizes(256, False, sm86) == 128 * 1024 and sizes(256, False, sm80) == 128 * 1024
+    assert sizes(256, True, sm80) == 205824 and sizes(256, True, sm90) == 205824  # the per-warp kernel: 201 KB
+    for head_dim in (64, 128):
+        for backward in (False, True):
+            for device in (sm80, sm86):
+                assert sizes(head_dim, backward, device) <= device, (head_dim, backward, device)
+    assert sizes(128, True, sm80) > sizes(128, True, sm86)  # sm_80 runs the CTA-wide backward, sm_86 the per-warp
+
+
+def test_calls_whose_kernel_does_not_fit_drop_the_cuda_branch(monkeypatch, fresh_warnings):
+    """Where a kernel does not fit the GPU's shared memory (AttentionFitsDevice), the call's CUDA branch runs the
+    XLA path instead, with one warning naming the direction and head dim."""
+    import types
+
+    from jax_flash import attention
+
+    fits = {(256, False): False, (256, True): False}
+    monkeypatch.setattr(_ffi, "attention_fits_device", lambda head_dim, backward: fits.get((head_dim, backward), True))
+    cfg = types.SimpleNamespace(kernel_platforms=("cpu", "cuda"))
+    kernel = object()
+    assert attention._fitting_platforms(cfg, kernel, 128, backward=True) == {"cpu": kernel, "cuda": kernel}
+    with pytest.warns(RuntimeWarning, match="backward kernel at head dim 256 needs more shared memory"):
+        assert attention._fitting_platforms(cfg, kernel, 256, backward=True) == {"cpu": kernel}
+    with pytest.warns(RuntimeWarning, match="forward kernel at head dim 256 needs more shared memory"):
+        assert attention._fitting_platforms(cfg, kernel, 256, backward=False) == {"cpu": kernel}
+    assert attention._fitting_platforms(types.SimpleNamespace(kernel_platforms=("cpu",)), kernel, 256,
+                                        backward=False) == {"cpu": kernel}
+
+
+@pytest.mark.gpu
+def test_head_dim_256_on_a_99_kb_device_runs_the_xla_path(attention_checks, fresh_warnings):
+    """Under "sm80-small-smem" (kernels picked and fitted as on a 99 KB sm_86 / sm_89 device) a head-dim-256 call
+    warns and runs the XLA path, forward and backward, matching the float64 reference; head dim 128 keeps the
+    kernels there; on an H100 / H200 every head dim fits."""
+    if not jax_flash.cuda_available():
+        pytest.skip("needs a CUDA GPU and jax_flash's CUDA kernels")
+    assert all(_ffi.attention_fits_device(d, b) for d in (64, 128, 256) for b in (False, True))
+    case = attention_checks.Case(batch=1, seqlen_q=130, seqlen_k=97, heads_q=4, heads_kv=2, head_dim=256,
+                                 is_causal=True)
+    with jax.default_device(jax.devices("gpu")[0]), jax_flash.force_kernel("sm80-small-smem"):
+        assert not _ffi.attention_fits_device(256, False) and not _ffi.attention_fits_device(256, True)
+        assert _ffi.attention_fits_device(128, False) and _ffi.attention_fits_device(128, True)
+        with pytest.warns(RuntimeWarning, match="needs more shared memory per block than this GPU has"):
+            attention_checks.check_against_reference(case, jnp.bfloat16, seed=5)
+        q = jnp.ones((1, 8, 2, 128), jnp.bfloat16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.block_until_ready(jax.grad(lambda q: jax_flash.dot_product_attention(q, q, q).astype(
+                jnp.float32).sum())(q))
+        assert not [w for w in caught if "shared memory" in str(w.message)]

@@ -48,6 +48,7 @@ ffi::Error FlashForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
   p.lse = lse->typed_data();
   p.fwd_counter = counter->typed_data();
   if (const char* why = cuda::UnsupportedReason(p); why[0] != '\0') return Invalid(why);
+  if (const char* why = cuda::ForwardUnsupportedReason(p, choice); why[0] != '\0') return Invalid(why);
   if (cudaError_t err = cuda::RunFlashForward(p, choice, stream); err != cudaSuccess) {
     return CudaError(err, "forward kernel");
   }
@@ -176,6 +177,17 @@ NB_MODULE(_jax_flash_cuda, m) {
     jax_flash::KernelChoice choice;
     if (jax_flash::ToKernelChoice(kernel, &choice).failure()) throw nb::value_error("unknown kernel choice");
     return jax_flash::cuda::DecodeFitsDevice(head_dim, packed_rows, choice);
+  });
+  // Whether the attention kernel of a forward (or backward) call fits the current device's shared memory per block
+  // (jax_flash._ffi.attention_fits_device).
+  m.def("attention_fits_device", [](int head_dim, bool backward, int kernel) {
+    jax_flash::KernelChoice choice;
+    if (jax_flash::ToKernelChoice(kernel, &choice).failure()) throw nb::value_error("unknown kernel choice");
+    return jax_flash::cuda::AttentionFitsDevice(head_dim, backward, choice);
+  });
+  // The sm_80-class kernels' shared memory per block at head_dim for a device of smem_optin_bytes (tests).
+  m.def("sm80_smem_bytes", [](int head_dim, bool backward, int smem_optin_bytes) {
+    return jax_flash::cuda::Sm80SmemBytes(head_dim, backward, smem_optin_bytes);
   });
   m.def("device_count", []() {
     int n = 0;

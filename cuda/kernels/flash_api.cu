@@ -120,9 +120,55 @@ const char* UnsupportedReason(const FlashParams& p) {
   return "";
 }
 
+int Sm80SmemBytes(int head_dim, bool backward, int smem_optin_bytes) {
+  switch (head_dim_class(head_dim)) {
+    case 64:
+      return sm80_smem_bytes<64>(backward, smem_optin_bytes);
+    case 128:
+      return sm80_smem_bytes<128>(backward, smem_optin_bytes);
+    default:
+      return sm80_smem_bytes<256>(backward, smem_optin_bytes);
+  }
+}
+
+namespace {
+
+// Whether the sm_80-class kernel fits (false only where a device answers with less shared memory than it needs).
+bool sm80_fits(int head_dim, bool backward, KernelChoice choice) {
+  int smem = kSmallSmemOptinBytes;
+  if (choice != KernelChoice::kSm80SmallSmem &&
+      cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(&smem) != cudaSuccess) {
+    return true;
+  }
+  return Sm80SmemBytes(head_dim, backward, smem) <= smem;
+}
+
+constexpr const char* kForwardTooBig =
+    "the sm_80-class forward kernel at head dim 256 needs 128 KB of shared memory per block, more than this GPU has "
+    "(sm_86 / sm_89: 99 KB); jax_flash.dot_product_attention runs its XLA path there";
+constexpr const char* kBackwardTooBig =
+    "the sm_80-class backward kernel at head dim 256 needs 201 KB of shared memory per block, more than this GPU has "
+    "(sm_80: 163 KB, sm_86 / sm_89: 99 KB); jax_flash.dot_product_attention runs its XLA path there";
+
+}  // namespace
+
+bool AttentionFitsDevice(int head_dim, bool backward, KernelChoice choice) {
+#if defined(JAX_FLASH_HAVE_SM90A)
+  if (sm90_family(choice) && current_cc() == 90) return true;  // the sm_90a kernels (and sm_80's on 227 KB)
+#endif
+  return sm80_fits(head_dim, backward, choice);
+}
+
+const char* ForwardUnsupportedReason(const FlashParams& p, KernelChoice choice) {
+  if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0 || use_sm90(p, choice)) return "";
+  return sm80_fits(p.head_dim, false, choice) ? "" : kForwardTooBig;
+}
+
 const char* BackwardUnsupportedReason(const FlashParams& p, KernelChoice choice) {
-  // Without a query row or a key there is no dQ accumulation, so any backward is deterministic.
-  if (!p.deterministic || p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return "";
+  if (p.batch == 0 || p.seqlen_q == 0 || p.heads_q == 0) return "";
+  if (!use_sm90(p, choice) && !sm80_fits(p.head_dim, true, choice)) return kBackwardTooBig;
+  // Without a key there is no dQ accumulation, so any backward is deterministic.
+  if (!p.deterministic || p.seqlen_k == 0) return "";
   if (use_sm90(p, choice) && p.head_dim <= 128) return "";
   return "deterministic=True needs the sm_90a backward kernel for head_dim <= 128: compute capability 9.0 and no "
          "forced sm_80-class kernel (the other backward kernels add dQ in no fixed order)";

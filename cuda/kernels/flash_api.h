@@ -38,7 +38,21 @@ bool DecodeFitsDevice(int head_dim, int packed_rows, KernelChoice choice);
 // Empty string when `p` can run on the current device; otherwise why not.
 const char* UnsupportedReason(const FlashParams& p);
 
-// Why this backward call cannot run as asked ("" if it can): deterministic=True needs the sm_90a backward.
+// Whether the attention kernel a forward (or backward) call at `head_dim` runs fits the current device's shared
+// memory per block (kSm80SmallSmem: as on a device of 99 KB). The sm_90a kernels fit the devices they run on; the
+// sm_80-class ones at head dim 256 do not fit everywhere: the forward takes 128 KB (sm_86 / sm_89 have 99), the
+// backward's main kernel 201 KB (sm_80 has 163). The Python side runs its XLA path there. True where no device
+// answers (nothing runs there).
+bool AttentionFitsDevice(int head_dim, bool backward, KernelChoice choice);
+// The sm_80-class forward's (or backward main kernel's) dynamic shared memory per block at head_dim on a device whose
+// opt-in limit is smem_optin_bytes (which picks the backward's kernel).
+int Sm80SmemBytes(int head_dim, bool backward, int smem_optin_bytes);
+
+// Why this forward call cannot run as asked ("" if it can): the kernel's shared memory (AttentionFitsDevice).
+const char* ForwardUnsupportedReason(const FlashParams& p, KernelChoice choice);
+
+// Why this backward call cannot run as asked ("" if it can): deterministic=True needs the sm_90a backward; the
+// kernel's shared memory (AttentionFitsDevice).
 const char* BackwardUnsupportedReason(const FlashParams& p, KernelChoice choice);
 
 // The launchers flash_api.cu dispatches to, one explicit instantiation per (dtype, head-dim class 64 / 128 / 256)
@@ -48,6 +62,10 @@ cudaError_t launch_fwd_sm80(const FlashParams& p, cudaStream_t stream);
 // smem_optin_bytes: the device's opt-in shared memory per block, which picks between the two sm_80-class backwards.
 template <typename T, int kD>
 cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream, int smem_optin_bytes);
+// Dynamic shared memory per block of the sm_80-class forward, or of the backward main kernel launch_bwd_sm80 picks
+// for `smem_optin_bytes` (bfloat16 and float16 alike), at head-dim class kD; instantiated beside the launchers.
+template <int kD>
+int sm80_smem_bytes(bool backward, int smem_optin_bytes);
 
 template <typename T, int kD>
 cudaError_t launch_decode(const FlashParams& p, cudaStream_t stream);

@@ -4,4 +4,5 @@
 namespace jax_flash {
 JAX_FLASH_INSTANTIATE_SM80(__nv_bfloat16, 256)
 JAX_FLASH_INSTANTIATE_SM80(__half, 256)
+JAX_FLASH_INSTANTIATE_SM80_SMEM(256)
 }  // namespace jax_flash

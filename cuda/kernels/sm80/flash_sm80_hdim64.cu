@@ -4,4 +4,5 @@
 namespace jax_flash {
 JAX_FLASH_INSTANTIATE_SM80(__nv_bfloat16, 64)
 JAX_FLASH_INSTANTIATE_SM80(__half, 64)
+JAX_FLASH_INSTANTIATE_SM80_SMEM(64)
 }  // namespace jax_flash

@@ -43,12 +43,26 @@ cudaError_t launch_bwd_sm80_cta_main(const FlashParams& p, cudaStream_t stream) 
 }
 
 // The CTA-wide kernel where a block may have the shared memory it needs (smem_optin_bytes: the device's opt-in
-// limit, 163 / 227 KB on sm_80 / sm_90), the per-warp kernel elsewhere (sm_86, sm_89: 99 KB, above head dim 64)
-// and for head dim 256 on sm_80 (the CTA-wide tiles need 209 KB there).
+// limit, 163 / 227 KB on sm_80 / sm_90), the per-warp kernel elsewhere (sm_86, sm_89: 99 KB, above head dim 64).
+// At head dim 256 the CTA-wide kernel needs 209 KB and the per-warp one 201 KB: only sm_90's 227 KB holds either
+// (sm80_smem_bytes; elsewhere the handler refuses the call and the Python side runs its XLA path).
+template <int kD>
+using BwdCtaTraitsFor = BwdCtaKernelTraits<BwdCtaTraitsSm80<kD>>;
+template <int kD>
+constexpr int kBwdCtaSmemBytes = int(sizeof(BwdCtaSharedStorage<__nv_bfloat16, BwdCtaTraitsFor<kD>>));
+static_assert(sizeof(__half) == sizeof(__nv_bfloat16), "one shared-memory size for both 16-bit types");
+
+template <int kD>
+int sm80_smem_bytes(bool backward, int smem_optin_bytes) {
+  if (!backward) return FwdKernelTraits<FwdTraitsSm80<kD>>::kSmemElems * int(sizeof(__nv_bfloat16));
+  return smem_optin_bytes >= kBwdCtaSmemBytes<kD> ? kBwdCtaSmemBytes<kD>
+                                                  : BwdKernelTraits<BwdTraitsSm80<kD>>::kSmemBytes;
+}
+
 template <typename T, int kD>
 cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream, int smem_optin_bytes) {
-  using CtaTraits = BwdCtaKernelTraits<BwdCtaTraitsSm80<kD>>;
-  if (smem_optin_bytes >= int(sizeof(BwdCtaSharedStorage<T, CtaTraits>))) {
+  using CtaTraits = BwdCtaTraitsFor<kD>;
+  if (smem_optin_bytes >= kBwdCtaSmemBytes<kD>) {
     return launch_bwd_sequence<T, DqRowMajor>(p, stream,
                                               [&] { return launch_bwd_sm80_cta_main<T, CtaTraits>(p, stream); });
   }
@@ -62,3 +76,5 @@ cudaError_t launch_bwd_sm80(const FlashParams& p, cudaStream_t stream, int smem_
 #define JAX_FLASH_INSTANTIATE_SM80(T, D)                                                              \
   template cudaError_t jax_flash::cuda::launch_fwd_sm80<T, D>(const FlashParams&, cudaStream_t);      \
   template cudaError_t jax_flash::cuda::launch_bwd_sm80<T, D>(const FlashParams&, cudaStream_t, int);
+// The shared-memory sizes of one head-dim class (once per class, not per dtype).
+#define JAX_FLASH_INSTANTIATE_SM80_SMEM(D) template int jax_flash::cuda::sm80_smem_bytes<D>(bool, int);
