@@ -20,6 +20,9 @@ Implementation = Literal["xla", "cudnn"] | None
 
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
+#: Longest query or key sequence of the kernels (their masks take differences of int32 positions; kMaxSeqLen in
+#: cuda/ffi/validation.h).
+MAX_SEQ_LEN = 2**30
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _CUDA_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ACCELERATOR_PLATFORMS = ("cuda", "rocm", "tpu")
@@ -66,7 +69,8 @@ def _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets=None):
     """jax.nn's xla implementation: (output, lse float32 [B, N, T]) for the platforms without a kernel.
 
     ``q_offsets`` (int32 [B], or None for 0): the global position of q's row 0 when q holds a part of the rows
-    (sequence sharding); the masks then go to jax.nn as a dense mask at global positions. Leading dims beyond the
+    (sequence sharding). The masks go to jax.nn as a dense mask at global positions, and a row that sees no key
+    outputs 0 with lse +inf, as the kernels do (jax.nn would give it the mean of the values). Leading dims beyond the
     batch (a vmapped axis kept by jax_flash.sharding) are folded into it."""
     lead = q.shape[:-3]
     if len(lead) != 1:
@@ -74,12 +78,8 @@ def _xla_attention(cfg, q, k, v, q_lens, kv_lens, q_offsets=None):
         out, lse = _xla_attention(cfg, fold(q, 3), fold(k, 3), fold(v, 3), fold(q_lens, 0), fold(kv_lens, 0),
                                   fold(q_offsets, 0))
         return out.reshape(q.shape), lse.reshape(*lead, *lse.shape[1:])
-    if q_offsets is None:
-        out, residual = jax.nn.dot_product_attention(
-            q, k, v, scale=cfg.scale, is_causal=cfg.is_causal, query_seq_lengths=q_lens,
-            key_value_seq_lengths=kv_lens, local_window_size=cfg.window, implementation="xla",
-            return_residual=True)
-        return out, jnp.swapaxes(residual, -1, -2).astype(jnp.float32)
+    if q_offsets is None:  # (jax.nn's own lengths would give a row that sees no key the values' mean)
+        q_offsets = jnp.zeros((q.shape[0],), jnp.int32)
     rows = q_offsets[:, None] + jnp.arange(q.shape[-3], dtype=jnp.int32)  # [B, T] global positions
     i, j = rows[:, :, None], jnp.arange(k.shape[-3], dtype=jnp.int32)[None, None, :]
     visible = (i < q_lens[:, None, None]) & (j < kv_lens[:, None, None])
@@ -264,6 +264,7 @@ def _flash_attention_bwd(cfg, residuals, cotangents):
         p_sink = jnp.exp(sinks.astype(jnp.float32)[:, None] - lse)  # [..., N, T]; 0 where lse = +inf
         share = p_sink * jnp.swapaxes(delta, -1, -2)  # (sums, not a contraction: fine on Explicit meshes)
         dsinks = -jnp.sum(share, axis=(*range(share.ndim - 2), share.ndim - 1)).astype(sinks.dtype)
+        dsinks = sharding.cotangent_like(dsinks, sinks)
     return dq, dk, dv, None, None, None, None, dsinks
 
 
@@ -458,6 +459,21 @@ def _check_soft_cap(logits_soft_cap):
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"logits_soft_cap must be finite and > 0, got {value}")
     return value
+
+
+def _check_soft_cap_scale(soft_cap, scale):
+    """The kernels take a soft cap c as scale / c and c / scale in float32 (their fast math flushes a subnormal to
+    0): c and both must be normal float32 numbers, as the handlers check. `scale`: the kernel's (_kernel_scale)."""
+    if soft_cap is None:
+        return
+    tiny = np.finfo(np.float32).tiny
+    with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
+        cap, kernel_scale = np.float32(soft_cap), np.float32(scale)
+        parts = (cap, kernel_scale / cap, cap / kernel_scale)
+    if not all(np.isfinite(x) and x >= tiny for x in parts):
+        raise ValueError(f"logits_soft_cap must be a normal float32 with scale / logits_soft_cap and logits_soft_cap / "
+                         f"scale normal float32 numbers too (float32 has about 1.2e-38 to 3.4e38), got "
+                         f"logits_soft_cap={soft_cap} with scale {float(scale):g}")
 
 
 def _validate(query, key, value, is_causal, query_seq_lengths, key_value_seq_lengths):
@@ -658,7 +674,11 @@ def dot_product_attention(
             kernel_window = (-1 if window[0] >= seqlen_q - 1 else window[0],
                              -1 if window[1] >= seqlen_k - 1 else window[1])
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        if max(seqlen_q, seqlen_k) > MAX_SEQ_LEN:
+            raise ValueError(f"the kernels take sequences of up to 2^30 rows and keys, got {seqlen_q} query rows and "
+                             f"{seqlen_k} keys")
         q, scale = _kernel_scale(q, scale)
+        _check_soft_cap_scale(soft_cap, scale)
         # jax.nn-style decode (a few rows, all valid, against a long cache, no position-dependent mask) runs the
         # split-KV decode kernels forward on CUDA.
         decode = (seqlen_q <= _ffi.MAX_DECODE_QUERY_ROWS and query_seq_lengths is None and not is_causal and

@@ -19,6 +19,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.typing import ArrayLike
 
 from jax_flash import _ffi
@@ -104,7 +105,18 @@ def _gather_pages(cache, page_table):
     """A paged cache (num_pages, page_size, H, D) as the dense (B, max_pages * page_size, H, D) of each sequence;
     page ids clamped into range (whatever the values, nothing outside the cache is read)."""
     pages = jnp.clip(page_table, 0, cache.shape[0] - 1)
-    gathered = cache[pages]  # (B, max_pages, page_size, H, D)
+    found = _attention.sharding._explicit_spec(cache) or _attention.sharding._explicit_spec(pages)
+    if found is None:
+        gathered = cache[pages]  # (B, max_pages, page_size, H, D)
+    else:  # Explicit axes: the gather's output sharding is stated (the table's batch, the pool's heads and dims)
+        mesh = found[0]
+        c_spec = _attention.sharding._padded(jax.typeof(cache).sharding.spec, cache.ndim)
+        t_spec = _attention.sharding._padded(jax.typeof(pages).sharding.spec, pages.ndim)
+        if c_spec[0] is not None or c_spec[1] is not None:  # a pool split by pages or rows: whole pages first
+            cache = _attention.sharding._reshard(cache, mesh, P(None, None, *c_spec[2:]))
+        if t_spec[1] is not None:
+            pages = _attention.sharding._reshard(pages, mesh, P(t_spec[0], None))
+        gathered = cache.at[pages].get(out_sharding=NamedSharding(mesh, P(t_spec[0], None, None, *c_spec[2:])))
     return gathered.reshape(gathered.shape[0], -1, *cache.shape[2:])
 
 
@@ -232,11 +244,18 @@ def decode_attention(query: ArrayLike, key_cache: ArrayLike, value_cache: ArrayL
     rows = q.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     q, scale = _attention._kernel_scale(q, scale)
+    _attention._check_soft_cap_scale(soft_cap, scale)
+    kernel_window = None
     if window is not None:
         window = tuple(min(w, capacity + rows) for w in window)
-    cfg = _attention._Config(scale=scale, is_causal=bool(is_causal), window=window,
+        # Row t sits at kv_length - Tq + t: a right side of Tq - 1 or more reaches every key it has (unbounded for
+        # the kernels, whose position + right + 1 could pass int32 on a cache near 2^31 keys).
+        kernel_window = (window[0], -1 if window[1] >= rows - 1 else window[1])
+    cfg = _attention._Config(scale=scale, is_causal=bool(is_causal), window=window, kernel_window=kernel_window,
                              kernel_platforms=_attention._kernel_platforms(q.dtype), softcap=soft_cap,
                              has_sinks=sinks is not None)
+    if sinks is not None:
+        sinks = _forward_only(sinks)  # (a gradient through the sinks alone would reach the FFI call)
     sinks_bn = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (q.shape[0], q.shape[2]))
     if _attention.sharding._path(q, k_cache, v_cache)[0] == "local":
         out, lse = _local_decode(cfg, num_splits, uniform, q, k_cache, v_cache, kv_lengths, page_table, sinks_bn)

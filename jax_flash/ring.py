@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import _ffi
-from jax_flash.attention import (_check_scale, _check_segment_ids, _check_sinks, _check_soft_cap, _check_window,
-                                 _kernel_scale, _validate)
+from jax_flash import _ffi, sharding
+from jax_flash.attention import (_check_scale, _check_segment_ids, _check_sinks, _check_soft_cap,
+                                 _check_soft_cap_scale, _check_window, _kernel_scale, _validate, MAX_SEQ_LEN)
 
 __all__ = ["ring_attention", "ring_attention_sharded", "zigzag_order", "zigzag_restore"]
 
@@ -281,10 +281,8 @@ def _ring_bwd(cfg, residuals, do):
         delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, S_local, N]
         p_sink = jnp.exp(sinks.astype(jnp.float32)[:, None] - lse)  # [B, N, S_local]; 0 where lse = +inf
         dsinks = -jnp.einsum("bnt,btn->n", p_sink, delta).astype(sinks.dtype)
-        # Under shard_map's type checks the sinks are invariant over axes the shares vary over: sum them there.
-        extra = _ffi._vma(dsinks) - _ffi._vma(sinks)
-        if extra:
-            dsinks = jax.lax.psum(dsinks, tuple(sorted(extra)))
+        # Under shard_map's type checks the sinks are invariant over axes the shares vary over: summed there.
+        dsinks = sharding.cotangent_like(dsinks, sinks)
     return dq, dk, dv, None, None, None, None, dsinks
 
 
@@ -346,6 +344,8 @@ def ring_attention(query, key, value, *, axis_name, layout="contiguous", is_caus
                          + ("even (the global length divisible by 2n, n the ring size)" if chunks == 2
                             else "positive"))
     s_global = s_local * n
+    if s_global > MAX_SEQ_LEN:
+        raise ValueError(f"the kernels take sequences of up to 2^30 positions, got {s_local} x {n} ring devices")
     batch = q.shape[0]
     q_lens = jnp.full((batch,), s_global, jnp.int32) if q_lens is None else jnp.clip(q_lens, 0, s_global)
     kv_lens = jnp.full((batch,), s_global, jnp.int32) if kv_lens is None else jnp.clip(kv_lens, 0, s_global)
@@ -353,6 +353,7 @@ def ring_attention(query, key, value, *, axis_name, layout="contiguous", is_caus
         window = tuple(min(w, s_global) for w in window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q, scale = _kernel_scale(q, scale)
+    _check_soft_cap_scale(soft_cap, scale)
     cfg = _RingConfig(axis_name=axis_name, ring_size=n, chunks=chunks, scale=scale, is_causal=bool(is_causal),
                       window=window, softcap=soft_cap)
     out = _ring(cfg, q, k, v, q_lens, kv_lens, q_seg, kv_seg, sinks)

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_flash import _ffi
+
 try:
     _shard_map = jax.shard_map
 except AttributeError:  # pragma: no cover - jax < 0.6
@@ -148,6 +150,23 @@ def _explicit_spec(x):
     if any(set(_axes(e)) & explicit for e in spec):
         return mesh, spec
     return None
+
+
+def cotangent_like(ct, primal):
+    """`ct`, a cotangent summed from sharded shares (the sinks' gradient from every head or row shard), typed as its
+    primal's must be: inside the user's shard_map summed over the manual axes it varies over and the primal does
+    not; on a mesh of Explicit axes resharded to the primal's sharding (it would keep the shares' head sharding)."""
+    extra = _ffi._vma(ct) - _ffi._vma(primal)
+    if extra:
+        ct = jax.lax.psum(ct, tuple(sorted(extra)))
+    try:
+        want, have = jax.typeof(primal).sharding, jax.typeof(ct).sharding
+    except Exception:  # noqa: BLE001 - no sharding in the type (old jax, or a plain value)
+        return ct
+    mesh = getattr(want, "mesh", None)
+    if not getattr(mesh, "explicit_axes", ()) or _padded(have.spec, ct.ndim) == _padded(want.spec, ct.ndim):
+        return ct
+    return _reshard(ct, mesh, want.spec)
 
 
 def _context_axis_types():

@@ -10,10 +10,13 @@ JAX_FLASH_CHECK_DTYPE (default "float32") the inputs' dtype (bfloat16 on GPUs).
 
 Cases "decode:spec:lengths:layout" (run by tests/test_decode.py) shard a decode_attention call over the batch, the
 kv heads or both (spec dp, tp, dp_tp; Auto axes), with per-sequence lengths or one length (kv_lengths of shape ()),
-dense or paged16 caches: {"case", "ok", "out_err", "lse_err" (against the unsharded call), "collectives",
-"out_spec"}."""
+dense or paged16 caches, on Auto axes or (a fifth field) Explicit ones: {"case", "ok", "out_err", "lse_err"
+(against the unsharded call), "collectives", "out_spec"}. Cases "sinks:axis_type:spec:mode" take the gradient of
+a call with sinks with respect to q and the sinks (on the mesh, or inside the user's shard_map): {"case", "ok",
+"dq_err", "dsinks_err", "dsinks_spec"}."""
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -149,9 +152,40 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
     )
 
 
-def run_decode_case(spec_name, lengths, layout):
+def run_sinks_case(axis_type, spec_name, mode):
+    """The gradient of a call with sinks with respect to q and the sinks, q sharded by `spec_name` and the sinks an
+    array on the mesh (replicated; mode "mesh") or both inside the user's jax.shard_map (mode "shardmap"; the
+    sinks replicated there), against the unsharded call: the sinks' cotangent must come back typed as the sinks."""
+    mesh = jax.make_mesh(MESH, ("dp", "tp"), axis_types=(axis_type,) * 2, devices=jax.devices()[:MESH[0] * MESH[1]])
+    spec = SPECS[spec_name]
+    rng = np.random.default_rng(1)
+    q, k, v, ct = (jnp.asarray(rng.standard_normal(shape, np.float32), DTYPE)
+                   for shape in ((B, T, 8, D), (B, T, 4, D), (B, T, 4, D), (B, T, 8, D)))
+    sinks = jnp.asarray(rng.standard_normal(8), jnp.float32)
+
+    def attn(q, s):
+        return jax_flash.dot_product_attention(q, k, v, sinks=s, is_causal=True)
+
+    f = attn
+    if mode == "shardmap":
+        kv_spec = P(*(list(spec) + [None] * 3)[:3])
+        f = jax.shard_map(lambda q, k, v, s: jax_flash.dot_product_attention(q, k, v, sinks=s, is_causal=True),
+                          mesh=mesh, in_specs=(spec, kv_spec, kv_spec, P()), out_specs=spec)
+        f = functools.partial(lambda f, q, s: f(q, k, v, s), f)
+
+    def grads(f, q, s):
+        return jax.jit(jax.grad(lambda q, s: jnp.sum((f(q, s) * ct).astype(jnp.float32)), argnums=(0, 1)))(q, s)
+
+    want_dq, want_ds = grads(attn, q, sinks)
+    with jax.set_mesh(mesh):
+        dq, ds = grads(f, jax.device_put(q, NamedSharding(mesh, spec)), jax.device_put(sinks, NamedSharding(mesh, P())))
+    err = lambda x, r: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(r, np.float64))))  # noqa: E731
+    return dict(dq_err=err(dq, want_dq), dsinks_err=err(ds, want_ds), dsinks_spec=str(ds.sharding.spec))
+
+
+def run_decode_case(spec_name, lengths, layout, axis_type="Auto"):
     """One decode_attention call sharded by `spec_name` against the same call unsharded (B 4, Tq 2, Hq 8, Hkv 4)."""
-    mesh = jax.make_mesh(MESH, ("dp", "tp"), axis_types=(AxisType.Auto,) * 2,
+    mesh = jax.make_mesh(MESH, ("dp", "tp"), axis_types=(getattr(AxisType, axis_type),) * 2,
                          devices=jax.devices()[:MESH[0] * MESH[1]])
     b, tq, hq, hkv, cap, page = 4, 2, 8, 4, 96, 16
     rng = np.random.default_rng(0)
@@ -187,6 +221,9 @@ def main(cases):
         try:
             if kind == "decode":
                 result = dict(case=case, ok=True, **run_decode_case(*fields))
+            elif kind == "sinks":
+                axis_type, spec_name, mode = fields
+                result = dict(case=case, ok=True, **run_sinks_case(getattr(AxisType, axis_type), spec_name, mode))
             else:
                 spec_name, hq, hkv, mask_name, *flags = fields
                 args = (getattr(AxisType, kind), spec_name, int(hq), int(hkv), mask_name)

@@ -51,12 +51,19 @@ def test_matches_reference(case, dtype, attention_checks):
     attention_checks.check_against_reference(attention_checks.Case(**case), dtype)
 
 
+@pytest.mark.parametrize("path", ["kernel", "xla"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
-def test_rows_that_see_no_key_are_zero_with_finite_gradients(dtype, attention_checks):
+def test_rows_that_see_no_key_are_zero_with_finite_gradients(dtype, path, attention_checks, monkeypatch):
+    """Also on the XLA path (float32 on a GPU, platforms without a kernel), whose jax.nn call alone would give such a
+    row the mean of the values and a gradient."""
+    if path == "xla":
+        monkeypatch.setattr(jax_flash.attention, "_kernel_platforms", lambda dtype: ())
     case = attention_checks.Case(batch=2, seqlen_q=9, seqlen_k=9, heads_q=2, heads_kv=1, head_dim=16,
                                  window=(0, 0), kv_lens=(0, 3))
     q, k, v, do = attention_checks.make_inputs(case, dtype)
     out, dq, dk, dv = attention_checks.fwd_bwd(jax_flash.dot_product_attention, q, k, v, do, **case.kwargs())
+    _, lse = jax_flash.dot_product_attention(q, k, v, return_residual=True, **case.kwargs())
+    assert np.all(np.asarray(lse)[0] == -np.inf) and np.all(np.asarray(lse)[1, 3:] == -np.inf)
     for x in (out, dq, dk, dv):
         assert np.isfinite(x).all()
     assert not out[0].any() and not dq[0].any()  # kv length 0: nothing to attend to

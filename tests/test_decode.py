@@ -90,6 +90,11 @@ CASES = {
                            window=(40, 0)),
     "noncausal_softcap_sinks": dict(batch=2, rows=3, hq=4, hkv=2, d=32, capacity=64, lengths=(64, 20),
                                     is_causal=False, softcap=5.0, sinks=True),
+    # non-causal windows: a right side past the last row (the kernels' unbounded side) and one inside the rows
+    "noncausal_window_right_past_rows": dict(batch=2, rows=3, hq=4, hkv=2, d=32, capacity=64, lengths=(64, 20),
+                                             is_causal=False, window=(10, 7)),
+    "noncausal_window_right_inside_rows": dict(batch=2, rows=3, hq=4, hkv=2, d=32, capacity=64, lengths=(64, 20),
+                                               is_causal=False, window=(10, 1)),
     "paged_d256_sinks": dict(batch=1, rows=5, hq=2, hkv=1, d=256, capacity=64, lengths=(33,), page_size=16,
                              sinks=True),
     # kv_lengths as one scalar (every sequence equally long: the split plan for equal lengths): split over few
@@ -741,6 +746,9 @@ def test_forward_only():
         jax.grad(lambda q: jnp.sum(jax_flash.decode_attention(q, k, k, n).astype(jnp.float32)))(q)
     with pytest.raises(TypeError, match="forward-only"):
         jax.grad(lambda k: jnp.sum(jax_flash.decode_attention(q, k, k, n).astype(jnp.float32)))(k)
+    sinks = jnp.zeros((2,), jnp.float32)  # the sinks alone (a Flax decode step's one trainable input)
+    with pytest.raises(TypeError, match="forward-only"):
+        jax.grad(lambda s: jnp.sum(jax_flash.decode_attention(q, k, k, n, sinks=s).astype(jnp.float32)))(sinks)
 
 
 def _fake_h100_launch_shapes(monkeypatch):
@@ -852,12 +860,14 @@ def test_one_length_reaches_the_split_plan(monkeypatch):
 def test_sharded_calls_partition_as_dot_product_attention():
     """Batch- and head-sharded decode calls under jit (a ("dp", "tp") mesh of 8 fake CPU devices, in a subprocess:
     tests/sharding_check.py's decode cases) give the unsharded call's output and lse with no collective and keep q's
-    sharding: per-sequence lengths and one length, dense caches and (dp, tp) paged ones."""
+    sharding: per-sequence lengths and one length, dense caches and (dp, tp) paged ones, on Auto axes and (a
+    batch-sharded page table) Explicit ones."""
     if ON_GPU:
         pytest.skip("a CPU subprocess (runs once, on the CPU pass)")
     cases = [f"decode:{c}" for c in ("dp:per-sequence:dense", "dp:one:dense", "tp:one:dense", "tp:per-sequence:dense",
                                      "dp_tp:per-sequence:dense", "dp_tp:one:dense", "dp:one:paged16",
-                                     "tp:per-sequence:paged16")]
+                                     "tp:per-sequence:paged16", "dp:per-sequence:paged16:Explicit",
+                                     "dp_tp:per-sequence:paged16:Explicit", "dp_tp:one:dense:Explicit")]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-P", str(pathlib.Path(__file__).with_name("sharding_check.py")), *cases],
                           env=env, capture_output=True, text=True, timeout=600, cwd="/")

@@ -82,6 +82,8 @@ BAD_OPERANDS = {
     "q_segment_runs": (dict(q_runs=(1, 8)), "q_segment_runs has shape (1, 8), expected batch x seqlen_q x 2 = 16"),
     "sinks": (dict(sinks=(1, 3)), "sinks has shape (1, 3), expected batch x heads_q = 2"),
     "softcap": (dict(softcap=-1.0), "logits_soft_cap must be finite and > 0"),
+    "softcap_subnormal": (dict(softcap=1e-40), "logits_soft_cap must be finite and > 0 (0: none), a normal float32"),
+    "softcap_scale": (dict(softcap=1e38), "logits_soft_cap / scale out of float32 range"),
 }
 
 

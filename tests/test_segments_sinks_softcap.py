@@ -595,6 +595,11 @@ BAD = {
     "cap_inf": (dict(logits_soft_cap=float("inf")), ValueError, "finite and > 0, got inf"),
     "cap_nan": (dict(logits_soft_cap=float("nan")), ValueError, "finite and > 0, got nan"),
     "cap_type": (dict(logits_soft_cap="5"), TypeError, "logits_soft_cap must be None or a static Python float"),
+    # float32 subnormal (the CPU's threads would read it as 0, no cap), past float32, scale / cap subnormal
+    "cap_subnormal": (dict(logits_soft_cap=1e-40), ValueError, "logits_soft_cap must be a normal float32"),
+    "cap_past_float32": (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap must be a normal float32"),
+    "cap_over_scale": (dict(logits_soft_cap=1e38), ValueError, "scale / logits_soft_cap and logits_soft_cap / scale"),
+    "cap_under_scale": (dict(logits_soft_cap=1e-37, scale=1e3), ValueError, "got logits_soft_cap=1e-37 with scale"),
     "cap_with_xla": (dict(logits_soft_cap=5.0, implementation="xla"), ValueError, "implementation='xla'"),
     "sinks_with_mask": (dict(sinks=np.zeros(4, np.float32), mask=np.ones((8, 8), bool)), ValueError,
                         "dense bias or mask"),

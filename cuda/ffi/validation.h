@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -25,6 +26,10 @@ namespace ffi = xla::ffi;
 
 inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kHeadDimMultiple = 8;
+// Query and key sequences of the attention targets: the masks take differences of int32 positions (mask.h), and
+// the Python API checks the same bound (jax_flash.attention.MAX_SEQ_LEN). Offsets, internal operands of sequence
+// sharding, lie in [0, kMaxSeqLen] too (not checked here: device values).
+inline constexpr int64_t kMaxSeqLen = int64_t(1) << 30;
 
 inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
   std::string s = "(";
@@ -131,7 +136,11 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   }
   if (window_left < -1 || window_right < -1) return Invalid("window sizes must be >= 0 (or -1 for unbounded)");
   if (auto e = CheckKernelScale(scale); e.failure()) return e;
-  if (batch > INT32_MAX || qd[r - 3] > INT32_MAX || kd[r - 3] > INT32_MAX) return Invalid("dimension too large");
+  if (batch > INT32_MAX || hq > INT32_MAX || hkv > INT32_MAX) return Invalid("dimension too large");
+  if (qd[r - 3] > kMaxSeqLen || kd[r - 3] > kMaxSeqLen) {
+    return Invalid("sequence lengths above 2^30 are not supported, got query " + std::to_string(qd[r - 3]) +
+                   " and key " + std::to_string(kd[r - 3]));
+  }
 
   p->batch = static_cast<int>(batch);
   p->seqlen_q = static_cast<int>(qd[r - 3]);
@@ -142,12 +151,12 @@ inline ffi::Error FillCommonParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   p->scale = scale;
   p->scale_log2 = scale * kLog2e;
   p->causal = is_causal;
-  // Positions are int32, so a window of 2^30 or more reaches every key a call can hold: unbounded (-1). The kernels
-  // drop a window side that no (row, key) pair of a batch element reaches (mask_for_batch: that needs the
-  // offsets, which are device values); callers with static knowledge drop it before (jax_flash.attention).
-  constexpr int64_t kUnreachable = int64_t(1) << 30;
-  p->window_left = window_left < 0 || window_left >= kUnreachable ? -1 : static_cast<int>(window_left);
-  p->window_right = window_right < 0 || window_right >= kUnreachable ? -1 : static_cast<int>(window_right);
+  // Positions (lengths, offsets: at most kMaxSeqLen) are int32, so a window of 2^30 or more reaches every key a call
+  // can hold: unbounded (-1). The kernels drop a window side that no (row, key) pair of a batch element reaches
+  // (mask_for_batch: that needs the offsets, which are device values); callers with static knowledge drop it before
+  // (jax_flash.attention).
+  p->window_left = window_left < 0 || window_left >= kMaxSeqLen ? -1 : static_cast<int>(window_left);
+  p->window_right = window_right < 0 || window_right >= kMaxSeqLen ? -1 : static_cast<int>(window_right);
   p->q_lens = q_lens.typed_data();
   p->kv_lens = kv_lens.typed_data();
   p->q_offsets = q_offsets.typed_data();
@@ -195,11 +204,21 @@ inline ffi::Error FillScoreModifiers(ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ff
     p->q_segment_runs = q_runs.typed_data();
     p->kv_segment_runs = kv_runs.typed_data();
   }
-  if (!std::isfinite(softcap) || softcap < 0.f) return Invalid("logits_soft_cap must be finite and > 0 (0: none)");
-  p->softcap_pre = softcap > 0.f ? p->scale / softcap : 0.f;
-  p->softcap_post = softcap > 0.f ? softcap / p->scale : 0.f;
-  if (softcap > 0.f && (!std::isfinite(p->softcap_post) || p->softcap_pre == 0.f)) {
-    return Invalid("logits_soft_cap / scale out of float32 range");
+  // 0 (either sign, by its bits: XLA's CPU threads read a subnormal as 0 too) is no cap. A cap c reaches the kernels
+  // as scale / c and c / scale, which their fast math would flush to 0 if subnormal: c and both must be normal.
+  uint32_t bits = 0;
+  std::memcpy(&bits, &softcap, sizeof(bits));
+  p->softcap_pre = p->softcap_post = 0.f;
+  if ((bits & 0x7fffffffu) == 0) return ffi::Error::Success();
+  if (!std::isfinite(softcap) || !(softcap >= FLT_MIN)) {
+    return Invalid("logits_soft_cap must be finite and > 0 (0: none), a normal float32");
+  }
+  p->softcap_pre = p->scale / softcap;
+  p->softcap_post = softcap / p->scale;
+  if (!std::isfinite(p->softcap_pre) || !std::isfinite(p->softcap_post) || !(p->softcap_pre >= FLT_MIN) ||
+      !(p->softcap_post >= FLT_MIN)) {
+    return Invalid("logits_soft_cap / scale out of float32 range (scale / logits_soft_cap and logits_soft_cap / "
+                   "scale must be normal float32 numbers)");
   }
   return ffi::Error::Success();
 }
