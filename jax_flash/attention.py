@@ -525,7 +525,8 @@ def dot_product_attention(
     r"""Scaled dot-product attention; a drop-in for :func:`jax.nn.dot_product_attention` run by a fused kernel.
 
     Computes ``softmax(scale * Q K^T + mask) V`` per head without materialising the attention matrix, on CPU and
-    CUDA GPUs, forward and backward (through :func:`jax.custom_vjp`; jit, grad, vmap and checkpoint compose).
+    CUDA GPUs, forward and backward (through :func:`jax.custom_vjp`; jit, grad, vmap and checkpoint compose; forward
+    mode and second order do not: ``implementation="xla"`` has them).
 
     Shapes (as jax.nn): B batch, T query length, S key/value length, N query heads, K key/value heads (N a
     multiple of K: grouped-query or, with K = 1, multi-query attention), H head dim.

