@@ -185,11 +185,18 @@ def _path(q, k, v):
         # Inside shard_map: the arrays are per-device blocks. (Sharded Auto/Explicit axes left in a partly manual
         # context are not partitioned: every device computes its whole block.)
         return "local", None
+    mixed = jax.sharding.AxisType.Explicit in types and jax.sharding.AxisType.Auto in types
+    if mixed:  # (custom_partitioning fails on such a mesh inside JAX: the Auto axes cannot be partitioned)
+        from jax_flash.attention import _warn_once
+
+        _warn_once("sharding:mixed", "jax_flash: a mesh mixing Explicit and Auto axes: the Auto axes are not "
+                   "partitioned (inputs sharded over them are gathered); use all-Explicit or all-Auto axes",
+                   stacklevel=4)
     for x in (q, k, v):
         found = _explicit_spec(x)
         if found is not None:
             return "explicit", found[0]
-    if types and all(t == jax.sharding.AxisType.Explicit for t in types):
+    if mixed or (types and all(t == jax.sharding.AxisType.Explicit for t in types)):
         return "local", None  # replicated arrays on an Explicit mesh: every device computes everything
     return "auto", None
 

@@ -13,7 +13,8 @@ kv heads or both (spec dp, tp, dp_tp; Auto axes), with per-sequence lengths or o
 dense or paged16 caches, on Auto axes or (a fifth field) Explicit ones: {"case", "ok", "out_err", "lse_err"
 (against the unsharded call), "collectives", "out_spec"}. Cases "sinks:axis_type:spec:mode" take the gradient of
 a call with sinks with respect to q and the sinks (on the mesh, or inside the user's shard_map): {"case", "ok",
-"dq_err", "dsinks_err", "dsinks_spec"}."""
+"dq_err", "dsinks_err", "dsinks_spec"}. Cases "mixed:spec" run on a mesh of an Explicit and an Auto axis: {"case",
+"ok", "out_err", "grad_err", "warned"}."""
 
 import contextlib
 import json
@@ -184,6 +185,31 @@ def run_sinks_case(axis_type, spec_name, mode):
     return dict(dq_err=err(dq, want_dq), dsinks_err=err(ds, want_ds), dsinks_spec=str(ds.sharding.spec))
 
 
+def run_mixed_case(spec_name):
+    """A call on a mesh of an Explicit "dp" and an Auto "tp" axis, q, k and v sharded by `spec_name`: the values and
+    gradients of the unsharded call, and one warning that the Auto axes are not partitioned."""
+    mesh = jax.make_mesh(MESH, ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto),
+                         devices=jax.devices()[:MESH[0] * MESH[1]])
+    spec = SPECS[spec_name]
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32), DTYPE)
+               for shape in ((B, T, 8, D), (B, T, 4, D), (B, T, 4, D)))
+
+    def loss(q, k, v):
+        return jnp.sum(jax_flash.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32) ** 2)
+
+    fwd = jax.jit(lambda q, k, v: jax_flash.dot_product_attention(q, k, v, is_causal=True))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    want_o, want_g = fwd(q, k, v), grad(q, k, v)
+    with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+        o, g = fwd(*args), grad(*args)
+    err = lambda x, r: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(r, np.float64))))  # noqa: E731
+    return dict(out_err=err(o, want_o), grad_err=max(err(a, b) for a, b in zip(g, want_g)),
+                warned=sum("mixing Explicit and Auto" in str(w.message) for w in caught))
+
+
 def run_decode_case(spec_name, lengths, layout, axis_type="Auto"):
     """One decode_attention call sharded by `spec_name` against the same call unsharded (B 4, Tq 2, Hq 8, Hkv 4)."""
     mesh = jax.make_mesh(MESH, ("dp", "tp"), axis_types=(getattr(AxisType, axis_type),) * 2,
@@ -222,6 +248,8 @@ def main(cases):
         try:
             if kind == "decode":
                 result = dict(case=case, ok=True, **run_decode_case(*fields))
+            elif kind == "mixed":
+                result = dict(case=case, ok=True, **run_mixed_case(*fields))
             elif kind == "sinks":
                 axis_type, spec_name, mode = fields
                 result = dict(case=case, ok=True, **run_sinks_case(getattr(AxisType, axis_type), spec_name, mode))

@@ -163,6 +163,24 @@ def test_sinks_gradient_is_typed_as_the_sinks():
             assert _spec(r["dsinks_spec"], {"dp": 2, "tp": 4}) == (), (case, r)
 
 
+def test_mesh_mixing_explicit_and_auto_axes_gathers_the_auto_ones_with_a_warning():
+    """A mesh of an Explicit "dp" and an Auto "tp" axis (JAX's custom_partitioning fails on it): q, k and v sharded
+    over either, both or none give the unsharded call's values and gradients, and the process warns once that the
+    Auto axes are not partitioned: tests/sharding_check.py's mixed cases on 8 fake CPU devices."""
+    cases = [f"mixed:{c}" for c in ("tp", "dp_tp", "dp", "repl")]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               JAX_FLASH_CHECK_MESH="2x4")
+    proc = subprocess.run([sys.executable, "-P", str(CHECK), *cases], env=env, capture_output=True, text=True,
+                          timeout=600, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    results = {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    assert list(results) == cases, proc.stderr[-5000:]
+    for case, r in results.items():
+        assert r["ok"], (case, r.get("trace"))
+        assert r["out_err"] <= FWD_TOL and r["grad_err"] <= GRAD_TOL, (case, r)
+    assert sum(r["warned"] for r in results.values()) == 1, results
+
+
 def test_single_device_path_unchanged():
     """One device in the process: the kernel is called directly (no shard_map, no custom_partitioning)."""
     assert jax.device_count() == 1
