@@ -41,7 +41,11 @@ status=0
 # the suite finishes in a fraction of the time. Where pytest-timeout is installed a test that runs past
 # TEST_TIMEOUT seconds (a kernel that hangs) fails alone instead of holding the whole run; PYTEST_LIMIT bounds
 # the whole suite.
-pytest_args=(-q -x -p no:cacheprovider)
+# -v, each line stamped with its second: a run cut by PYTEST_LIMIT still names every test that failed (-q's dots do
+# not). The whole not-slow suite takes more than one 600 s device call with 8 workers (session 78): TESTS="..." runs
+# a part of it (module paths), e.g. TESTS="tests/test_decode.py tests/test_gpu.py" in one call and the rest in
+# the next.
+pytest_args=(-v -x -p no:cacheprovider)
 if python3 -c "import xdist" 2>/dev/null; then pytest_args+=(-n "${PYTEST_WORKERS:-4}"); fi
 if python3 -c "import pytest_timeout" 2>/dev/null; then
   pytest_args+=(--timeout "${TEST_TIMEOUT:-150}" --timeout-method thread)
@@ -50,13 +54,18 @@ if [ "$MODE" != bench ]; then
   note "pytest ${pytest_args[*]}"
   t0=$SECONDS
   if [ "$MODE" = dev ]; then
-    timeout "${PYTEST_LIMIT:-540}" pytest "${pytest_args[@]}" tests/test_gpu.py -m "not slow" 2>&1 |
-      tee "$OUT/pytest.log" | tail -25
+    read -r -a tests <<<"${TESTS:-tests/test_gpu.py}"
+    selection=(-m "not slow")
   else
-    timeout "${PYTEST_LIMIT:-540}" pytest "${pytest_args[@]}" tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+    read -r -a tests <<<"${TESTS:-tests}"
+    selection=()
   fi
+  timeout "${PYTEST_LIMIT:-540}" pytest "${pytest_args[@]}" "${selection[@]}" "${tests[@]}" 2>&1 |
+    while IFS= read -r line; do echo "$((SECONDS - t0)) $line"; done >"$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
-  note "pytest: rc=$rc $(tail -1 "$OUT/pytest.log") ($((SECONDS - t0)) s)"
+  grep -E " (FAILED|ERROR) " "$OUT/pytest.log" | head -20
+  note "pytest: rc=$rc $(grep -c ' PASSED ' "$OUT/pytest.log") passed, $(grep -c ' SKIPPED ' "$OUT/pytest.log") skipped,"\
+" $(grep -c -E ' (FAILED|ERROR) ' "$OUT/pytest.log") failed ($((SECONDS - t0)) s); last: $(tail -1 "$OUT/pytest.log")"
   [ $rc -eq 0 ] || status=1
   # On Hopper the forward runs the sm_90a kernel; check the sm_80-class kernels there too.
   # SKIP_SM80=1 skips this when a change cannot reach those kernels (device time is scarce).
