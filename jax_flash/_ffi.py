@@ -345,7 +345,7 @@ def decode_fits_device(head_dim, packed_rows):
 
 @functools.cache
 def _decode_fits(head_dim, packed_rows, kernel):
-    return bool(_jax_flash_cuda.decode_fits_device(head_dim, packed_rows, kernel))
+    return cuda_device_count() == 0 or bool(_jax_flash_cuda.decode_fits_device(head_dim, packed_rows, kernel))
 
 
 def attention_fits_device(head_dim, backward):
@@ -357,7 +357,7 @@ def attention_fits_device(head_dim, backward):
 
 @functools.cache
 def _attention_fits(head_dim, backward, kernel):
-    return bool(_jax_flash_cuda.attention_fits_device(head_dim, backward, kernel))
+    return cuda_device_count() == 0 or bool(_jax_flash_cuda.attention_fits_device(head_dim, backward, kernel))
 
 
 def decode_splits(q_shape, heads_kv, capacity, paged=False):

@@ -170,6 +170,10 @@ def _fitting_platforms(cfg, kernel, head_dim, backward):
     runs its XLA path there."""
     platforms = list(cfg.kernel_platforms)
     if "cuda" in platforms and not _ffi.attention_fits_device(head_dim, backward):
+        if backward and cfg.deterministic:  # (the XLA path's sums have no fixed order either)
+            raise ValueError("deterministic=True needs the sm_90a backward kernel for head_dim <= 128: compute "
+                             f"capability 9.0 (this GPU's backward kernel at head dim {head_dim} does not fit its "
+                             "shared memory)")
         platforms.remove("cuda")
         direction = "backward" if backward else "forward"
         _warn_once(f"smem:{direction}:{head_dim}", f"jax_flash.dot_product_attention: the {direction} kernel at head "
@@ -598,8 +602,11 @@ def dot_product_attention(
       ValueError: inconsistent shapes or dtypes between query, key and value; a head dim the kernels do not take;
         length arrays that are not int32 (B,); segment ids or sinks of the wrong shape, sinks whose values are
         known and not finite; a bias or mask that does not broadcast to (B, N, T, S); a negative window,
-        non-finite scale or a soft cap that is not finite and > 0; an unknown implementation; segment ids, sinks
-        or a soft cap with ``implementation="xla"``/``"cudnn"`` or with ``bias``/``mask``.
+        non-finite scale or a soft cap that is not finite and > 0 (or, with the scale, leaves scale / cap or
+        cap / scale outside float32's normal numbers); sequences longer than 2^30; an unknown implementation;
+        segment ids, sinks or a soft cap with ``implementation="xla"``/``"cudnn"`` or with ``bias``/``mask``;
+        ``deterministic=True`` where the sm_90a backward does not run (only on compute capability 9.0, head dims up
+        to 128; elsewhere on a GPU the handler raises it when the call runs).
       TypeError: an unsupported dtype (with a bias or mask: one that is not floating-point); segment ids that are
         not int32 or sinks that are not float32; a non-bool ``is_causal``, ``deterministic`` or
         ``return_residual``; a window, scale or soft cap that is not a static number.

@@ -8,7 +8,9 @@ On CUDA the call runs the decode kernels (``cuda/kernels/decode``): the query he
 packed into the rows of one tile, the key range split across thread blocks (split-KV) and merged by a combine
 kernel, paged caches read through the page table; on more than one device a paged cache is first gathered into a
 dense one per sequence (page pools are not partitioned), which the decode kernels then read. On the CPU, and for a
-query sharded over its rows, it runs jax_flash's attention kernel with the rows' global positions as offsets.
+query sharded over its rows, it runs jax_flash's attention kernel with the rows' global positions as offsets (up to
+2^30 keys a sequence: caches past that run on the CUDA decode kernels only, whose windows of 2^30 or more count as
+unbounded).
 """
 
 from __future__ import annotations

@@ -726,7 +726,8 @@ def test_decode_kernel_that_does_not_fit_the_gpu_runs_the_attention_kernel(monke
         assert "jax_flash_decode" not in program and "jax_flash_fwd" in program
 
     if ON_GPU:
-        assert _ffi.decode_fits_device(128, 16)  # an H100 / H200 (the GPU suite's devices)
+        if getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0":
+            assert _ffi.decode_fits_device(128, 16)  # an H100 / H200: 227 KB a block
         with jax_flash.force_kernel("sm80-small-smem"):
             assert not _ffi.decode_fits_device(128, 16) and _ffi.decode_fits_device(64, 16)
             run()

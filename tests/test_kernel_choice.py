@@ -163,15 +163,41 @@ def test_calls_whose_kernel_does_not_fit_drop_the_cuda_branch(monkeypatch, fresh
 
     fits = {(256, False): False, (256, True): False}
     monkeypatch.setattr(_ffi, "attention_fits_device", lambda head_dim, backward: fits.get((head_dim, backward), True))
-    cfg = types.SimpleNamespace(kernel_platforms=("cpu", "cuda"))
+    cfg = types.SimpleNamespace(kernel_platforms=("cpu", "cuda"), deterministic=False)
     kernel = object()
     assert attention._fitting_platforms(cfg, kernel, 128, backward=True) == {"cpu": kernel, "cuda": kernel}
     with pytest.warns(RuntimeWarning, match="backward kernel at head dim 256 needs more shared memory"):
         assert attention._fitting_platforms(cfg, kernel, 256, backward=True) == {"cpu": kernel}
     with pytest.warns(RuntimeWarning, match="forward kernel at head dim 256 needs more shared memory"):
         assert attention._fitting_platforms(cfg, kernel, 256, backward=False) == {"cpu": kernel}
-    assert attention._fitting_platforms(types.SimpleNamespace(kernel_platforms=("cpu",)), kernel, 256,
-                                        backward=False) == {"cpu": kernel}
+    assert attention._fitting_platforms(types.SimpleNamespace(kernel_platforms=("cpu",), deterministic=False),
+                                        kernel, 256, backward=False) == {"cpu": kernel}
+    # deterministic=True keeps its error: the XLA path's sums have no fixed order either
+    with pytest.raises(ValueError, match="deterministic=True needs the sm_90a backward"):
+        attention._fitting_platforms(types.SimpleNamespace(kernel_platforms=("cpu", "cuda"), deterministic=True),
+                                     kernel, 256, backward=True)
+
+
+def test_each_direction_asks_for_its_own_fit(monkeypatch, fresh_warnings):
+    """As on an sm_80 GPU (163 KB): the head-dim-256 forward fits, the backward does not. Tracing a gradient asks
+    the forward's fit and the backward's, and warns about the backward alone."""
+    if "cuda" not in jax_flash.attention._kernel_platforms(jnp.bfloat16):
+        pytest.skip("needs jax_flash's CUDA targets registered (a CUDA build)")
+    asked = []
+
+    def fits(head_dim, backward):
+        asked.append((head_dim, backward))
+        return not (head_dim > 128 and backward)
+
+    monkeypatch.setattr(_ffi, "attention_fits_device", fits)
+    q = jnp.ones((1, 40, 2, 256), jnp.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.make_jaxpr(jax.grad(lambda q: jax_flash.dot_product_attention(q, q, q, is_causal=True).astype(
+            jnp.float32).sum()))(q)
+    assert (256, False) in asked and (256, True) in asked, asked
+    messages = [str(w.message) for w in caught if "shared memory" in str(w.message)]
+    assert len(messages) == 1 and "the backward kernel at head dim 256" in messages[0], messages
 
 
 @pytest.mark.gpu
@@ -181,8 +207,9 @@ def test_head_dim_256_on_a_99_kb_device_runs_the_xla_path(attention_checks, fres
     kernels there; on an H100 / H200 every head dim fits."""
     if not jax_flash.cuda_available():
         pytest.skip("needs a CUDA GPU and jax_flash's CUDA kernels")
-    with jax_flash.force_kernel("auto"):  # (JAX_FLASH_FORCE_SM80 may pick another family for the process)
-        assert all(_ffi.attention_fits_device(d, b) for d in (64, 128, 256) for b in (False, True))
+    if getattr(jax.devices("gpu")[0], "compute_capability", "") == "9.0":  # an H100 / H200: 227 KB a block
+        with jax_flash.force_kernel("auto"):  # (JAX_FLASH_FORCE_SM80 may pick another family for the process)
+            assert all(_ffi.attention_fits_device(d, b) for d in (64, 128, 256) for b in (False, True))
     case = attention_checks.Case(batch=1, seqlen_q=130, seqlen_k=97, heads_q=4, heads_kv=2, head_dim=256,
                                  is_causal=True)
     with jax.default_device(jax.devices("gpu")[0]), jax_flash.force_kernel("sm80-small-smem"):
