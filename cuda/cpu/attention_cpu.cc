@@ -301,7 +301,7 @@ inline void LoadKeyIds(const AttentionMask& mask, int k0, int nk, int nkp, int32
 }
 
 struct FwdScratch {
-  std::vector<float> q, kt, v, s, o, m, l;
+  std::vector<float> q, kt, v, s, o, pv, m, l;  // pv: one tile's P V (GemmAdd)
   std::vector<char> seen;      // query rows that saw some key
   std::vector<int32_t> kvid;  // segment ids of the key tile
   explicit FwdScratch(const FlashParams& p)
@@ -310,6 +310,7 @@ struct FwdScratch {
         v(size_t(kFwdBlockK) * LdD(p.head_dim)),
         s(size_t(kFwdBlockQ) * LdK(kFwdBlockK)),
         o(size_t(kFwdBlockQ) * LdD(p.head_dim)),
+        pv(size_t(kFwdBlockQ) * LdD(p.head_dim)),
         m(kFwdBlockQ),
         l(kFwdBlockQ),
         seen(kFwdBlockQ),
@@ -318,7 +319,7 @@ struct FwdScratch {
 
 struct BwdScratch {
   int bk, ldk, ldd;
-  std::vector<float> q, dout, kt, vt, k, p, ds, dk, dv, dq, lse2, dsum;
+  std::vector<float> q, dout, kt, vt, k, p, ds, dk, dv, dq, tmp, lse2, dsum;  // tmp: one tile's product (GemmAdd)
   std::vector<int32_t> kvid;  // segment ids of the key tile
   explicit BwdScratch(const FlashParams& prm)
       : bk(BwdBlockK(prm.head_dim)),
@@ -334,6 +335,7 @@ struct BwdScratch {
         dk(size_t(bk) * ldd),
         dv(size_t(bk) * ldd),
         dq(size_t(kBwdBlockQ) * ldd),
+        tmp(size_t(std::max(bk, kBwdBlockQ)) * ldd),
         lse2(kBwdBlockQ),
         dsum(kBwdBlockQ),
         kvid(bk) {}
@@ -625,9 +627,8 @@ inline I ILoad(const int32_t* p) {
   return v;
 }
 
-// C (= or +=) A B with A(r, k) = A[r * a_rs + k * a_ks], B(k, c) = B[k * ldb + c], C(r, c) = C[r * ldc + c].
+// C = A B with A(r, k) = A[r * a_rs + k * a_ks], B(k, c) = B[k * ldb + c], C(r, c) = C[r * ldc + c].
 // M must be a multiple of kMR and N of kNR. Each C element is a sum over k in order.
-template <bool kAccumulate>
 inline void Gemm(int M, int N, int K, const float* __restrict A, ptrdiff_t a_rs, ptrdiff_t a_ks,
                  const float* __restrict B, ptrdiff_t ldb, float* __restrict C, ptrdiff_t ldc) {
   constexpr int NV = kNR / kW;  // vectors per kernel tile row
@@ -636,7 +637,7 @@ inline void Gemm(int M, int N, int K, const float* __restrict A, ptrdiff_t a_rs,
       float* cp = C + r * ldc + c;
       V x[kMR][NV];
       for (int i = 0; i < kMR; ++i) {
-        for (int v = 0; v < NV; ++v) x[i][v] = kAccumulate ? VLoad(cp + i * ldc + v * kW) : V{};
+        for (int v = 0; v < NV; ++v) x[i][v] = V{};
       }
       const float* a = A + r * a_rs;
       const float* b = B + c;
@@ -654,6 +655,20 @@ inline void Gemm(int M, int N, int K, const float* __restrict A, ptrdiff_t a_rs,
         for (int v = 0; v < NV; ++v) VStore(cp + i * ldc + v * kW, x[i][v]);
       }
     }
+  }
+}
+
+// C += A B (shapes as Gemm's) through `tmp`, as large as C: the tile's product summed on its own, then added. A loop
+// over many tiles then adds a few tile sums into each element instead of one sequential float32 sum over every key
+// (or query), whose error grew with the sequence: 4-8x jax.nn's from about 1000 keys (NOTES, session 78).
+inline void GemmAdd(int M, int N, int K, const float* __restrict A, ptrdiff_t a_rs, ptrdiff_t a_ks,
+                    const float* __restrict B, ptrdiff_t ldb, float* __restrict C, ptrdiff_t ldc,
+                    float* __restrict tmp) {
+  Gemm(M, N, K, A, a_rs, a_ks, B, ldb, tmp, ldc);
+  for (int r = 0; r < M; ++r) {
+    float* __restrict c = C + r * ldc;
+    const float* __restrict t = tmp + r * ldc;
+    for (int j = 0; j < N; j += kW) VStore(c + j, VLoad(c + j) + VLoad(t + j));
   }
 }
 
@@ -709,7 +724,7 @@ void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
     const int nkp = RoundUp(nk, kNR);
     LoadRowsTransposed(k + int64_t(k0) * kv_rs, kv_rs, nk, nkp, D, kt, ldk);
     LoadRows(v + int64_t(k0) * kv_rs, kv_rs, nk, nkp, D, vf, ldd);
-    Gemm<false>(nqp, nkp, D, qf, ldd, 1, kt, ldk, s, ldk);  // S = Q K^T
+    Gemm(nqp, nkp, D, qf, ldd, 1, kt, ldk, s, ldk);  // S = Q K^T
     if (cap.enabled()) CapScores(cap, s, ldk, nq, nk);
     const bool full = mask.tile_fully_visible(q0, q0 + nq, k0, k0 + nk, p.seqlen_q);
     const bool seg = !full && mask.segments.enabled();
@@ -763,7 +778,7 @@ void ForwardItem(const FlashParams& p, int64_t item, FwdScratch& w) {
         for (int d = 0; d < D; d += kW) VStore(ai + d, VLoad(ai + d) * va);
       }
     }
-    Gemm<true>(nqp, D, nkp, s, ldk, 1, vf, ldd, acc, ldd);  // O += P V
+    GemmAdd(nqp, D, nkp, s, ldk, 1, vf, ldd, acc, ldd, w.pv.data());  // O += P V
   }
 
   const float sink = p.sinks != nullptr ? p.sinks[int64_t(b) * p.heads_q + h] : -kInf;
@@ -801,8 +816,8 @@ inline void BackwardTile(const FlashParams& p, const AttentionMask& mask, int q0
   const int D = p.head_dim, ldd = w.ldd, ldk = w.ldk;
   float* __restrict pt = w.p.data();
   float* __restrict ds = w.ds.data();
-  Gemm<false>(nqp, nkp, D, w.q.data(), ldd, 1, w.kt.data(), ldk, pt, ldk);     // S = Q K^T
-  Gemm<false>(nqp, nkp, D, w.dout.data(), ldd, 1, w.vt.data(), ldk, ds, ldk);  // dP = dO V^T
+  Gemm(nqp, nkp, D, w.q.data(), ldd, 1, w.kt.data(), ldk, pt, ldk);     // S = Q K^T
+  Gemm(nqp, nkp, D, w.dout.data(), ldd, 1, w.vt.data(), ldk, ds, ldk);  // dP = dO V^T
   const SoftCap cap(p);
   if (cap.enabled()) CapScores(cap, pt, ldk, nq, nk);
   const bool full = mask.tile_fully_visible(q0, q0 + nq, k0, k0 + nk, p.seqlen_q);
@@ -876,11 +891,11 @@ void BackwardKeyBlock(const FlashParams& p, int b, int kvh, int k0, BwdScratch& 
       const int nqp = RoundUp(nq, kMR);
       LoadQuerySide<T>(p, mask, b, h, q0, nq, nqp, w);
       BackwardTile(p, mask, q0, nq, nqp, k0, nk, nkp, w);
-      Gemm<true>(nkp, D, nqp, w.p.data(), 1, ldk, w.dout.data(), ldd, dva, ldd);  // dV += P^T dO
-      Gemm<true>(nkp, D, nqp, w.ds.data(), 1, ldk, w.q.data(), ldd, dka, ldd);    // dK += dS^T Q
+      GemmAdd(nkp, D, nqp, w.p.data(), 1, ldk, w.dout.data(), ldd, dva, ldd, w.tmp.data());  // dV += P^T dO
+      GemmAdd(nkp, D, nqp, w.ds.data(), 1, ldk, w.q.data(), ldd, dka, ldd, w.tmp.data());    // dK += dS^T Q
       if constexpr (kFusedDq) {
         float* __restrict dqt = w.dq.data();
-        Gemm<false>(nqp, D, nkp, w.ds.data(), ldk, 1, w.k.data(), ldd, dqt, ldd);  // dS K
+        Gemm(nqp, D, nkp, w.ds.data(), ldk, 1, w.k.data(), ldd, dqt, ldd);  // dS K
         float* dqa = p.dq_accum_of(b, h) + int64_t(q0) * p.head_dim_rounded;
         for (int i = 0; i < nq; ++i) {
           float* __restrict dst = dqa + int64_t(i) * p.head_dim_rounded;
@@ -958,7 +973,7 @@ void BackwardDqItem(const FlashParams& p, int64_t item, BwdScratch& w) {
       const int nkp = RoundUp(nk, kNR);
       LoadKeySide<T>(p, b, kvh, k0, nk, nkp, true, w);
       BackwardTile(p, mask, q0, nq, nqp, k0, nk, nkp, w);
-      Gemm<true>(nqp, D, nkp, w.ds.data(), w.ldk, 1, w.k.data(), ldd, dqa, ldd);  // dQ += dS K
+      GemmAdd(nqp, D, nkp, w.ds.data(), w.ldk, 1, w.k.data(), ldd, dqa, ldd, w.tmp.data());  // dQ += dS K
     }
   }
   ZeroRowsThatSeeNoKey(p, mask, q0, nq, p.lse + (int64_t(b) * p.heads_q + h) * p.seqlen_q + q0, dqa, ldd);
