@@ -4,6 +4,7 @@ num_splits, one length for a batch (kv_lengths of shape ()) and its split plan, 
 validation; forward only; batch- and head-sharded calls (8 fake CPU devices in a subprocess). float32 on the CPU and,
 where a GPU is visible, bfloat16 on it (the CUDA decode kernels)."""
 
+import functools
 import json
 import os
 import pathlib
@@ -766,7 +767,14 @@ def _fake_h100_launch_shapes(monkeypatch):
         def decode_fits_device(head_dim, packed_rows, kernel):
             return True
 
+        @staticmethod
+        def attention_fits_device(head_dim, backward, kernel):
+            return True
+
     monkeypatch.setattr(_ffi, "_jax_flash_cuda", FakeCudaModule)
+    monkeypatch.setattr(_ffi, "cuda_device_count", lambda: 1)
+    for name in ("_decode_fits", "_attention_fits"):  # fresh caches for the fake (the real ones come back after)
+        monkeypatch.setattr(_ffi, name, functools.cache(getattr(_ffi, name).__wrapped__))
     monkeypatch.setattr(_ffi, "_sm_count", lambda: 132)
 
 
