@@ -207,12 +207,21 @@ def attention_fn(
     if "use_kernel" in unused:
         raise TypeError("attention_fn takes no use_kernel; choose with implementation=None (the kernel), 'xla' or "
                         "'cudnn'")
+    if unused.get("input_positions") is not None:  # (flax's dot_product_attention_with_rope rotates q and k by them)
+        raise TypeError("attention_fn applies no rotary embedding: input_positions would be ignored; rotate q and k "
+                        "before the call (jax_flash.flax.apply_rope) or use jax_flash.flax.Attention(rope=True)")
     del unused
     _check_implementation(implementation)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
         raise ValueError(f"query, key and value must have one rank >= 3 ([batch..., length, heads, head_dim]), got "
                          f"shapes {query.shape}, {key.shape}, {value.shape}")
+    if mask is not None and (is_causal or local_window_size is not None) and query.shape[-3] < key.shape[-3]:
+        raise ValueError("jax_flash.flax.attention_fn: is_causal or local_window_size with a mask over fewer query "
+                         f"rows ({query.shape[-3]}) than keys ({key.shape[-3]}), as in Flax's decode=True cache "
+                         "step, would align the causal mask top-left and show the query rows the first keys only; "
+                         "there pass neither (Flax's cache mask already hides the future), or use "
+                         "jax_flash.flax.Attention's prefill / decode")
     batch_shape = query.shape[:-3]
     if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
         raise ValueError(f"query, key and value batch dims must match, got shapes {query.shape}, {key.shape}, "
@@ -540,10 +549,13 @@ class Attention(nnx.Module):
         """Causal self-attention over the prompt x [batch, P, d_model] (positions 0..P-1), with its keys and values
         written to the start of the cache. ``lengths`` (int32 [batch], default P): prompts right-padded to P;
         rows past a prompt's length output 0 and the cache counts only its length (not for a cache of
-        ``equal_lengths``, whose prompts all have P tokens).
+        ``equal_lengths``, whose prompts all have P tokens); a length outside [0, P] raises where it is known and
+        gives that sequence nan outputs where it is traced.
 
         Returns (y [batch, P, d_model], the cache)."""
         self._check_cache_input(x, cache)
+        if not self.is_causal:
+            raise ValueError("prefill needs a causal layer (is_causal=True), as decode does")
         batch, seqlen, _ = x.shape
         if seqlen > cache.k.shape[1]:
             raise ValueError(f"the prompt ({seqlen} tokens) does not fit the cache ({cache.k.shape[1]})")
@@ -559,13 +571,17 @@ class Attention(nnx.Module):
             sinks=None if self.sinks is None else self.sinks[...], logits_soft_cap=self.logits_soft_cap)
         ck, cv = _write_cache(cache, k, v, jnp.zeros((), jnp.int32) if equal else jnp.zeros((batch,), jnp.int32))
         y = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
+        # traced lengths outside [0, P] (concrete ones raise): that sequence's outputs are nan, not a wrong answer
+        bad = (lengths < 0) | (lengths > seqlen)
+        y = jnp.where(bad[:, None, None], jnp.asarray(jnp.nan, y.dtype), y)
         return y, KVCache(ck, cv, jnp.asarray(seqlen, jnp.int32) if equal else lengths)
 
     def decode(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """The next Tq <= 16 tokens x [batch, Tq, d_model] of each sequence, at positions ``cache.lengths + t``:
         their keys and values are appended to the cache, then each attends (causally) to its sequence's cache
         (:func:`jax_flash.decode_attention`; with ``implementation="xla"`` or ``"cudnn"``, jax.nn with the same
-        mask). The caller keeps ``cache.lengths + Tq`` within the cache's max_len.
+        mask). The caller keeps ``cache.lengths + Tq`` within the cache's max_len: eager calls past it raise, traced
+        ones give that sequence nan outputs (the cache writes were clipped onto its last slots).
 
         Returns (y [batch, Tq, d_model], the cache with the new entries)."""
         self._check_cache_input(x, cache)
@@ -588,6 +604,7 @@ class Attention(nnx.Module):
         if implementation is not None and (sinks is not None or self.logits_soft_cap is not None):
             raise ValueError(f"sinks and logits_soft_cap are jax_flash options: implementation={implementation!r} "
                              "(jax.nn) does not take them")
+        q = q.astype(ck.dtype)  # (a cache of another dtype than the layer's compute: init_cache(dtype=...))
         if implementation is None:
             out = decode_attention(q, ck, cv, lengths, local_window_size=self.local_window_size, sinks=sinks,
                                    logits_soft_cap=self.logits_soft_cap)
@@ -603,4 +620,8 @@ class Attention(nnx.Module):
                 visible &= (key >= pos - left) & (key <= pos + right)
             out = jax.nn.dot_product_attention(q, ck, cv, mask=visible, implementation=implementation)
         y = self.o_proj(out.reshape(batch, rows, self.num_heads * self.head_dim))
+        # Past max_len (traced lengths: no error is possible) the writes were clipped onto the last slots: the
+        # sequence's outputs are nan rather than a wrong answer.
+        over = jnp.broadcast_to(lengths > cache.k.shape[1], (batch,))
+        y = jnp.where(over[:, None, None], jnp.asarray(jnp.nan, y.dtype), y)
         return y, KVCache(ck, cv, lengths)

@@ -638,6 +638,65 @@ def test_prefill_and_decode_match_the_full_forward(implementation, kw):
     assert cache.lengths.tolist() == [12, 12] and not cache.k[:, 12:].any()
 
 
+def test_cache_misuse_under_jit_gives_nan_not_a_wrong_answer():
+    """Traced lengths cannot raise: decoding past max_len (the writes clipped onto the last slots) and prefill
+    lengths past the prompt give that sequence nan outputs; the others stay right. Eager calls raise."""
+    layer = _cache_layer()
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 64)), jnp.float32)
+    _, cache = layer.prefill(x, layer.init_cache(2, 6), lengths=jnp.asarray([5, 2], jnp.int32))
+    step = jax.jit(lambda x, c: layer.decode(x, c))
+    y, _ = step(x[:, :2], cache)  # sequence 0: 5 + 2 > 6
+    assert np.isnan(np.asarray(y[0])).all() and np.isfinite(np.asarray(y[1])).all()
+    with pytest.raises(ValueError, match="the cache is full"):
+        layer.decode(x[:, :2], cache)
+    y, _ = jax.jit(lambda x, n: layer.prefill(x, layer.init_cache(2, 6), lengths=n))(x, jnp.asarray([7, 2], jnp.int32))
+    assert np.isnan(np.asarray(y[0])).all() and np.isfinite(np.asarray(y[1])).all()
+
+
+def test_cache_of_another_dtype_than_the_layer():
+    """A float32 cache for a bfloat16 layer (init_cache(dtype=...)): decode runs, as the bfloat16 cache does."""
+    layer = Attention(64, 4, 2, 16, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 6, 64)), jnp.bfloat16)
+    outs = []
+    for dtype in (jnp.bfloat16, jnp.float32):
+        _, cache = layer.prefill(x[:, :5], layer.init_cache(2, 8, dtype))
+        y, cache = layer.decode(x[:, 5:], cache)
+        assert cache.k.dtype == dtype
+        outs.append(np.asarray(y, np.float32))
+    np.testing.assert_allclose(outs[0], outs[1], atol=3e-2, rtol=3e-2)
+
+
+def test_prefill_needs_a_causal_layer():
+    layer = _cache_layer(is_causal=False)
+    with pytest.raises(ValueError, match="prefill needs a causal layer"):
+        layer.prefill(jnp.zeros((1, 4, 64)), layer.init_cache(1, 8))
+
+
+def test_flax_decode_with_a_causal_attention_fn_is_refused():
+    """Flax's own decode=True step: one query row against the whole cache under Flax's cache mask. A causal (or
+    windowed) attention_fn would align its mask top-left there (the row sees key 0 only): refused with a clear
+    error; the plain attention_fn decodes right. Flax's RoPE input_positions are refused too (never applied)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((1, 6, 32)), jnp.float32)
+    for fn, ok in ((jax_flash.flax.make_attention_fn(is_causal=True), False), (jax_flash.flax.attention_fn, True)):
+        layer = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32, decode=True,
+                                       attention_fn=fn, rngs=nnx.Rngs(0))
+        ref = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32, decode=False, rngs=nnx.Rngs(0))
+        layer.init_cache((1, 6, 32), dtype=jnp.float32)
+        if not ok:
+            with pytest.raises(ValueError, match="Flax's decode=True cache step"):
+                layer(x[:, :1])
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the cache mask: jax.nn fallback, warned)
+            steps = [layer(x[:, t:t + 1]) for t in range(6)]
+        want = ref(x, mask=nnx.make_causal_mask(jnp.ones((1, 6))))
+        np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(want), atol=1e-5, rtol=1e-5)
+    q = jnp.ones((1, 4, 2, 16))
+    with pytest.raises(TypeError, match="input_positions would be ignored"):
+        jax_flash.flax.attention_fn(q, q, q, input_positions=jnp.arange(4))
+
+
 def test_decode_kernel_and_jax_nn_agree_on_ragged_caches():
     """Sequences at different lengths (prompts right-padded at prefill) decode alike with the kernel and jax.nn."""
     rng = np.random.default_rng(1)
