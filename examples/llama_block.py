@@ -34,7 +34,8 @@ Modes (default: ``bench`` when JAX's default device is a GPU, ``train`` otherwis
 
 * ``generate``: a LLaMA-3-8B-like stack (``--config``; tiny without a GPU) on random weights: a B x P prompt
   (``--batch``, ``--seq``; default 16 x 4096 on a GPU) prefilled through ``jax_flash.flax.Attention.prefill``,
-  then ``--steps`` (64) greedy decode steps of one token per sequence through the layers' KV caches
+  then ``--steps`` (64) tokens a sequence, the first from the prefill and the rest by greedy decode steps of one
+  token per sequence through the layers' KV caches
   (``Attention.decode``: ``jax_flash.decode_attention``, or jax.nn for cudnn / xla), the caches donated so that
   ``dynamic_update_slice`` writes them in place. The prompts are of one length, so the caches keep one length for
   the batch (``init_cache(equal_lengths=True)``; ``--cache-lengths per-sequence`` keeps one per sequence).
@@ -1125,7 +1126,7 @@ def generate(args):
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     kv_bytes = cfg.num_layers * 2 * batch * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize  # per cached token
     log(f"{kind} | jax {jax.__version__} | {args.config}: {cfg.num_layers} layers, {n_params / 1e6:,.1f}M params "
-        f"({dtype.name}) | batch {batch}, prompt {prompt}, {steps} decode steps | KV cache "
+        f"({dtype.name}) | batch {batch}, prompt {prompt}, {steps} tokens ({steps - 1} decode steps) | KV cache "
         f"{kv_bytes * max_len / 2**30:.2f} GiB")
     tokens = jax.random.randint(jax.random.key(args.seed + 1), (batch, prompt), 0, cfg.vocab, jnp.int32)
     set_attention(model, "jax_flash")
@@ -1200,19 +1201,25 @@ def parse_args(argv):
                         help="train: one choice (default jax_flash); check/bench: those to compare (default all, "
                              "without cudnn when there is no GPU)")
     parser.add_argument("--config", choices=tuple(CONFIGS), default=None,
-                        help="model shape: train takes tiny (default); check/bench default to llama3-8b")
+                        help="model shape: train takes tiny (default); check/bench default to llama3-8b, "
+                             "generate/multi to llama3-8b on a GPU and tiny otherwise")
     parser.add_argument("--steps", type=int, default=None,
                         help="train: steps (default 30, at least 6); bench and multi: timed steps (default 10); "
-                             "generate: decode steps (default 64 on a GPU, 6 otherwise; at least 3)")
+                             "generate: tokens generated a sequence, the first by the prefill, then --steps - 1 "
+                             "decode steps (default 64 on a GPU, 6 otherwise; at least 3)")
     parser.add_argument("--batch", type=int, default=None, help="train default 4; check/bench: with --seq, the one "
-                                                                "shape to run (default 2x4096 and 1x8192)")
-    parser.add_argument("--seq", type=int, default=None, help="train default 128; check/bench: see --batch")
+                                                                "shape to run (default 2x4096 and 1x8192); generate: "
+                                                                "prompts (16 on a GPU, 2 otherwise); multi: 2")
+    parser.add_argument("--seq", type=int, default=None, help="train default 128; check/bench: see --batch; generate: "
+                                                              "prompt length (4096 on a GPU, 16 otherwise); multi: "
+                                                              "4096 (llama3-8b) or 64")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                        help="activations (and, for check/bench, parameters; train keeps float32 parameters)")
+                        help="activations (and, for check/bench/generate, parameters; train keeps float32 "
+                             "parameters)")
     parser.add_argument("--out", default=None,
                         help=f"bench: results directory (default: benchmarks/results/ on a GPU; without one, for a "
-                             f"smoke run, {SMOKE_OUT}, outside the source tree); check: also write the results as "
-                             f"JSON there")
+                             f"smoke run, {SMOKE_OUT}, outside the source tree); generate and multi write there too; check: "
+                             f"also write the results as JSON there")
     parser.add_argument("--name", default=None,
                         help="file stem (default: bench llama_block-<device>-<date>, check llama_block-check-<device>, "
                              "generate generate-<device>-<date>, multi llama_multi-<device>-x<devices>-<date>)")
@@ -1225,7 +1232,7 @@ def parse_args(argv):
                              "one length: init_cache(equal_lengths=True)) or one per sequence, as a batch of padded "
                              "prompts keeps them")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=3, help="bench: untimed steps after compilation")
+    parser.add_argument("--warmup", type=int, default=None, help="bench, multi: untimed steps after compilation (default 3)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="bench: interleaved timing rounds (default 5 on a GPU, 1 otherwise): each times "
                              "--steps steps of every attention in turn, in one process")
@@ -1296,6 +1303,8 @@ def finish_args(args, error, on_gpu):
                 error(f"--{name.replace('_', '-')} does not apply to --mode train")
         if not 1 <= args.packed <= args.seq:
             error(f"--packed must be between 1 and --seq ({args.seq}), got {args.packed}")
+        if args.packed > 1 and args.attention != ["jax_flash"]:
+            error(f"--packed (segment ids) needs --attention jax_flash ({args.attention[0]} takes no segment ids)")
     elif args.mode == "generate":
         args.config = args.config or ("llama3-8b" if on_gpu else "tiny")
         args.attention = choose_attentions(args, error, on_gpu, ("jax_flash", "cudnn", "xla"))
@@ -1325,12 +1334,17 @@ def finish_args(args, error, on_gpu):
             error(f"--mode {args.mode} takes --batch and --seq together (or neither, for the default shapes)")
         if args.mode == "check" and args.steps is not None:
             error("--steps does not apply to --mode check")
+        if args.mode == "check" and len(args.attention) < 2:
+            error(f"--mode check compares two or more --attention choices, got {' '.join(args.attention)}")
         args.steps = args.steps or 10
         if args.mode == "bench":
             args.out = args.out or (RESULTS_DIR if on_gpu else SMOKE_OUT)
             args.rounds = args.rounds or (5 if on_gpu else 1)
     if args.mode != "bench" and args.rounds is not None:
         error("--rounds applies to --mode bench only")
+    if args.mode not in ("bench", "multi") and args.warmup is not None:
+        error("--warmup applies to --mode bench / multi only")
+    args.warmup = 3 if args.warmup is None else args.warmup
     if args.mode != "train" and args.packed != 1:
         error("--packed applies to --mode train only")
     if args.mode != "multi":

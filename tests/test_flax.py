@@ -817,6 +817,9 @@ def test_example_bench_table_names_the_best_peer():
     (["--mode", "train", "--cache-lengths", "equal"], "--cache-lengths applies to --mode generate only"),
     (["--mode", "train", "--no-latency-hiding"], "--no-latency-hiding applies to --mode multi only"),
     (["--mode", "train", "--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--mode", "train", "--packed", "4", "--attention", "xla"], "--packed (segment ids) needs --attention jax_flash"),
+    (["--mode", "check", "--config", "tiny", "--attention", "xla"], "--mode check compares two or more"),
+    (["--mode", "generate", "--warmup", "5"], "--warmup applies to --mode bench / multi only"),
 ])
 def test_example_argument_errors_come_before_any_work(tmp_path, args, message):
     (tmp_path / "file").write_text("")
