@@ -22,7 +22,6 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.typing import ArrayLike
 
 from jax_flash import _ffi
@@ -108,18 +107,7 @@ def _gather_pages(cache, page_table):
     """A paged cache (num_pages, page_size, H, D) as the dense (B, max_pages * page_size, H, D) of each sequence;
     page ids clamped into range (whatever the values, nothing outside the cache is read)."""
     pages = jnp.clip(page_table, 0, cache.shape[0] - 1)
-    found = _attention.sharding._explicit_spec(cache) or _attention.sharding._explicit_spec(pages)
-    if found is None:
-        gathered = cache[pages]  # (B, max_pages, page_size, H, D)
-    else:  # Explicit axes: the gather's output sharding is stated (the table's batch, the pool's heads and dims)
-        mesh = found[0]
-        c_spec = _attention.sharding._padded(jax.typeof(cache).sharding.spec, cache.ndim)
-        t_spec = _attention.sharding._padded(jax.typeof(pages).sharding.spec, pages.ndim)
-        if c_spec[0] is not None or c_spec[1] is not None:  # a pool split by pages or rows: whole pages first
-            cache = _attention.sharding._reshard(cache, mesh, P(None, None, *c_spec[2:]))
-        if t_spec[1] is not None:
-            pages = _attention.sharding._reshard(pages, mesh, P(t_spec[0], None))
-        gathered = cache.at[pages].get(out_sharding=NamedSharding(mesh, P(t_spec[0], None, None, *c_spec[2:])))
+    gathered = _attention.sharding.gather_pages(cache, pages)  # (B, max_pages, page_size, H, D)
     return gathered.reshape(gathered.shape[0], -1, *cache.shape[2:])
 
 

@@ -169,6 +169,23 @@ def cotangent_like(ct, primal):
     return _reshard(ct, mesh, want.spec)
 
 
+def gather_pages(pool, pages):
+    """pool[pages]: a page pool (num_pages, page_size, H, D) taken by an int32 table (B, max_pages) of ids in range.
+    On a mesh of Explicit axes the gather's output sharding is stated (JAX cannot infer it): the table's batch, the
+    pool's heads and dims; a pool split over its pages or rows, or a table over its pages, is gathered whole first."""
+    found = _explicit_spec(pool) or _explicit_spec(pages)
+    if found is None:
+        return pool[pages]
+    mesh = found[0]
+    p_spec = _padded(jax.typeof(pool).sharding.spec, pool.ndim)
+    t_spec = _padded(jax.typeof(pages).sharding.spec, pages.ndim)
+    if p_spec[0] is not None or p_spec[1] is not None:
+        pool = _reshard(pool, mesh, P(None, None, *p_spec[2:]))
+    if t_spec[1] is not None:
+        pages = _reshard(pages, mesh, P(t_spec[0], None))
+    return pool.at[pages].get(out_sharding=NamedSharding(mesh, P(t_spec[0], None, None, *p_spec[2:])))
+
+
 def _context_axis_types():
     try:
         mesh = jax.sharding.get_abstract_mesh()
